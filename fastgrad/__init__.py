@@ -1,0 +1,38 @@
+"""fastgrad: Numba-parallel CPU kernels reproducing CANN aclnn backward operators.
+
+Public ops (aclnn names in snake_case; contract in SPEC.md):
+
+* :func:`fused_linear_online_max_sum`            (aclnnFusedLinearOnlineMaxSum)
+* :func:`fused_cross_entropy_loss_with_max_sum`  (aclnnFusedCrossEntropyLossWithMaxSum)
+* :func:`fused_linear_cross_entropy_loss_grad`   (aclnnFusedLinearCrossEntropyLossGrad)
+* :func:`cross_entropy_loss_grad`                (aclnnCrossEntropyLossGrad)
+* :func:`scaled_masked_softmax_backward`         (aclnnScaledMaskedSoftmaxBackward)
+* :func:`smooth_l1_loss_backward`                (aclnnSmoothL1LossBackward)
+* :func:`embedding_dense_backward`               (aclnnEmbeddingDenseBackward)
+
+Backends: ``available_backends``, ``set_backend``, ``use_backend``; strict device parity:
+``strict``; errors: :class:`AclnnError` with ``.status``.
+"""
+
+from .errors import (AclnnError, ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_PARAM_INVALID,
+                     ACLNN_ERR_RUNTIME_ERROR)
+from ._config import strict, set_strict, is_strict, set_num_threads, get_num_threads, num_threads
+from .backends import available_backends, set_backend, get_backend, use_backend
+from .ops.fused_linear_online_max_sum import fused_linear_online_max_sum
+from .ops.fused_cross_entropy_loss_with_max_sum import fused_cross_entropy_loss_with_max_sum
+from .ops.fused_linear_cross_entropy_loss_grad import fused_linear_cross_entropy_loss_grad
+from .ops.cross_entropy_loss_grad import cross_entropy_loss_grad
+from .ops.scaled_masked_softmax_backward import scaled_masked_softmax_backward
+from .ops.smooth_l1_loss_backward import smooth_l1_loss_backward
+from .ops.embedding_dense_backward import embedding_dense_backward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AclnnError", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_RUNTIME_ERROR",
+    "strict", "set_strict", "is_strict", "set_num_threads", "get_num_threads", "num_threads",
+    "available_backends", "set_backend", "get_backend", "use_backend",
+    "fused_linear_online_max_sum", "fused_cross_entropy_loss_with_max_sum",
+    "fused_linear_cross_entropy_loss_grad", "cross_entropy_loss_grad",
+    "scaled_masked_softmax_backward", "smooth_l1_loss_backward", "embedding_dense_backward",
+]

@@ -1,0 +1,78 @@
+"""Process-wide settings: strict device-parity mode and thread count.
+
+Strict mode (``fg.strict()`` or ``FASTGRAD_STRICT=1``) makes every public op reject exactly
+what the CANN device rejects, with the device's status code; outside it, those inputs are
+computed as documented extensions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+_STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fastgrad_strict", default=None)
+_strict_global: bool | None = None
+
+
+def is_strict() -> bool:
+    """True when strict device-parity mode is on (context > set_strict > FASTGRAD_STRICT)."""
+    v = _STRICT.get()
+    if v is not None:
+        return v
+    if _strict_global is not None:
+        return _strict_global
+    return os.environ.get("FASTGRAD_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def set_strict(enabled: bool | None) -> None:
+    """Turn strict mode on/off for the process (None: back to ``FASTGRAD_STRICT``)."""
+    global _strict_global
+    _strict_global = None if enabled is None else bool(enabled)
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True):
+    """Context manager: reject exactly what the device rejects, with its status codes.
+
+    >>> with fg.strict():
+    ...     fg.cross_entropy_loss_grad(..., label_smoothing=0.1)   # AclnnError 161002
+    """
+    token = _STRICT.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+def set_num_threads(n: int) -> None:
+    """Set the threads used by the Numba kernels and by NumPy's BLAS (threadpoolctl)."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    threadpool_limits(limits=n, user_api="blas")
+
+
+def get_num_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    """Context manager running the kernels and BLAS on ``n`` threads, restoring afterwards."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))
+    try:
+        with threadpool_limits(limits=int(n), user_api="blas"):
+            yield
+    finally:
+        numba.set_num_threads(old)

@@ -1,0 +1,72 @@
+"""Numba decorators with safe on-disk caching.
+
+``cache=True`` raises at decoration time when Numba finds no writable cache directory (a
+read-only install).  We pick a writable directory ourselves, in this order:
+``NUMBA_CACHE_DIR`` (if writable), the package's own ``__pycache__`` (numba's default),
+``$XDG_CACHE_HOME/fastgrad/numba`` (``~/.cache``), then the system temp dir; if none is
+writable, caching is off (compilation still works).  ``FASTGRAD_NUMBA_CACHE=0`` turns caching
+off explicitly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import numba
+import numba.core.config as _nconfig
+
+#: fastmath flags that keep NaN/Inf semantics and true division (no nnan/ninf/arcp).
+FASTMATH_SAFE = frozenset({"nsz", "contract", "afn", "reassoc"})
+
+
+def _writable(d: str) -> bool:
+    try:
+        os.makedirs(d, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=d, prefix=".fg-probe-", delete=True)
+        probe.close()
+        return True
+    except OSError:
+        return False
+
+
+def _choose_cache() -> bool:
+    if os.environ.get("FASTGRAD_NUMBA_CACHE", "1").strip() in ("0", "false", "no", "off"):
+        return False
+    env = os.environ.get("NUMBA_CACHE_DIR")
+    if env:
+        if _writable(env):
+            _nconfig.CACHE_DIR = env
+            return True
+    pkg_cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
+    if _writable(pkg_cache):
+        _nconfig.CACHE_DIR = ""  # numba's default in-tree locator
+        return True
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for d in (os.path.join(base, "fastgrad", "numba"),
+              os.path.join(tempfile.gettempdir(), f"fastgrad-numba-{os.getuid() if hasattr(os, 'getuid') else 0}")):
+        if _writable(d):
+            _nconfig.CACHE_DIR = d
+            return True
+    return False
+
+
+CACHE = _choose_cache()
+
+
+def njit(*args, **kwargs):
+    """``numba.njit`` with fastgrad's cache choice (``cache=`` defaults to the safe choice)."""
+    kwargs.setdefault("cache", CACHE)
+    if args and callable(args[0]) and len(args) == 1:
+        return numba.njit(**kwargs)(args[0])
+    return numba.njit(*args, **kwargs)
+
+
+def pjit(*args, **kwargs):
+    """``njit(parallel=True)`` with the safe cache choice."""
+    kwargs.setdefault("parallel", True)
+    return njit(*args, **kwargs)
+
+
+prange = numba.prange

@@ -1,0 +1,167 @@
+"""NumPy / torch in -> canonical NumPy arrays -> same kind out.
+
+Every public op passes its array arguments through :func:`as_numpy` and its results through
+:func:`wrap`.  A torch CPU tensor becomes a zero-copy NumPy view (bf16 through an int16 view,
+so ``ml_dtypes.bfloat16`` on the NumPy side); results go back as tensors sharing the NumPy
+memory.  Kernels never see torch tensors or ml_dtypes dtypes (see ``dtypes.storage_view``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import invalid, null_error
+
+NUMPY, TORCH = "numpy", "torch"
+
+_torch = None
+
+
+def _get_torch():
+    global _torch
+    if _torch is None:
+        import sys
+
+        _torch = sys.modules.get("torch", False) or False
+    return _torch or None
+
+
+def is_torch(x: Any) -> bool:
+    """True for a torch.Tensor (without importing torch when the caller never did)."""
+    t = _get_torch()
+    if t is None:
+        import sys
+
+        t = sys.modules.get("torch")
+        if t is None:
+            return False
+        globals()["_torch"] = t
+    return isinstance(x, t.Tensor)
+
+
+def _torch_to_numpy(x, name: str) -> np.ndarray:
+    torch = _get_torch()
+    if x.device.type != "cpu":
+        raise invalid(name, "a CPU tensor (use the 'acl' backend for NPU tensors)", f"device {x.device}")
+    x = x.detach()
+    if x.is_conj() or x.is_neg():
+        x = x.resolve_conj().resolve_neg()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def as_numpy(x: Any, name: str, *, required: bool = True, op: str | None = None) -> np.ndarray | None:
+    """Canonical NumPy view of an array argument (no copy where the input allows it).
+
+    Raises 161001 when ``x`` is None and required, 161002 when it is not array-like.
+    """
+    if x is None:
+        if required:
+            raise null_error(name, op)
+        return None
+    if isinstance(x, np.ndarray):
+        return x
+    if is_torch(x):
+        return _torch_to_numpy(x, name)
+    if isinstance(x, (list, tuple, int, float, bool, np.generic)):
+        return np.asarray(x)
+    raise invalid(name, "a NumPy array or torch.Tensor", type(x).__name__, op)
+
+
+def kind_of(*xs: Any) -> str:
+    """Output kind: torch when the first non-None argument is a tensor, else numpy."""
+    for x in xs:
+        if x is not None:
+            return TORCH if is_torch(x) else NUMPY
+    return NUMPY
+
+
+def wrap(a: np.ndarray | None, kind: str):
+    """Return ``a`` as the caller's kind (a torch tensor sharing memory, or the array)."""
+    if a is None or kind == NUMPY:
+        return a
+    torch = _get_torch()
+    if a.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if a.dtype == np.dtype(np.uint16):  # not a torch dtype before 2.3; keep the bits
+        return torch.from_numpy(a.view(np.int16))
+    return torch.from_numpy(a)
+
+
+def check_dtype(a: np.ndarray, name: str, allowed, op: str | None = None) -> None:
+    """161002 unless ``a.dtype`` is one of ``allowed``."""
+    allowed = tuple(np.dtype(d) for d in allowed)
+    if a.dtype not in allowed:
+        from .dtypes import dtype_name
+
+        raise invalid(name, "dtype in (" + ", ".join(dtype_name(d) for d in allowed) + ")",
+                      dtype_name(a.dtype), op)
+
+
+def check_ndim(a: np.ndarray, name: str, ndim: int, op: str | None = None) -> None:
+    if a.ndim != ndim:
+        raise invalid(name, f"a {ndim}-D tensor", f"shape {tuple(a.shape)}", op)
+
+
+def check_shape(a: np.ndarray, name: str, shape, op: str | None = None) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise invalid(name, f"shape {tuple(shape)}", f"shape {tuple(a.shape)}", op)
+
+
+class Out:
+    """A validated ``out=`` target.
+
+    ``buffer`` is a C-contiguous NumPy array the backend writes into: the caller's own memory
+    when it is contiguous, else a scratch array copied into the caller's on :meth:`commit`.
+    Nothing touches the caller's memory before ``commit`` except writes into ``buffer`` when
+    it *is* the caller's memory, which only happens after all validation (call
+    :func:`prepare_out` after validating).
+    """
+
+    __slots__ = ("user", "target", "buffer")
+
+    def __init__(self, user, target: np.ndarray, buffer: np.ndarray):
+        self.user, self.target, self.buffer = user, target, buffer
+
+    def commit(self):
+        if self.buffer is not self.target:
+            self.target[...] = self.buffer
+        return self.user
+
+
+def check_out(out: Any, name: str, shape, dtype, op: str | None = None) -> np.ndarray | None:
+    """Validate one ``out=`` array (shape, dtype, writable); returns its NumPy view. Writes nothing."""
+    if out is None:
+        return None
+    a = as_numpy(out, name, op=op)
+    dt = np.dtype(dtype)
+    if a.dtype != dt:
+        from .dtypes import dtype_name
+
+        raise invalid(name, f"dtype {dtype_name(dt)}", dtype_name(a.dtype), op)
+    if tuple(a.shape) != tuple(shape):
+        raise invalid(name, f"shape {tuple(shape)}", f"shape {tuple(a.shape)}", op)
+    if not a.flags.writeable:
+        raise invalid(name, "a writable array", "a read-only array", op)
+    return a
+
+
+def prepare_out(user: Any, checked: np.ndarray | None, shape, dtype) -> Out:
+    """Make the buffer the backend writes (the user's array when contiguous, else scratch)."""
+    if checked is None:
+        buf = np.empty(shape, dtype)
+        return Out(None, buf, buf)
+    if checked.flags.c_contiguous:
+        return Out(user, checked, checked)
+    return Out(user, checked, np.empty(shape, dtype))
+
+
+def contiguous(a: np.ndarray | None) -> np.ndarray | None:
+    """C-contiguous version of ``a`` (a copy only when it is not already)."""
+    if a is None:
+        return None
+    return np.ascontiguousarray(a)

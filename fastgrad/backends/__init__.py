@@ -1,0 +1,159 @@
+"""Backend registry: where each op's implementation is chosen.
+
+Backends:
+
+* ``"cpu"``       — the Numba kernels (default).
+* ``"reference"`` — float64 NumPy golden with the device's roundings (the oracle).
+* ``"acl"``       — the CANN runtime through ctypes, when it loads (see ``backends/acl.py``).
+* ``"auto"``      — ``"acl"`` when available, else ``"cpu"`` (a pseudo-backend).
+
+Selection, highest priority first: :func:`use_backend` (context manager), :func:`set_backend`,
+the ``FASTGRAD_BACKEND`` environment variable, then ``"cpu"``.  An explicitly requested backend
+that is unavailable raises ``AclnnError`` 361001; ``"auto"`` falls back silently.
+
+Implementations register with :func:`implements`; a backend module is imported lazily the
+first time the backend is probed or used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import runtime_error, invalid
+
+
+@dataclass
+class Backend:
+    name: str
+    module: str | None                 # module imported to register implementations
+    probe: Callable[[], str | None]    # returns None when available, else the reason
+    impls: dict = field(default_factory=dict)
+    _loaded: bool = False
+
+    def load(self):
+        if not self._loaded and self.module:
+            importlib.import_module(self.module)
+        self._loaded = True
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            return self.probe()
+        except Exception as e:  # a probe must never break import
+            return f"probe failed: {e!r}"
+
+
+_BACKENDS: dict[str, Backend] = {}
+_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastgrad_backend", default=None)
+_selected: str | None = None
+
+
+def register_backend(name: str, module: str | None, probe: Callable[[], str | None] = lambda: None) -> Backend:
+    b = _BACKENDS.get(name)
+    if b is None:
+        b = Backend(name, module, probe)
+        _BACKENDS[name] = b
+    else:
+        b.module, b.probe = module, probe
+    return b
+
+
+def implements(backend: str, op: str):
+    """Decorator: register ``fn`` as ``backend``'s implementation of ``op``."""
+    def deco(fn):
+        b = _BACKENDS.get(backend) or register_backend(backend, None)
+        b.impls[op] = fn
+        return fn
+    return deco
+
+
+def _acl_probe() -> str | None:
+    from . import acl  # noqa: F401  (lazy: ctypes only)
+
+    return acl.unavailable_reason()
+
+
+def _acl_module_exists() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(__name__ + ".acl") is not None
+
+
+register_backend("cpu", "fastgrad.backends.cpu")
+register_backend("reference", "fastgrad.backends.reference")
+register_backend("acl", __name__ + ".acl",
+                 _acl_probe if _acl_module_exists() else (lambda: "the acl backend is not built into this fastgrad"))
+
+PSEUDO = ("auto",)
+
+
+def available_backends(with_reasons: bool = False):
+    """Names of the backends usable now (``["cpu", "reference", ...]``).
+
+    With ``with_reasons=True``, a dict of every registered backend to ``None`` (available) or
+    the reason it is unavailable (e.g. ``"libascendcl.so not found ..."``).
+    """
+    reasons = {name: b.unavailable_reason() for name, b in _BACKENDS.items()}
+    if with_reasons:
+        return reasons
+    return [n for n, r in reasons.items() if r is None]
+
+
+def _resolve(name: str) -> str:
+    name = name.strip().lower()
+    if name == "auto":
+        acl = _BACKENDS.get("acl")
+        if acl is not None and acl.unavailable_reason() is None:
+            return "acl"
+        return "cpu"
+    if name not in _BACKENDS:
+        raise runtime_error(f"unknown backend {name!r}; registered: {sorted(_BACKENDS) + list(PSEUDO)}", "backend")
+    reason = _BACKENDS[name].unavailable_reason()
+    if reason is not None:
+        raise runtime_error(f"backend {name!r} is unavailable: {reason}", "backend")
+    return name
+
+
+def set_backend(name: str | None) -> None:
+    """Select the process-wide backend by name (None: back to ``FASTGRAD_BACKEND``/"cpu").
+
+    Raises AclnnError 361001 when the backend is unknown or unavailable.
+    """
+    global _selected
+    if name is None:
+        _selected = None
+        return
+    _resolve(name)
+    _selected = name.strip().lower()
+
+
+def get_backend() -> str:
+    """Name of the backend the next op call will run on."""
+    name = _OVERRIDE.get() or _selected or os.environ.get("FASTGRAD_BACKEND") or "cpu"
+    return _resolve(name)
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Context manager: run the ops inside on backend ``name`` (raises 361001 if unavailable)."""
+    _resolve(name)
+    token = _OVERRIDE.set(name.strip().lower())
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def dispatch(op: str, backend: str | None = None) -> Callable:
+    """The implementation of ``op`` on the selected (or given) backend."""
+    name = _resolve(backend) if backend else get_backend()
+    b = _BACKENDS[name]
+    b.load()
+    fn = b.impls.get(op)
+    if fn is None:
+        raise runtime_error(f"backend {name!r} does not implement {op}", "backend")
+    return fn

@@ -1,0 +1,1 @@
+"""PLACEHOLDER — to be written (cross_entropy_loss_grad, kernels)."""

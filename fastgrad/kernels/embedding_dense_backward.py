@@ -1,0 +1,1 @@
+"""PLACEHOLDER — to be written (embedding_dense_backward, kernels)."""

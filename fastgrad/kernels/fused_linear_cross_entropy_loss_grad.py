@@ -1,0 +1,1 @@
+"""PLACEHOLDER — to be written (fused_linear_cross_entropy_loss_grad, kernels)."""

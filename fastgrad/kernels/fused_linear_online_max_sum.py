@@ -1,0 +1,1 @@
+"""PLACEHOLDER — to be written (fused_linear_online_max_sum, kernels)."""

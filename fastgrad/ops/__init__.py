@@ -1,0 +1,1 @@
+"""op_api layer: per-op validation -> plan -> backend dispatch."""

@@ -1,0 +1,1 @@
+"""PLACEHOLDER — to be written (scaled_masked_softmax_backward, reference)."""

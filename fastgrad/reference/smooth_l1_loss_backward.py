@@ -1,0 +1,1 @@
+"""PLACEHOLDER — to be written (smooth_l1_loss_backward, reference)."""
