@@ -128,9 +128,16 @@ class Out:
         self.user, self.target, self.buffer = user, target, buffer
 
     def commit(self):
+        """Copy the scratch buffer into the caller's array (when they differ)."""
         if self.buffer is not self.target:
             self.target[...] = self.buffer
         return self.user
+
+    def result(self, kind: str):
+        """What the op returns: the caller's own ``out`` object, or the new array as ``kind``."""
+        if self.user is not None:
+            return self.commit()
+        return wrap(self.buffer, kind)
 
 
 def check_out(out: Any, name: str, shape, dtype, op: str | None = None) -> np.ndarray | None:
