@@ -25,6 +25,7 @@ from .ops.cross_entropy_loss_grad import cross_entropy_loss_grad
 from .ops.scaled_masked_softmax_backward import scaled_masked_softmax_backward
 from .ops.smooth_l1_loss_backward import smooth_l1_loss_backward
 from .ops.embedding_dense_backward import embedding_dense_backward
+from .compare import compare
 
 __version__ = "0.1.0"
 
@@ -35,4 +36,5 @@ __all__ = [
     "fused_linear_online_max_sum", "fused_cross_entropy_loss_with_max_sum",
     "fused_linear_cross_entropy_loss_grad", "cross_entropy_loss_grad",
     "scaled_masked_softmax_backward", "smooth_l1_loss_backward", "embedding_dense_backward",
+    "compare",
 ]
