@@ -1,5 +1,518 @@
-"""PLACEHOLDER — to be written (Ascend accuracy standards)."""
+"""Ascend operator accuracy standards: is an output close enough to its golden?
+
+:func:`compare` judges an ``actual`` output (e.g. an NPU dump) against ``golden`` data (e.g.
+written by ``fastgrad golden`` through the float64 reference backend) with one of the three
+acceptance standards of the Ascend operator toolchain, and returns a :class:`CompareResult`
+with the verdict, every metric and every threshold used.
+
+The standards
+-------------
+Notation: ``a`` = actual, ``g`` = golden, ``r`` = third-party ("competitor") output, all
+widened to float64 exactly; ``T`` = the per-dtype threshold below.  Relative error of an
+element: ``re = |a - g| / (|g| + 1e-7)``; ``MERE = mean(re)`` (mean relative error),
+``MARE = max(re)`` (max relative error), ``RMSE = sqrt(mean((a - g)^2))``.
+
+``"single"`` — single benchmark (the ATK ``single_bm`` / the community "Threshold" standard)
+    pass iff ``MERE < T`` and ``MARE < 10·T`` (strict), over every element whose golden is
+    finite; ``T = 2^-10`` (fp16), ``2^-7`` (bf16), ``2^-13`` (fp32).
+
+``"double"`` — double benchmark (the commercial "Ratio" standard), needs ``reference``
+    (the same op computed by a third party — GPU, PyTorch CPU, ...) against the same golden.
+    Elements with ``|g| < small_value`` form the *small-value domain* (``small_value =
+    2^-11`` fp16, ``2^-8`` bf16, ``2^-14`` fp32); there an element is an *error* when
+    ``|x - g| > small_value_atol`` (``2^-16``, ``2^-16``, ``2^-30``).  MARE and MERE are
+    taken over the other (normal) finite elements, RMSE over all finite elements.  With
+    ``ratio(m) = m(actual) / m(reference)``, level ``L0`` passes when the MARE/MERE/RMSE
+    ratios are ``<= 10 / 2 / 2``, ``L1`` ``<= 5 / 1.5 / 1.5``, ``L2`` ``<= 2 / 1.2 / 1.2``;
+    every level also needs ``small-value error count ratio <= 2``.  ``level=`` picks the
+    level required to pass (default ``"L0"``); ``achieved_level`` reports the best one met.
+
+    Zero denominators (fastgrad's choice, not fixed by the standard): when the reference's
+    metric is 0 (a reference bit-identical to golden), it is floored at one rounding error
+    of the dtype — the unit roundoff ``u`` (``2^-11`` fp16, ``2^-8`` bf16, ``2^-24`` fp32) for
+    MARE/MERE and ``u·RMS(g)`` for RMSE — and the reference's small-value error count is
+    floored at 1, so "the competitor was exact" does not turn every last-bit difference
+    into an infinite ratio.  ``0 / 0`` is a ratio of 0.
+
+``"legacy"`` — the 'double thousandth' check of the CANN sample programs' ``verify_result.py``
+    with ``loss = 1e-3`` (fp16), ``4e-3`` (bf16), ``1e-4`` (fp32): an element fails the atol
+    test when ``|a - g| > loss`` and the rtol test when ``|a - g| / (max(|a|, |g|) + 1e-9) >
+    loss``; the output fails only when **both** failure counts exceed ``loss · size``
+    (so at most 0.1 % of fp16 elements may fail, ``<=`` passes).
+
+In every standard, inf/NaN must match position for position: NaN where golden is NaN, and
++inf/-inf (same sign) where golden has it, nowhere else; any mismatch fails.  The metrics
+above are taken over the positions where both are finite.
+
+Sources: the issue text (thresholds and levels); the CANN community precision standard
+(``ops-precision-standard``: MERE/MARE definition with ``eps = 1e-7``, single-benchmark
+thresholds, L0/L1/L2 ratio table); msprobe's ``api_accuracy_checker`` documentation (the
+small-value domain: errors counted on small goldens with an absolute limit, ratio of counts
+NPU/third-party); CANN ``examples/AclNNInvocationNaive/verify_result.py`` (legacy check,
+``MINIMUM = 10e-10``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import invalid, null_error
+
+OP = "compare"
+
+STANDARDS = ("single", "double", "legacy")
+
+_F16, _BF16, _F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+_NAMES = {_F16: "float16", _BF16: "bfloat16", _F32: "float32"}
+
+#: eps in the relative error ``|a - g| / (|g| + eps)``.
+REL_EPS = 1e-7
+#: single benchmark threshold T: pass iff MERE < T and MARE < 10 T.
+SINGLE_THRESHOLD = {_F16: 2.0 ** -10, _BF16: 2.0 ** -7, _F32: 2.0 ** -13}
+#: double benchmark small-value domain: (|golden| below this, absolute error limit there).
+SMALL_VALUE = {_F16: (2.0 ** -11, 2.0 ** -16), _BF16: (2.0 ** -8, 2.0 ** -16), _F32: (2.0 ** -14, 2.0 ** -30)}
+#: double benchmark: max ratio of small-value error counts (actual / reference).
+SMALL_COUNT_RATIO = 2.0
+#: double benchmark levels: max ratios (MARE, MERE, RMSE), strictest last.
+LEVELS = {"L0": (10.0, 2.0, 2.0), "L1": (5.0, 1.5, 1.5), "L2": (2.0, 1.2, 1.2)}
+#: unit roundoff per dtype (floor for a reference metric of 0).
+UNIT_ROUNDOFF = {_F16: 2.0 ** -11, _BF16: 2.0 ** -8, _F32: 2.0 ** -24}
+#: legacy 'double thousandth': loss = rtol = atol = max failing fraction.
+LEGACY_LOSS = {_F16: 1e-3, _BF16: 4e-3, _F32: 1e-4}
+#: legacy denominator guard (``MINIMUM = 10e-10`` in verify_result.py).
+LEGACY_MINIMUM = 1e-9
+
+_ALIASES = {
+    "float16": _F16, "fp16": _F16, "half": _F16, "f16": _F16,
+    "bfloat16": _BF16, "bf16": _BF16,
+    "float32": _F32, "fp32": _F32, "float": _F32, "f32": _F32, "single": _F32,
+}
 
 
-def compare(*args, **kwargs):
-    raise NotImplementedError("compare")
+def parse_dtype(dtype) -> np.dtype:
+    """Any dtype spelling (``"bf16"``, ``"float16"``, ``np.float32``, ``torch.bfloat16``,
+    ``ml_dtypes.bfloat16``, ``"int64"`` ...) -> a NumPy dtype.  161002 when unknown."""
+    if isinstance(dtype, str):
+        key = dtype.strip().lower()
+        if key.startswith("torch."):
+            key = key[6:]
+        if key in _ALIASES:
+            return _ALIASES[key]
+        try:
+            return np.dtype(key)
+        except TypeError:
+            raise invalid("dtype", "a dtype name (float16|bfloat16|float32|float64|int32|...)",
+                          repr(dtype), OP) from None
+    if type(dtype).__module__ == "torch":  # a torch.dtype
+        return parse_dtype(str(dtype))
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise invalid("dtype", "a dtype", repr(dtype), OP) from None
+
+
+def _standard_dtype(dtype) -> np.dtype:
+    dt = parse_dtype(dtype)
+    if dt not in _NAMES:
+        raise invalid("dtype", "one of float16, bfloat16, float32 (the output dtype the "
+                      "thresholds are for)", str(dt), OP)
+    return dt
+
+
+def _as_f64(x, name: str) -> tuple[np.ndarray, np.dtype]:
+    from .arrays import as_numpy
+
+    a = as_numpy(x, name, op=OP)
+    if a.dtype.kind not in "fiub" and a.dtype != _BF16:
+        raise invalid(name, "a numeric array", f"dtype {a.dtype}", OP)
+    return np.asarray(a).astype(np.float64), a.dtype
+
+
+@dataclass
+class CompareResult:
+    """Verdict of :func:`compare`.
+
+    Attributes
+    ----------
+    passed : bool
+        The verdict (also the truth value of the result).
+    standard : str
+        ``"single"``, ``"double"`` or ``"legacy"``.
+    dtype : str
+        The output dtype whose thresholds were applied.
+    metrics : dict
+        What was measured on ``actual`` (for ``"double"`` also the ratios).
+    thresholds : dict
+        Every limit applied, by name.
+    failures : list of str
+        One line per failed criterion (empty when passed).
+    reference_metrics : dict or None
+        ``"double"``: the same metrics measured on the reference output.
+    level, achieved_level : str or None
+        ``"double"``: the level required, and the strictest level met (None: not even L0).
+    """
+
+    passed: bool
+    standard: str
+    dtype: str
+    metrics: dict
+    thresholds: dict
+    failures: list = field(default_factory=list)
+    reference_metrics: dict | None = None
+    level: str | None = None
+    achieved_level: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.passed)
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": bool(self.passed), "standard": self.standard, "dtype": self.dtype,
+            "level": self.level, "achieved_level": self.achieved_level,
+            "metrics": _jsonable(self.metrics), "thresholds": _jsonable(self.thresholds),
+            "reference_metrics": _jsonable(self.reference_metrics), "failures": list(self.failures),
+        }
+
+    def summary(self) -> str:
+        """A short multi-line report (what ``fastgrad compare`` prints)."""
+        head = f"{'PASS' if self.passed else 'FAIL'}  standard={self.standard}  dtype={self.dtype}"
+        if self.standard == "double":
+            head += f"  level={self.level}  achieved={self.achieved_level or 'none'}"
+        lines = [head]
+        for k, v in self.metrics.items():
+            ref = ""
+            if self.reference_metrics and k in self.reference_metrics:
+                ref = f"   (reference {_fmt(self.reference_metrics[k])})"
+            lines.append(f"  {k:<28} {_fmt(v)}{ref}")
+        lines.append("  thresholds: " + ", ".join(f"{k}={_fmt(v)}" for k, v in self.thresholds.items()))
+        for f in self.failures:
+            lines.append(f"  failed: {f}")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def _jsonable(d):
+    if d is None:
+        return None
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, (np.integer,)):
+            v = int(v)
+        elif isinstance(v, (np.floating, float)):
+            v = float(v)
+            if not math.isfinite(v):
+                v = str(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[k] = v
+    return out
+
+
+def _special(a: np.ndarray, g: np.ndarray) -> tuple[int, list, np.ndarray]:
+    """inf/NaN placement: mismatch count, first mismatching indices, mask of both-finite."""
+    an, gn = np.isnan(a), np.isnan(g)
+    mism = (an != gn) | (np.isposinf(a) != np.isposinf(g)) | (np.isneginf(a) != np.isneginf(g))
+    n = int(np.count_nonzero(mism))
+    first = [list(map(int, ix)) for ix in np.argwhere(mism)[:5]] if n else []
+    return n, first, np.isfinite(a) & np.isfinite(g)
+
+
+def _rel(a: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    return np.abs(a - g) / (np.abs(g) + eps)
+
+
+def _mean(x: np.ndarray) -> float:
+    return float(np.mean(x)) if x.size else 0.0
+
+
+def _max(x: np.ndarray) -> float:
+    return float(np.max(x)) if x.size else 0.0
+
+
+def _common_metrics(a: np.ndarray, g: np.ndarray, fin: np.ndarray) -> dict:
+    d = np.abs(a[fin] - g[fin])
+    return {"n_elements": int(a.size), "n_finite": int(np.count_nonzero(fin)),
+            "max_abs_err": _max(d)}
+
+
+def compare(actual, golden, dtype=None, standard: str = "single", reference=None, *,
+            level: str = "L0", eps: float = REL_EPS) -> CompareResult:
+    """Judge ``actual`` against ``golden`` with an Ascend operator accuracy standard.
+
+    Parameters
+    ----------
+    actual : array_like (NumPy or torch, any float dtype; bf16 included)
+        The output under test (e.g. the NPU's).
+    golden : array_like, same shape
+        The golden output (e.g. from ``fastgrad golden``: float64 reference rounded to the
+        output dtype).  Any float dtype; compared in float64.
+    dtype : str or dtype, optional
+        The output dtype whose thresholds apply: float16, bfloat16 or float32 (any spelling:
+        ``"bf16"``, ``torch.float16`` ...).  Default: ``actual``'s dtype, else ``golden``'s;
+        161002 when neither is one of the three (e.g. float64 arrays: pass ``dtype=``).
+    standard : {"single", "double", "legacy"}
+        See the module docstring for the exact definitions.
+    reference : array_like, optional
+        ``"double"`` only (required there, 161001 if None): the third-party output.
+    level : {"L0", "L1", "L2"}
+        ``"double"`` only: the level required to pass.
+    eps : float
+        The ``eps`` of the relative error ``|a - g| / (|g| + eps)`` (default ``1e-7``).
+
+    Returns
+    -------
+    CompareResult
+        ``.passed`` (also its truth value), ``.metrics``, ``.thresholds``, ``.failures``;
+        ``.summary()`` is a printable report.
+
+    Raises
+    ------
+    AclnnError
+        161001 when ``actual``/``golden`` (or ``reference`` for "double") is None; 161002 for
+        an unknown standard/level/dtype, non-numeric data or mismatched shapes.
+    """
+    std = str(standard).strip().lower() if isinstance(standard, str) else standard
+    if std not in STANDARDS:
+        raise invalid("standard", "'single' | 'double' | 'legacy'", repr(standard), OP)
+    if actual is None:
+        raise null_error("actual", OP)
+    if golden is None:
+        raise null_error("golden", OP)
+    a, adt = _as_f64(actual, "actual")
+    g, gdt = _as_f64(golden, "golden")
+    if a.shape != g.shape:
+        raise invalid("golden", f"shape {a.shape} (actual's)", f"shape {g.shape}", OP)
+    if dtype is None:
+        dt = adt if adt in _NAMES else gdt if gdt in _NAMES else None
+        if dt is None:
+            raise invalid("dtype", "given when neither actual nor golden is float16/bfloat16/float32",
+                          f"actual {adt}, golden {gdt}", OP)
+    else:
+        dt = _standard_dtype(dtype)
+    eps = float(eps)
+    if not eps >= 0:
+        raise invalid("eps", ">= 0", repr(eps), OP)
+    name = _NAMES[dt]
+
+    if std == "single":
+        return _single(a, g, dt, name, eps)
+    if std == "legacy":
+        return _legacy(a, g, dt, name)
+    if reference is None:
+        raise null_error("reference", OP)
+    lv = str(level).strip().upper()
+    if lv not in LEVELS:
+        raise invalid("level", "'L0' | 'L1' | 'L2'", repr(level), OP)
+    r, _ = _as_f64(reference, "reference")
+    if r.shape != g.shape:
+        raise invalid("reference", f"shape {g.shape} (golden's)", f"shape {r.shape}", OP)
+    return _double(a, g, r, dt, name, eps, lv)
+
+
+def _single(a, g, dt, name, eps) -> CompareResult:
+    t = SINGLE_THRESHOLD[dt]
+    nbad, first, fin = _special(a, g)
+    rel = _rel(a[fin], g[fin], eps)
+    m = _common_metrics(a, g, fin)
+    m.update({"special_mismatch": nbad, "MERE": _mean(rel), "MARE": _max(rel)})
+    if first:
+        m["first_special_mismatch"] = first
+    th = {"MERE_lt": t, "MARE_lt": 10 * t, "eps": eps}
+    fails = []
+    if nbad:
+        fails.append(f"inf/NaN placement differs at {nbad} positions (first {first})")
+    if not m["MERE"] < t:
+        fails.append(f"MERE {m['MERE']:.6g} >= {t:.6g}")
+    if not m["MARE"] < 10 * t:
+        fails.append(f"MARE {m['MARE']:.6g} >= {10 * t:.6g}")
+    return CompareResult(not fails, "single", name, m, th, fails)
+
+
+def _legacy(a, g, dt, name) -> CompareResult:
+    loss = LEGACY_LOSS[dt]
+    nbad, first, fin = _special(a, g)
+    af, gf = a[fin], g[fin]
+    diff = np.abs(af - gf)
+    relerr = diff / (np.maximum(np.abs(af), np.abs(gf)) + LEGACY_MINIMUM)
+    n_atol = int(np.count_nonzero(diff > loss))
+    n_rtol = int(np.count_nonzero(relerr > loss))
+    limit = a.size * loss
+    m = _common_metrics(a, g, fin)
+    m.update({"special_mismatch": nbad, "max_rel_err": _max(relerr),
+              "rtol_failures": n_rtol, "atol_failures": n_atol,
+              "rtol_fail_fraction": n_rtol / a.size if a.size else 0.0,
+              "atol_fail_fraction": n_atol / a.size if a.size else 0.0})
+    if first:
+        m["first_special_mismatch"] = first
+    th = {"rtol": loss, "atol": loss, "max_fail_fraction": loss, "minimum": LEGACY_MINIMUM}
+    fails = []
+    if nbad:
+        fails.append(f"inf/NaN placement differs at {nbad} positions (first {first})")
+    if n_rtol > limit and n_atol > limit:
+        fails.append(f"{n_rtol} elements beyond rtol and {n_atol} beyond atol; "
+                     f"at most {loss:g} x {a.size} = {limit:g} may fail")
+    return CompareResult(not fails, "legacy", name, m, th, fails)
+
+
+def _double_metrics(x, g, dt, eps) -> tuple[dict, list]:
+    small_thr, small_atol = SMALL_VALUE[dt]
+    nbad, first, fin = _special(x, g)
+    xf, gf = x[fin], g[fin]
+    small = np.abs(gf) < small_thr
+    rel = _rel(xf[~small], gf[~small], eps)
+    d = xf - gf
+    m = _common_metrics(x, g, fin)
+    m.update({
+        "special_mismatch": nbad,
+        "MARE": _max(rel), "MERE": _mean(rel),
+        "RMSE": math.sqrt(float(np.mean(d * d))) if d.size else 0.0,
+        "n_small": int(np.count_nonzero(small)),
+        "small_errors": int(np.count_nonzero(np.abs(d[small]) > small_atol)),
+    })
+    return m, first
+
+
+def _ratio(num: float, den: float, floor: float) -> float:
+    """num / den; a zero ``den`` is replaced by ``floor`` (see the module docstring)."""
+    if num == 0:
+        return 0.0
+    if den == 0:
+        den = floor
+    return num / den if den > 0 else math.inf
+
+
+def _double(a, g, r, dt, name, eps, lv) -> CompareResult:
+    ma, first = _double_metrics(a, g, dt, eps)
+    mr, _ = _double_metrics(r, g, dt, eps)
+    u = UNIT_ROUNDOFF[dt]
+    fin = np.isfinite(g)
+    rms_g = math.sqrt(float(np.mean(g[fin] ** 2))) if np.any(fin) else 0.0
+    ratios = {
+        "MARE_ratio": _ratio(ma["MARE"], mr["MARE"], u),
+        "MERE_ratio": _ratio(ma["MERE"], mr["MERE"], u),
+        "RMSE_ratio": _ratio(ma["RMSE"], mr["RMSE"], u * rms_g),
+        "small_error_ratio": _ratio(ma["small_errors"], max(mr["small_errors"], 1), 1.0),
+    }
+    metrics = dict(ma)
+    metrics.update(ratios)
+    if first:
+        metrics["first_special_mismatch"] = first
+
+    def meets(level):
+        lim = LEVELS[level]
+        return (ma["special_mismatch"] == 0
+                and ratios["MARE_ratio"] <= lim[0] and ratios["MERE_ratio"] <= lim[1]
+                and ratios["RMSE_ratio"] <= lim[2] and ratios["small_error_ratio"] <= SMALL_COUNT_RATIO)
+
+    achieved = None
+    for level in ("L0", "L1", "L2"):
+        if meets(level):
+            achieved = level
+    lim = LEVELS[lv]
+    small_thr, small_atol = SMALL_VALUE[dt]
+    th = {"MARE_ratio_max": lim[0], "MERE_ratio_max": lim[1], "RMSE_ratio_max": lim[2],
+          "small_error_ratio_max": SMALL_COUNT_RATIO, "small_value": small_thr,
+          "small_value_atol": small_atol, "eps": eps, "ratio_floor_rel": u,
+          "ratio_floor_rmse": u * rms_g}
+    fails = []
+    if ma["special_mismatch"]:
+        fails.append(f"inf/NaN placement differs at {ma['special_mismatch']} positions (first {first})")
+    for key, limit in (("MARE_ratio", lim[0]), ("MERE_ratio", lim[1]), ("RMSE_ratio", lim[2]),
+                       ("small_error_ratio", SMALL_COUNT_RATIO)):
+        if not ratios[key] <= limit:
+            fails.append(f"{key} {ratios[key]:.6g} > {limit:g} ({lv})")
+    return CompareResult(not fails, "double", name, metrics, th, fails, mr, lv, achieved)
+
+
+# ----------------------------------------------------------------------------------------
+# Files: .npy, and raw .bin dumps (as the aclnn sample programs write them)
+# ----------------------------------------------------------------------------------------
+
+def _parse_shape(shape) -> tuple | None:
+    if shape is None:
+        return None
+    if isinstance(shape, str):
+        s = shape.strip().strip("()[]")
+        if not s:
+            return ()
+        return tuple(int(p) for p in s.replace("x", ",").split(",") if p.strip())
+    return tuple(int(p) for p in shape)
+
+
+def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
+    """Read ``.npy`` or a raw little-endian ``.bin`` dump.
+
+    ``.npy`` files written from ``ml_dtypes.bfloat16`` arrays hold the type as ``|V2``; such a
+    file is read back as bfloat16.
+    For ``.bin`` the dtype comes from ``dtype`` or from a sidecar ``<stem>.json``
+    (``{"dtype": "bfloat16", "shape": [2, 3]}``, as ``fastgrad golden --format bin`` writes);
+    ``shape`` (tuple or ``"2,3"``) reshapes either kind (the element count must agree).
+    161002 when the dtype is unknown or the size does not fit.
+    """
+    shape = _parse_shape(shape)
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".npy":
+        a = np.load(path, allow_pickle=False)
+        if a.dtype.kind == "V" and a.dtype.itemsize == 2:  # np.save writes bfloat16 as |V2
+            a = a.view(_BF16)
+        if dtype is not None and parse_dtype(dtype) != a.dtype:
+            raise invalid("dtype", f"{a.dtype} (the dtype stored in {path})", str(parse_dtype(dtype)), OP)
+    else:
+        side = os.path.splitext(path)[0] + ".json"
+        meta = {}
+        if os.path.exists(side):
+            with open(side) as f:
+                meta = json.load(f)
+        dt = dtype if dtype is not None else meta.get("dtype")
+        if dt is None:
+            raise invalid("dtype", f"given for the raw file {path} (--dtype or a {side} sidecar)", "none", OP)
+        dt = parse_dtype(dt)
+        raw = np.fromfile(path, dtype=np.uint8)
+        if raw.size % dt.itemsize:
+            raise invalid("dtype", f"an item size dividing the file size {raw.size} of {path}",
+                          f"{dt} ({dt.itemsize} bytes)", OP)
+        a = raw.view(dt)
+        if sys.byteorder == "big" and dt.itemsize > 1:  # dumps are little-endian
+            a = a.byteswap()
+        if shape is None and "shape" in meta:
+            shape = tuple(int(s) for s in meta["shape"])
+    if shape is not None:
+        if int(np.prod(shape, dtype=np.int64)) != a.size:
+            raise invalid("shape", f"{a.size} elements (the size of {path})", str(shape), OP)
+        a = a.reshape(shape)
+    return a
+
+
+def save_array(path: str, a: np.ndarray) -> str:
+    """Write ``.npy``, or ``.bin`` (raw little-endian) plus a ``<stem>.json`` dtype/shape sidecar."""
+    a = np.ascontiguousarray(a)
+    if path.lower().endswith(".bin"):
+        a.tofile(path)
+        from .dtypes import dtype_name
+
+        with open(os.path.splitext(path)[0] + ".json", "w") as f:
+            json.dump({"dtype": dtype_name(a.dtype), "shape": list(a.shape)}, f)
+    else:
+        np.save(path, a, allow_pickle=False)
+    return path
+
+
+__all__ = ["compare", "CompareResult", "load_array", "save_array", "parse_dtype", "STANDARDS",
+           "SINGLE_THRESHOLD", "SMALL_VALUE", "LEVELS", "LEGACY_LOSS", "REL_EPS"]

@@ -1,1 +1,120 @@
-"""PLACEHOLDER — to be written (fused_linear_online_max_sum, kernels)."""
+"""op_kernel: FusedLinearOnlineMaxSum on the CPU (the companion forward).
+
+Per tile of the plan: ``L = X[b] · W[v]ᵀ`` in fp32 (BLAS), rounded to the input dtype (the
+device's matmul output type), then a parallel Numba pass updates each row's running max and
+sum of exponentials online (``s <- s·exp(m - m') + Σ exp(l - m')``) and picks the target logit.
+The tile order is fixed by the plan, so results do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes as D
+from .._jit import pjit, prange, FASTMATH_SAFE
+from ..backends import implements
+from ..tiling import plan_linear_cross_entropy
+from ._linear import fp32_block
+
+OP = "fused_linear_online_max_sum"
+
+
+@pjit
+def _online_tile(L, row0, col0, code, m_run, s_run, tcol, picked):
+    """Round L [nb, nv] to the input dtype in place; fold it into the running max/sum."""
+    nb, nv = L.shape
+    for i in prange(nb):
+        r = row0 + i
+        mt = -np.inf
+        nan = False
+        for j in range(nv):
+            x = D.round_f32(L[i, j], code)
+            L[i, j] = x
+            if x > mt:
+                mt = x
+            elif x != x:
+                nan = True
+        if nan:
+            mt = np.nan
+        st = _sum_exp(L, i, mt)
+        m0 = m_run[r]
+        if m0 >= mt:
+            mnew = m0
+        elif mt > m0:
+            mnew = mt
+        else:  # NaN involved
+            mnew = np.float32(np.nan) if (mt != mt or m0 != m0) else m0
+        if mnew == -np.inf:
+            s_run[r] = s_run[r] + st
+        else:
+            s_run[r] = s_run[r] * np.exp(m0 - mnew) + st * np.exp(mt - mnew)
+        m_run[r] = mnew
+        t = tcol[r] - col0
+        if t >= 0 and t < nv:
+            picked[r] = L[i, t]
+
+
+from .._jit import njit  # noqa: E402
+
+
+@njit(fastmath=FASTMATH_SAFE, inline="always")
+def _sum_exp(L, i, mt):
+    nv = L.shape[1]
+    acc = np.float32(0.0)
+    for j in range(nv):
+        acc += np.exp(L[i, j] - mt)
+    return acc
+
+
+def run(input, weight, target, vocab_start_index, vocab_end_index, return_logits, out,
+        plan=None, progress=None):
+    """``out = (logits_max, sum_exp, predicted, target_mask, masked_target, logits or None)``."""
+    lmax, sexp, pred, tmask, mtarget, logits = out
+    BT, H = input.shape
+    V = weight.shape[0]
+    widen = input.dtype != D.FLOAT32
+    if plan is None:
+        plan = plan_linear_cross_entropy(BT, V, H, mode="forward", widen=widen)
+    t = np.asarray(target).astype(np.int64, copy=False)
+    masked = (t < vocab_start_index) | (t >= vocab_end_index)
+    local = np.where(masked, 0, t - vocab_start_index)
+    mtarget[...] = local.astype(mtarget.dtype)
+    bits = np.ones(tmask.shape[0] * 8, np.bool_)   # padding bits are 1 (device: maskBit[p >= BT] = 1)
+    bits[:BT] = masked
+    tmask[...] = np.packbits(bits, bitorder="little")
+    tcol = np.where(masked | (local >= V), -1, local).astype(np.int64)
+
+    lmax[...] = -np.inf
+    sexp[...] = 0.0
+    picked = np.zeros(BT, np.float32)
+    if BT and V:
+        code = D.code_of(input.dtype)
+        X32 = fp32_block(input, 0, BT)
+        bt, vt = plan.bt_tile, plan.v_tile
+        l_buf = np.empty(bt * vt, np.float32)
+        w_buf = np.empty(vt * H, np.float32) if widen else None
+        W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
+        done = 0
+        for v0, v1 in plan.v_ranges():
+            nv = v1 - v0
+            W32 = fp32_block(W, v0, v1, w_buf)
+            for b0, b1 in plan.bt_ranges():
+                nb = b1 - b0
+                Lt = l_buf[: nb * nv].reshape(nb, nv)
+                np.matmul(X32[b0:b1], W32.T, out=Lt)
+                _online_tile(Lt, b0, v0, code, lmax, sexp, tcol, picked)
+                if logits is not None:
+                    D.from_float32(Lt, logits.dtype, out=logits[b0:b1, v0:v1])
+                done += 1
+                if progress is not None:
+                    progress(done)
+    elif logits is not None:
+        logits[...] = 0
+    pred[...] = np.where(tcol >= 0, picked - lmax, np.float32(0.0)).astype(np.float32)
+    return plan
+
+
+@implements("cpu", OP)
+def fused_linear_online_max_sum(*, input, weight, target, vocab_start_index, vocab_end_index,
+                                return_logits, out):
+    run(input, weight, target, vocab_start_index, vocab_end_index, return_logits, out)

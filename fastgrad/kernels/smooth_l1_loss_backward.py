@@ -1,1 +1,225 @@
-"""PLACEHOLDER — to be written (smooth_l1_loss_backward, kernels)."""
+"""CPU kernel of ``smooth_l1_loss_backward`` (op_kernel layer of aclnnSmoothL1LossBackward).
+
+One fused, parallel, single-pass elementwise kernel.  The plan (the op_host "tiling"): every
+input is broadcast to the output shape *by strides* (0 on broadcast axes; nothing is
+materialized), the axes are collapsed wherever all four operands are jointly contiguous, and
+the work is cut into fixed tasks of at most ``CHUNK`` elements of the innermost axis.  Each task
+walks its span with one of three loops: all unit strides (the common contiguous case),
+``grad_out`` a broadcast scalar (the mean/sum case), or general strides.
+
+Per element, in fp32 (the device's ``SmoothL1LossGradV2`` DAG, ``PromteT = float``)::
+
+    d = input - target
+    s = d * (1/beta)           if not |d| >= beta     (NaN stays NaN)
+        (d > 0) - (d < 0)      otherwise              (sign, sign(0) = 0; beta = 0 included)
+    grad_input = (s * grad_out) * scale               scale = fp32(1/N) for mean, else 1
+
+and one round-to-nearest-even to the output format.  16-bit data is read and written as
+``uint16`` bit patterns (format code ``BF16``/``F16``), never widened as whole tensors.
+
+Kernel specializations: one for fp32 operands, one for 16-bit operands (all inputs and the
+output of one format).  Mixed input dtypes (promoted to fp32) widen the 16-bit inputs first,
+and an ``out`` whose dtype differs from the promoted one is filled through a scratch array:
+both are rare extension paths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._jit import njit, pjit, prange
+from ..backends import implements
+from ..dtypes import FLOAT32, F32, code_of, from_f32, promote, storage_view, to_f32
+
+OP = "smooth_l1_loss_backward"
+
+#: Elements of the innermost axis handled by one task (fixed: results never depend on it).
+CHUNK = 16384
+
+
+# ----------------------------------------------------------------------------------------
+# Element function and loops (inlined; ``code`` is a literal at every call site)
+# ----------------------------------------------------------------------------------------
+
+@njit(inline="always")
+def _ld(a, i, code):
+    if code == 0:
+        return np.float32(a[i])
+    return to_f32(a[i], code)
+
+
+@njit(inline="always")
+def _st(o, i, v, code):
+    if code == 0:
+        o[i] = v
+    else:
+        o[i] = from_f32(v, code)
+
+
+@njit(inline="always")
+def _elem(g, x, t, beta, inv, scale):
+    d = x - t
+    if abs(d) >= beta:
+        s = np.float32(d > np.float32(0)) - np.float32(d < np.float32(0))
+    else:  # |d| < beta, or d is NaN
+        s = d * inv
+    return (s * g) * scale
+
+
+@njit(inline="always")
+def _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale):
+    if xs == 1 and ts == 1 and gs == 1:
+        for j in range(m):
+            _st(ob, oo + j, _elem(_ld(gb, go + j, code), _ld(xb, xo + j, code),
+                                  _ld(tb, to + j, code), beta, inv, scale), code)
+    elif xs == 1 and ts == 1 and gs == 0:
+        g = _ld(gb, go, code)
+        for j in range(m):
+            _st(ob, oo + j, _elem(g, _ld(xb, xo + j, code), _ld(tb, to + j, code),
+                                  beta, inv, scale), code)
+    else:
+        for j in range(m):
+            _st(ob, oo + j, _elem(_ld(gb, go + j * gs, code), _ld(xb, xo + j * xs, code),
+                                  _ld(tb, to + j * ts, code), beta, inv, scale), code)
+
+
+@njit(inline="always")
+def _task(task, nchunk, inner, shape, strides, offs):
+    """Operand offsets and length of one task (row ``task // nchunk``, chunk ``task % nchunk``)."""
+    nd = shape.shape[0]
+    r = task // nchunk
+    c = task - r * nchunk
+    j0 = c * CHUNK
+    m = min(inner, j0 + CHUNK) - j0
+    go = offs[0]
+    xo = offs[1]
+    to = offs[2]
+    rem = r
+    for k in range(nd - 2, -1, -1):
+        n = shape[k]
+        q = rem // n
+        i = rem - q * n
+        rem = q
+        go += i * strides[0, k]
+        xo += i * strides[1, k]
+        to += i * strides[2, k]
+    go += j0 * strides[0, nd - 1]
+    xo += j0 * strides[1, nd - 1]
+    to += j0 * strides[2, nd - 1]
+    return go, xo, to, r * inner + j0, m
+
+
+@pjit
+def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, scale):
+    nd = shape.shape[0]
+    inner = shape[nd - 1]
+    nchunk = (inner + CHUNK - 1) // CHUNK
+    ntask = (ob.size // inner) * nchunk
+    gs = strides[0, nd - 1]
+    xs = strides[1, nd - 1]
+    ts = strides[2, nd - 1]
+    for task in prange(ntask):
+        go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
+        _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 0, beta, inv, scale)
+
+
+@pjit
+def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, scale):
+    nd = shape.shape[0]
+    inner = shape[nd - 1]
+    nchunk = (inner + CHUNK - 1) // CHUNK
+    ntask = (ob.size // inner) * nchunk
+    gs = strides[0, nd - 1]
+    xs = strides[1, nd - 1]
+    ts = strides[2, nd - 1]
+    for task in prange(ntask):
+        go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
+        if code == 1:
+            _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 1, beta, inv, scale)
+        else:
+            _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 2, beta, inv, scale)
+
+
+# ----------------------------------------------------------------------------------------
+# Plan (op_host tiling): strided operands, collapsed axes
+# ----------------------------------------------------------------------------------------
+
+def _base(a: np.ndarray, shape: tuple):
+    """(1-D read-only base buffer, element offset, element strides) of ``a`` broadcast to ``shape``.
+
+    The buffer starts at the lowest address the broadcast view touches, so negative strides
+    work; nothing is copied unless a stride is not a whole number of elements.
+    """
+    v = np.broadcast_to(a, shape)
+    isz = v.itemsize
+    if any(s % isz for s in v.strides):
+        v = np.broadcast_to(np.ascontiguousarray(a), shape)
+    est = [s // isz for s in v.strides]
+    corner = v[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(shape, est))]
+    lo = sum((n - 1) * s for n, s in zip(shape, est) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(shape, est) if s > 0)
+    buf = np.lib.stride_tricks.as_strided(corner.reshape(-1)[:1], shape=(hi - lo + 1,),
+                                          strides=(isz,), writeable=False)
+    return storage_view(buf), -lo, est
+
+
+def plan(shape: tuple, operands) -> tuple:
+    """Collapse ``shape`` for the given operand element strides (out is C-contiguous).
+
+    Returns ``(shape, strides)`` as int64 arrays: size-1 axes dropped, adjacent axes merged
+    where every operand (and the output) is contiguous across them; at least one axis.
+    """
+    dims = [k for k, n in enumerate(shape) if n != 1]
+    if not dims:
+        return np.ones(1, np.int64), np.zeros((len(operands), 1), np.int64)
+    sh = [shape[k] for k in dims]
+    st = [[s[k] for k in dims] for s in operands]
+    out_st = [int(np.prod(sh[i + 1:], dtype=np.int64)) for i in range(len(sh))]
+    st.append(out_st)
+    new_sh = [sh[-1]]
+    new_st = [[s[-1]] for s in st]
+    for i in range(len(sh) - 2, -1, -1):
+        if all(s[i] == s_new[0] * new_sh[0] for s, s_new in zip(st, new_st)):
+            new_sh[0] *= sh[i]
+        else:
+            new_sh.insert(0, sh[i])
+            for s, s_new in zip(st, new_st):
+                s_new.insert(0, s[i])
+    return (np.array(new_sh, np.int64),
+            np.array([s for s in new_st[:-1]], np.int64).reshape(len(operands), len(new_sh)))
+
+
+def run(grad_out, input, target, beta: float, scale: float, out: np.ndarray) -> None:
+    """Fill ``out`` (C-contiguous) from inputs that all have out's dtype family."""
+    shape = out.shape
+    bases = [_base(a, shape) for a in (grad_out, input, target)]
+    sh, st = plan(shape, [b[2] for b in bases])
+    offs = np.array([b[1] for b in bases], np.int64)
+    b32 = np.float32(beta)
+    inv = np.float32(np.float32(1.0) / b32) if b32 > 0 else np.float32(0.0)
+    sc = np.float32(scale)
+    ob = storage_view(out).reshape(-1)
+    if out.dtype == FLOAT32:
+        _sl1_f32(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, b32, inv, sc)
+    else:
+        _sl1_u16(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, code_of(out.dtype),
+                 b32, inv, sc)
+
+
+@implements("cpu", OP)
+def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out):
+    """Numba implementation (see module docstring); fills ``out`` completely."""
+    if out.size == 0:
+        return out
+    scale = 1.0 / out.size if reduction == "mean" else 1.0
+    pdt = promote(grad_out.dtype, input.dtype, target.dtype)
+    ins = [grad_out, input, target]
+    if any(a.dtype != pdt for a in ins):  # mixed inputs: promoted to fp32 (exact widening)
+        ins = [a.astype(pdt) for a in ins]
+    if out.dtype == pdt:
+        run(*ins, beta, scale, out)
+    else:  # out= of another float dtype: compute in the promoted dtype, then cast (device)
+        tmp = np.empty(out.shape, pdt)
+        run(*ins, beta, scale, tmp)
+        out[...] = tmp.astype(out.dtype)
+    return out

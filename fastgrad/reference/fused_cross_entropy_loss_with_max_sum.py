@@ -1,1 +1,22 @@
-"""PLACEHOLDER — to be written (fused_cross_entropy_loss_with_max_sum, reference)."""
+"""float64 golden for FusedCrossEntropyLossWithMaxSum."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backends import implements
+
+OP = "fused_cross_entropy_loss_with_max_sum"
+
+
+@implements("reference", OP)
+def fused_cross_entropy_loss_with_max_sum(*, logits_max, sum_exp_logits, predicted_logits,
+                                          label_smoothing, vocab_parallel_logits, out):
+    loss, softmax = out
+    s = np.asarray(sum_exp_logits, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        loss[...] = (np.log(s) - np.asarray(predicted_logits, dtype=np.float64)).astype(np.float32)
+        if softmax is not None:
+            L = np.asarray(vocab_parallel_logits, dtype=np.float64)
+            m = np.asarray(logits_max, dtype=np.float64)[:, None]
+            softmax[...] = (np.exp(L - m) / s[:, None]).astype(np.float32)

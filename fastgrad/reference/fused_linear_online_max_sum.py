@@ -1,1 +1,43 @@
-"""PLACEHOLDER — to be written (fused_linear_online_max_sum, reference)."""
+"""float64 golden for FusedLinearOnlineMaxSum: logits rounded to the input dtype, then float64."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backends import implements
+
+OP = "fused_linear_online_max_sum"
+
+
+@implements("reference", OP)
+def fused_linear_online_max_sum(*, input, weight, target, vocab_start_index, vocab_end_index,
+                                return_logits, out):
+    lmax, sexp, pred, tmask, mtarget, logits_out = out
+    BT = input.shape[0]
+    V = weight.shape[0]
+    X = np.asarray(input, dtype=np.float64)
+    W = np.asarray(weight, dtype=np.float64)
+    logits = (X @ W.T).astype(np.float32).astype(input.dtype)     # the device's matmul output
+    L = logits.astype(np.float64)
+    t = np.asarray(target, dtype=np.int64)
+    masked = (t < vocab_start_index) | (t >= vocab_end_index)
+    local = np.where(masked, 0, t - vocab_start_index)
+    if V:
+        m = L.max(axis=1) if BT else np.zeros(0)
+        s = np.exp(L - m[:, None]).sum(axis=1)
+    else:
+        m = np.full(BT, -np.inf)
+        s = np.zeros(BT)
+    ok = (~masked) & (local < V)
+    picked = np.zeros(BT)
+    if V:
+        picked[ok] = L[np.nonzero(ok)[0], local[ok]] - m[ok]
+    lmax[...] = m.astype(np.float32)
+    sexp[...] = s.astype(np.float32)
+    pred[...] = picked.astype(np.float32)
+    mtarget[...] = local.astype(mtarget.dtype)
+    bits = np.ones(tmask.shape[0] * 8, bool)
+    bits[:BT] = masked
+    tmask[...] = np.packbits(bits, bitorder="little")
+    if logits_out is not None:
+        logits_out[...] = logits

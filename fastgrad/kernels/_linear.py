@@ -1,0 +1,52 @@
+"""Shared pieces of the fused linear cross-entropy kernels: fp32 operands for BLAS, mask bits.
+
+The GEMMs run on NumPy's BLAS (sgemm) over fp32 operands holding the exact values of the
+bf16/fp16 inputs; the element-wise epilogues run in parallel Numba kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes as D
+from .._jit import pjit, prange
+
+
+@pjit
+def _widen_rows(src, code, dst):
+    """dst[i, :] = fp32(src[i, :]) for a C-contiguous uint16 [n, H] block."""
+    n, h = src.shape
+    for i in prange(n):
+        for j in range(h):
+            dst[i, j] = D.to_f32(src[i, j], code)
+
+
+def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``r0:r1`` of a 2-D bf16/fp16/fp32 array as a C-contiguous fp32 array (exact).
+
+    fp32 inputs are returned as a view when already contiguous; 16-bit rows are widened into
+    ``buf`` (a flat fp32 scratch of at least (r1-r0)*H elements) when given.
+    """
+    blk = a[r0:r1]
+    n, h = blk.shape
+    if a.dtype == D.FLOAT32:
+        return np.ascontiguousarray(blk)
+    out = (buf[: n * h].reshape(n, h) if buf is not None else np.empty((n, h), np.float32))
+    if n and h:
+        _widen_rows(np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
+    return out
+
+
+def mask_bits(target_mask: np.ndarray, BT: int) -> np.ndarray:
+    """Per-row bool 'target not in this shard' from a packed uint8 (LSB-first) or bool mask."""
+    if target_mask.dtype == np.bool_:
+        return np.ascontiguousarray(target_mask[:BT])
+    packed = np.ascontiguousarray(target_mask)
+    return np.unpackbits(packed, bitorder="little")[:BT].astype(np.bool_)
+
+
+def target_columns(masked_target: np.ndarray, masked: np.ndarray, V: int) -> np.ndarray:
+    """int64 column of each row's target in this shard, -1 where masked or outside [0, V)."""
+    t = np.asarray(masked_target, dtype=np.int64)
+    ok = (~masked) & (t >= 0) & (t < V)
+    return np.where(ok, t, -1).astype(np.int64)

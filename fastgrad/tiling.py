@@ -1,0 +1,175 @@
+"""op_host layer: tile plans chosen from shapes and a memory budget, inspectable without running.
+
+The NPU's memory-saving FusedLinearCrossEntropyLossGrad kernel (ops-nn
+``fused_linear_cross_entropy_loss_grad_tiling.cpp``, ``MemFriendlyTilingFunc``) cuts the
+``[BT, V]`` logits into base blocks of 128 rows × 256 vocabulary columns, recomputes each block
+with the Cube unit (``mm0``, fp32 out), applies the vector epilogue, casts to bf16/fp16 and feeds two
+more matmuls (``mm1``: grad_input += g·W, ``mm2``: grad_weight += gᵀ·X) accumulated in fp32
+workspaces.  On the CPU the same plan is made of larger tiles — multiples of those base blocks — so
+that each GEMM is big enough for BLAS to run at full speed, while the fastgrad-owned scratch
+memory stays under a budget that does not grow with BT×V.
+
+The plan depends only on the shapes and the budget — never on the thread count — so results are
+bitwise identical for every thread count.
+
+Budget: ``FASTGRAD_WORKSPACE_MB`` (default 256 MiB) or :func:`set_workspace_budget`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: The device's base block (ops-nn MemFriendlyTilingFunc: baseBT = 128, baseV = 256).
+BASE_BT = 128
+BASE_V = 256
+#: Upper bounds on one tile: beyond these, BLAS gains nothing and the tile leaves the caches.
+MAX_BT_TILE = 4096
+MAX_V_TILE = 8192
+
+_budget_override: int | None = None
+
+
+def set_workspace_budget(nbytes: int | None) -> None:
+    """Set the scratch-memory budget (bytes) used by tile plans; None: back to the default."""
+    global _budget_override
+    _budget_override = None if nbytes is None else int(nbytes)
+
+
+def workspace_budget() -> int:
+    if _budget_override is not None:
+        return _budget_override
+    mb = os.environ.get("FASTGRAD_WORKSPACE_MB")
+    if mb:
+        try:
+            return max(1, int(float(mb) * 2**20))
+        except ValueError:
+            pass
+    return 256 * 2**20
+
+
+def _round_down(x: int, m: int) -> int:
+    return (x // m) * m
+
+
+@dataclass(frozen=True)
+class LinearCETiling:
+    """Tile plan over ``(BT, V)`` for the fused linear cross-entropy ops.
+
+    Execution order: vocabulary tiles outer, row tiles inner, so each ``grad_weight`` tile is
+    finished (and rounded) before the next starts, and ``grad_input`` accumulates over the
+    vocabulary tiles in a fixed order.
+
+    Attributes
+    ----------
+    BT, V, H : int
+        Rows (tokens), local vocabulary size, hidden size.
+    bt_tile, v_tile : int
+        Tile sizes (multiples of the device's 128 × 256 base block, or the full extent).
+    mode : str
+        ``"memory_saving"`` (logits recomputed per tile), ``"high_performance"`` (softmax given)
+        or ``"forward"`` (the online max/sum companion op).
+    workspace_bytes : int
+        Peak scratch memory fastgrad allocates for the op (fp32 copies of the inputs' tiles,
+        the logits tile, the fp32 accumulators), independent of BT×V.
+    budget_bytes : int
+        The budget the plan was made for.
+    """
+
+    BT: int
+    V: int
+    H: int
+    bt_tile: int
+    v_tile: int
+    mode: str
+    workspace_bytes: int
+    budget_bytes: int
+
+    @property
+    def n_bt_tiles(self) -> int:
+        return -(-self.BT // self.bt_tile) if self.BT else 0
+
+    @property
+    def n_v_tiles(self) -> int:
+        return -(-self.V // self.v_tile) if self.V else 0
+
+    @property
+    def n_tiles(self) -> int:
+        return self.n_bt_tiles * self.n_v_tiles
+
+    @property
+    def logits_bytes_avoided(self) -> int:
+        """Size of the fp32 ``[BT, V]`` matrix this plan never materializes."""
+        return 4 * self.BT * self.V
+
+    def v_ranges(self):
+        for v0 in range(0, self.V, self.v_tile):
+            yield v0, min(v0 + self.v_tile, self.V)
+
+    def bt_ranges(self):
+        for b0 in range(0, self.BT, self.bt_tile):
+            yield b0, min(b0 + self.bt_tile, self.BT)
+
+    def tiles(self):
+        """(b0, b1, v0, v1) in execution order."""
+        for v0, v1 in self.v_ranges():
+            for b0, b1 in self.bt_ranges():
+                yield b0, b1, v0, v1
+
+
+def _workspace(mode: str, BT: int, H: int, bt: int, vt: int, widen: bool) -> int:
+    f = 4
+    fixed = 0
+    if mode != "forward":
+        fixed += BT * H * f                  # grad_input fp32 accumulator
+    if widen:
+        fixed += BT * H * f                  # fp32 copy of input (exact widening)
+    per_tile = bt * vt * f                   # logits / g tile
+    if widen:
+        per_tile += vt * H * f               # fp32 weight tile
+    if mode != "forward":
+        per_tile += vt * H * f + bt * H * f  # grad_weight tile accumulator, g·W product
+    return fixed + per_tile
+
+
+def plan_linear_cross_entropy(BT: int, V: int, H: int, *, mode: str = "memory_saving",
+                              widen: bool = True, budget_bytes: int | None = None) -> LinearCETiling:
+    """Choose the tile plan for the fused linear cross-entropy ops from shapes and a budget.
+
+    Parameters
+    ----------
+    BT, V, H : int
+        Shapes: input ``[BT, H]``, weight ``[V, H]``.
+    mode : {"memory_saving", "high_performance", "forward"}
+    widen : bool
+        True when the inputs are 16-bit and need fp32 copies for BLAS (counted in the workspace).
+    budget_bytes : int, optional
+        Scratch budget for the per-tile buffers; default :func:`workspace_budget`.  The fixed
+        ``[BT, H]`` fp32 buffers (grad_input accumulator, fp32 input copy) are output-sized and
+        outside the budget.  Tiles shrink down to one 128 × 256 base block to fit.
+    """
+    budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
+    BT, V, H = int(BT), int(V), int(H)
+    avail = budget  # the fixed [BT, H] buffers are output-sized and outside the budget
+
+    bt = min(BT, MAX_BT_TILE) if BT > 0 else 1
+    if bt < BT:
+        bt = _round_down(bt, BASE_BT)
+    while True:
+        per_col = 4 * bt + (4 * H if widen else 0) + (4 * H if mode != "forward" else 0)
+        extra_rows = 4 * bt * H if mode != "forward" else 0
+        vt = (avail - extra_rows) // per_col if per_col else V
+        if vt >= BASE_V or vt >= V or bt <= BASE_BT:
+            break
+        bt = max(BASE_BT, _round_down(bt // 2, BASE_BT))
+    vt = max(vt, 1)
+    if vt >= V:
+        vt = V
+    else:
+        vt = max(BASE_V, _round_down(vt, BASE_V))
+    vt = max(1, min(vt, MAX_V_TILE, max(V, 1)))
+    if vt < V and vt > BASE_V:
+        vt = _round_down(vt, BASE_V)
+    ws = _workspace(mode, BT, H, min(bt, max(BT, 1)), vt, widen)
+    return LinearCETiling(BT=BT, V=V, H=H, bt_tile=max(1, min(bt, max(BT, 1))), v_tile=max(1, vt),
+                          mode=mode, workspace_bytes=ws, budget_bytes=budget)
