@@ -23,6 +23,7 @@ from .. import dtypes as D
 from .._jit import pjit, prange
 from ..backends import implements
 from ..tiling import plan_linear_cross_entropy
+from ._gemm import matmul_nn, matmul_nt, matmul_tn, single_threaded_blas
 from ._linear import fp32_block, mask_bits, target_columns
 
 OP = "fused_linear_cross_entropy_loss_grad"
@@ -131,19 +132,19 @@ def run(grad, input, weight, target_mask, masked_target, label_smoothing, logits
             G = g_buf[: nb * nv].reshape(nb, nv)
             Xb = X32[b0:b1]
             if softmax is None:
-                np.matmul(Xb, W32.T, out=G)
+                matmul_nt(Xb, W32, G)
                 _epilogue_memory_saving(G, b0, v0, lmax, sexp, grad32, tcol, code, smooth, inv_k)
             else:
                 _epilogue_high_performance(S, G, b0, v0, grad32, tcol, code, smooth, inv_k)
             P = prod[: nb * H].reshape(nb, H)
-            np.matmul(G, W32, out=P)
+            matmul_nn(G, W32, P)
             np.add(gi32[b0:b1], P, out=gi32[b0:b1])
             if first:
-                np.matmul(G.T, Xb, out=gwt)
+                matmul_tn(G, Xb, gwt)
                 first = False
             else:
                 Q = gw_tmp[: nv * H].reshape(nv, H)
-                np.matmul(G.T, Xb, out=Q)
+                matmul_tn(G, Xb, Q)
                 np.add(gwt, Q, out=gwt)
             done += 1
             if progress is not None:
@@ -156,5 +157,6 @@ def run(grad, input, weight, target_mask, masked_target, label_smoothing, logits
 @implements("cpu", OP)
 def fused_linear_cross_entropy_loss_grad(*, grad, input, weight, target_mask, masked_target,
                                          label_smoothing, logits_max, sum_exp_logits, softmax, out):
-    run(grad, input, weight, target_mask, masked_target, label_smoothing, logits_max,
-        sum_exp_logits, softmax, out)
+    with single_threaded_blas():
+        run(grad, input, weight, target_mask, masked_target, label_smoothing, logits_max,
+            sum_exp_logits, softmax, out)

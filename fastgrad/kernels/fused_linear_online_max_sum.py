@@ -14,6 +14,7 @@ from .. import dtypes as D
 from .._jit import pjit, prange, FASTMATH_SAFE
 from ..backends import implements
 from ..tiling import plan_linear_cross_entropy
+from ._gemm import matmul_nt, single_threaded_blas
 from ._linear import fp32_block
 
 OP = "fused_linear_online_max_sum"
@@ -101,7 +102,7 @@ def run(input, weight, target, vocab_start_index, vocab_end_index, return_logits
             for b0, b1 in plan.bt_ranges():
                 nb = b1 - b0
                 Lt = l_buf[: nb * nv].reshape(nb, nv)
-                np.matmul(X32[b0:b1], W32.T, out=Lt)
+                matmul_nt(X32[b0:b1], W32, Lt)
                 _online_tile(Lt, b0, v0, code, lmax, sexp, tcol, picked)
                 if logits is not None:
                     D.from_float32(Lt, logits.dtype, out=logits[b0:b1, v0:v1])
@@ -117,4 +118,5 @@ def run(input, weight, target, vocab_start_index, vocab_end_index, return_logits
 @implements("cpu", OP)
 def fused_linear_online_max_sum(*, input, weight, target, vocab_start_index, vocab_end_index,
                                 return_logits, out):
-    run(input, weight, target, vocab_start_index, vocab_end_index, return_logits, out)
+    with single_threaded_blas():
+        run(input, weight, target, vocab_start_index, vocab_end_index, return_logits, out)

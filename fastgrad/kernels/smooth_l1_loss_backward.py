@@ -68,19 +68,25 @@ def _elem(g, x, t, beta, inv, scale):
 
 @njit(inline="always")
 def _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale):
+    # Contiguous operands are sliced first: indexing a slice with the loop counter lets LLVM
+    # drop Numba's negative-index wraparound and vectorize the loop.
+    o = ob[oo:oo + m]
     if xs == 1 and ts == 1 and gs == 1:
+        g = gb[go:go + m]
+        x = xb[xo:xo + m]
+        t = tb[to:to + m]
         for j in range(m):
-            _st(ob, oo + j, _elem(_ld(gb, go + j, code), _ld(xb, xo + j, code),
-                                  _ld(tb, to + j, code), beta, inv, scale), code)
+            _st(o, j, _elem(_ld(g, j, code), _ld(x, j, code), _ld(t, j, code), beta, inv, scale), code)
     elif xs == 1 and ts == 1 and gs == 0:
-        g = _ld(gb, go, code)
+        gv = _ld(gb, go, code)
+        x = xb[xo:xo + m]
+        t = tb[to:to + m]
         for j in range(m):
-            _st(ob, oo + j, _elem(g, _ld(xb, xo + j, code), _ld(tb, to + j, code),
-                                  beta, inv, scale), code)
-    else:
+            _st(o, j, _elem(gv, _ld(x, j, code), _ld(t, j, code), beta, inv, scale), code)
+    else:  # general strides (any sign); every index is a valid element, so non-negative
         for j in range(m):
-            _st(ob, oo + j, _elem(_ld(gb, go + j * gs, code), _ld(xb, xo + j * xs, code),
-                                  _ld(tb, to + j * ts, code), beta, inv, scale), code)
+            _st(o, j, _elem(_ld(gb, np.uint64(go + j * gs), code), _ld(xb, np.uint64(xo + j * xs), code),
+                            _ld(tb, np.uint64(to + j * ts), code), beta, inv, scale), code)
 
 
 @njit(inline="always")
@@ -123,6 +129,45 @@ def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, scale):
         _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 0, beta, inv, scale)
 
 
+@njit
+def _widen_span(src, off, stride, m, code, dst):
+    """dst[:m] = fp32 of the 16-bit elements src[off + j*stride] (format ``code``)."""
+    if stride == 0:
+        v = to_f32(src[off], code)
+        for j in range(m):
+            dst[j] = v
+    elif stride == 1:
+        s = src[off:off + m]
+        if code == 1:
+            for j in range(m):
+                dst[j] = to_f32(s[j], 1)
+        else:
+            for j in range(m):
+                dst[j] = to_f32(s[j], 2)
+    elif code == 1:
+        for j in range(m):
+            dst[j] = to_f32(src[np.uint64(off + j * stride)], 1)
+    else:
+        for j in range(m):
+            dst[j] = to_f32(src[np.uint64(off + j * stride)], 2)
+
+
+@njit
+def _narrow_span(src, m, code, dst, off):
+    """dst[off:off+m] = 16-bit patterns (format ``code``, RNE) of src[:m]."""
+    d = dst[off:off + m]
+    if code == 1:
+        for j in range(m):
+            d[j] = from_f32(src[j], 1)
+    else:
+        for j in range(m):
+            d[j] = from_f32(src[j], 2)
+
+
+#: Sub-block of a task staged through fp32 scratch in the 16-bit kernel (L1-resident).
+SUB = 2048
+
+
 @pjit
 def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, scale):
     nd = shape.shape[0]
@@ -134,10 +179,16 @@ def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, scale):
     ts = strides[2, nd - 1]
     for task in prange(ntask):
         go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
-        if code == 1:
-            _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 1, beta, inv, scale)
-        else:
-            _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 2, beta, inv, scale)
+        gf = np.empty(SUB, np.float32)
+        xf = np.empty(SUB, np.float32)
+        tf = np.empty(SUB, np.float32)
+        for j0 in range(0, m, SUB):
+            n = min(SUB, m - j0)
+            _widen_span(gb, go + j0 * gs, gs, n, code, gf)
+            _widen_span(xb, xo + j0 * xs, xs, n, code, xf)
+            _widen_span(tb, to + j0 * ts, ts, n, code, tf)
+            _span(gf, 0, 1, xf, 0, 1, tf, 0, 1, xf, 0, n, 0, beta, inv, scale)
+            _narrow_span(xf, n, code, ob, oo + j0)
 
 
 # ----------------------------------------------------------------------------------------

@@ -190,6 +190,7 @@ FAKE_API void fake_violation(const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(S.violation, sizeof S.violation, fmt, ap);
     va_end(ap);
+    snprintf(S.errmsg, sizeof S.errmsg, "fake runtime protocol violation: %s", S.violation);
     fake_count("violations", 1);
 }
 
@@ -448,7 +449,7 @@ FAKE_API int aclrtFree(void *devPtr) {
     free(S.allocs[k].p);
     S.allocs[k] = S.allocs[--S.nallocs];
     fake_count("free", 1);
-    return 0;
+    return fake_check_fail("aclrtFree"); /* an injected status is reported after the release */
 }
 
 FAKE_API int aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, int kind) {

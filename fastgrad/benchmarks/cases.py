@@ -1,0 +1,542 @@
+"""The benchmark cases: the ONE definition shared by ``fastgrad bench`` and ``pytest bench/``.
+
+A :class:`Case` is one op at one shape, dtype and mode.  It knows how to build its inputs
+(deterministically, from a seed), the work it must do (``flops``: the GEMMs it needs;
+``bytes``: the minimum bytes it must read and write), which bound applies (``"gemm"``: the
+fp32 GEMMs in ``gemm``, timed through NumPy's BLAS; ``"copy"``: ``bytes`` at the measured copy
+bandwidth), and its :class:`Runner`\\ s:
+
+* ``kind="fastgrad"`` — the public fastgrad op; one row per backend (cpu, reference, acl);
+* ``kind="baseline"`` — PyTorch computing the same result on the CPU (skipped, with a note,
+  when torch is not installed);
+* ``kind="bound"`` — the GEMM bound (copy-bound cases get their bound row from the measured
+  bandwidth instead).
+
+Full cases are the LLM-sized shapes the issues name; ``quick=True`` gives small shapes with
+the same structure (for CI smoke tests: every runner of every case runs in well under a
+second).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+_DT = {"bfloat16": BF16, "float16": F16, "float32": F32}
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+#: Short names accepted by ``--ops`` besides the op names themselves.
+ALIASES = {
+    "flce": "fused_linear_cross_entropy_loss_grad",
+    "flce_grad": "fused_linear_cross_entropy_loss_grad",
+    "floms": "fused_linear_online_max_sum",
+    "forward": "fused_linear_online_max_sum",
+    "fce": "fused_cross_entropy_loss_with_max_sum",
+    "ce": "cross_entropy_loss_grad",
+    "ce_grad": "cross_entropy_loss_grad",
+    "softmax": "scaled_masked_softmax_backward",
+    "smooth_l1": "smooth_l1_loss_backward",
+    "embedding": "embedding_dense_backward",
+    "lce": "linear_cross_entropy",
+    "train": "linear_cross_entropy",
+    "train_step": "linear_cross_entropy",
+}
+
+
+@dataclass
+class Runner:
+    """One way to compute a case: ``make(inputs)`` returns the zero-argument callable timed."""
+
+    name: str
+    kind: str                                   # "fastgrad" | "baseline" | "bound"
+    make: Callable[[dict], Callable[[], Any]]
+    mode: str = ""                              # appended to the case's mode (e.g. "out=")
+    needs_torch: bool = False
+
+
+@dataclass
+class Case:
+    op: str
+    mode: str
+    dtype: str
+    shape: dict
+    build: Callable[[], dict]
+    runners: list
+    flops: float = 0.0
+    bytes: float = 0.0
+    bound: str = "copy"                         # "copy" | "gemm"
+    gemm: list = field(default_factory=list)    # [(M, K, N), ...] for bound="gemm"
+    memory: bool = False                        # peak RSS measured in a spawned subprocess
+    needs_torch: bool = False                   # the case itself is a torch workload
+    note: str = ""
+
+    @property
+    def shape_str(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.shape.items())
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}[{self.mode}]/{_SHORT.get(self.dtype, self.dtype)}/{self.shape_str}"
+
+
+# ---------------------------------------------------------------------------- helpers ----
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def tt(a: np.ndarray):
+    """NumPy -> torch CPU tensor sharing memory (bf16 through an int16 view)."""
+    torch = _torch()
+    if a.dtype == BF16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _rng(*key) -> np.random.Generator:
+    """A generator seeded from the case's key (stable across processes and runs)."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def _normal(rng, shape, dtype, scale=1.0) -> np.ndarray:
+    """Standard normal data of ``dtype`` without a float64 temporary of the whole array."""
+    a = rng.standard_normal(shape, dtype=np.float32)
+    if scale != 1.0:
+        a *= np.float32(scale)
+    return a if dtype == F32 else a.astype(dtype)
+
+
+def _flce_inputs(BT, H, V, dtype, seed, softmax=False, chunk=16384) -> dict:
+    """FLCE inputs with consistent statistics: the row max and sum of exp of the fp32 logits
+    (computed here by chunked fp32 GEMMs), a target per row, every 16th row masked."""
+    dt = _DT[dtype]
+    rng = _rng("flce", BT, H, V, dtype, seed)
+    x = _normal(rng, (BT, H), dt)
+    w = _normal(rng, (V, H), dt, 1.0 / math.sqrt(H))
+    target = rng.integers(0, V, BT, dtype=np.int64)
+    bits = (np.arange(BT) % 16) == 15
+    masked_target = np.where(bits, 0, target).astype(np.int64)
+    xf = x.astype(np.float32)
+    m = np.full(BT, -np.inf, np.float32)
+    s = np.zeros(BT, np.float32)
+    sm = np.empty((BT, V), np.float32) if softmax else None
+    for v0 in range(0, V, chunk):
+        lg = xf @ w[v0:v0 + chunk].astype(np.float32).T
+        if sm is not None:
+            sm[:, v0:v0 + lg.shape[1]] = lg
+        mc = lg.max(axis=1)
+        mn = np.maximum(m, mc)
+        s = s * np.exp(m - mn) + np.exp(lg - mn[:, None]).sum(axis=1, dtype=np.float32)
+        m = mn
+        del lg
+    inp = {"input": x, "weight": w, "target": target,
+           "target_mask": np.packbits(bits, bitorder="little"), "masked_target": masked_target,
+           "grad": np.full(BT, 1.0 / BT, np.float32), "logits_max": m, "sum_exp_logits": s,
+           "torch_target": np.where(bits, -100, target).astype(np.int64)}
+    if sm is not None:
+        for r0 in range(0, BT, 256):
+            blk = sm[r0:r0 + 256]
+            blk -= m[r0:r0 + 256, None]
+            np.exp(blk, out=blk)
+            blk /= s[r0:r0 + 256, None]
+        inp["softmax"] = sm
+    return inp
+
+
+# ------------------------------------------------------------------------ FLCE family ----
+
+def _torch_flce(dtype_name):
+    """PyTorch eager autograd with materialized logits: cross_entropy(x @ w.T, t, 'none')
+    weighted by grad, backward -> (grad_input, grad_weight)."""
+    def make(inp):
+        torch = _torch()
+        F = torch.nn.functional
+        if dtype_name == "float32":
+            x = torch.from_numpy(inp["input"].astype(np.float32))
+            w = torch.from_numpy(inp["weight"].astype(np.float32))
+        else:
+            x, w = tt(inp["input"]), tt(inp["weight"])
+        t = tt(inp["torch_target"])
+        g = tt(inp["grad"]).to(x.dtype)
+
+        def run():
+            xx = x.detach().requires_grad_()
+            ww = w.detach().requires_grad_()
+            loss = F.cross_entropy(xx @ ww.T, t, reduction="none", ignore_index=-100)
+            (loss * g).sum().backward()
+            return xx.grad, ww.grad
+        return run
+    return make
+
+
+def _flce_cases(BT, H, V, dtype, quick) -> list:
+    import fastgrad as fg
+
+    s = _DT[dtype].itemsize
+    shape = {"BT": BT, "H": H, "V": V}
+    io_bytes = float(2 * (BT * H + V * H) * s + BT * 16)       # read x, w; write gi, gw
+
+    def ms(inp):
+        def run():
+            return fg.fused_linear_cross_entropy_loss_grad(
+                inp["grad"], inp["input"], inp["weight"], inp["target_mask"], inp["masked_target"],
+                logits_max=inp["logits_max"], sum_exp_logits=inp["sum_exp_logits"])
+        return run
+
+    def hp(inp):
+        def run():
+            return fg.fused_linear_cross_entropy_loss_grad(
+                inp["grad"], inp["input"], inp["weight"], inp["target_mask"], inp["masked_target"],
+                softmax=inp["softmax"])
+        return run
+
+    def fwd(inp):
+        V_ = inp["weight"].shape[0]
+
+        def run():
+            return fg.fused_linear_online_max_sum(inp["input"], inp["weight"], inp["target"], 0, V_)
+        return run
+
+    def torch_fwd(inp):
+        torch = _torch()
+        x = torch.from_numpy(inp["input"].astype(np.float32))
+        w = torch.from_numpy(inp["weight"].astype(np.float32))
+        t = tt(inp["target"])[:, None]
+
+        def run():
+            lg = x @ w.T
+            m = lg.amax(dim=1)
+            se = torch.exp(lg - m[:, None]).sum(dim=1)
+            return m, se, lg.gather(1, t)[:, 0] - m
+        return run
+
+    g3 = [(BT, H, V), (BT, V, H), (V, BT, H)]
+    gemm_flops = 2.0 * BT * H * V
+    cases = [
+        Case("fused_linear_cross_entropy_loss_grad", "memory-saving", dtype, shape,
+             lambda: _flce_inputs(BT, H, V, dtype, 0),
+             [Runner("fastgrad", "fastgrad", ms),
+              Runner("torch-fp32", "baseline", _torch_flce("float32"), needs_torch=True),
+              Runner(f"torch-{_SHORT[dtype]}", "baseline", _torch_flce(dtype), needs_torch=True),
+              Runner("bound", "bound", None)],
+             flops=3 * gemm_flops, bytes=io_bytes, bound="gemm", gemm=g3, memory=True,
+             note="bound: the 3 fp32 GEMMs [BT,H]x[H,V], [BT,V]x[V,H], [V,BT]x[BT,H]"),
+        Case("fused_linear_cross_entropy_loss_grad", "high-performance", dtype, shape,
+             lambda: _flce_inputs(BT, H, V, dtype, 0, softmax=True),
+             [Runner("fastgrad", "fastgrad", hp), Runner("bound", "bound", None)],
+             flops=2 * gemm_flops, bytes=io_bytes + 4.0 * BT * V, bound="gemm", gemm=g3[1:],
+             memory=True, note="bound: the 2 fp32 GEMMs [BT,V]x[V,H], [V,BT]x[BT,H]"),
+        Case("fused_linear_online_max_sum", "forward", dtype, shape,
+             lambda: _flce_inputs(BT, H, V, dtype, 0),
+             [Runner("fastgrad", "fastgrad", fwd),
+              Runner("torch-fp32", "baseline", torch_fwd, needs_torch=True),
+              Runner("bound", "bound", None)],
+             flops=gemm_flops, bytes=float((BT * H + V * H) * s + BT * 28), bound="gemm", gemm=g3[:1],
+             memory=True, note="bound: the fp32 GEMM [BT,H]x[H,V]"),
+    ]
+    return cases
+
+
+def _train_step_case(BT, H, V) -> Case:
+    """Issue 4: one LM-head loss + backward, fastgrad.torch.linear_cross_entropy vs
+    F.cross_entropy on materialized logits (fp32 and bf16)."""
+    def inputs():
+        inp = _flce_inputs(BT, H, V, "bfloat16", 1, chunk=V)  # stats unused; cheap enough
+        return {"hidden": inp["input"], "weight": inp["weight"], "target": inp["target"]}
+
+    def fastgrad_step(inp):
+        torch = _torch()
+        from fastgrad.torch import linear_cross_entropy
+
+        h, w, t = tt(inp["hidden"]), tt(inp["weight"]), tt(inp["target"])
+
+        def run():
+            hh = h.detach().requires_grad_()
+            ww = w.detach().requires_grad_()
+            loss = linear_cross_entropy(hh, ww, t)
+            loss.backward()
+            return loss, hh.grad, ww.grad
+        del torch
+        return run
+
+    def torch_step(dtype_name):
+        def make(inp):
+            torch = _torch()
+            F = torch.nn.functional
+            h, w, t = tt(inp["hidden"]), tt(inp["weight"]), tt(inp["target"])
+            if dtype_name == "float32":
+                h, w = h.float(), w.float()
+
+            def run():
+                hh = h.detach().requires_grad_()
+                ww = w.detach().requires_grad_()
+                loss = F.cross_entropy(hh @ ww.T, t)
+                loss.backward()
+                return loss, hh.grad, ww.grad
+            return run
+        return make
+
+    return Case("linear_cross_entropy", "train-step", "bfloat16", {"BT": BT, "H": H, "V": V}, inputs,
+                [Runner("fastgrad", "fastgrad", fastgrad_step, needs_torch=True),
+                 Runner("torch-fp32", "baseline", torch_step("float32"), needs_torch=True),
+                 Runner("torch-bf16", "baseline", torch_step("bfloat16"), needs_torch=True),
+                 Runner("bound", "bound", None)],
+                flops=3 * 2.0 * BT * H * V, bytes=float(2 * 2 * (BT * H + V * H)), bound="gemm",
+                gemm=[(BT, H, V), (BT, V, H), (V, BT, H)], memory=True, needs_torch=True,
+                note="fastgrad.torch.linear_cross_entropy forward+backward; flops = the 3 GEMMs "
+                     "of one materialized step; bound: those GEMMs in fp32")
+
+
+# ------------------------------------------------------------- bandwidth-bound family ----
+
+def _with_out(call, out_shape_dtype):
+    """A fastgrad runner factory with a preallocated ``out=`` (allocated once, outside timing)."""
+    def make(inp):
+        shape, dtype = out_shape_dtype(inp)
+        out = np.empty(shape, dtype)
+
+        def run():
+            return call(inp, out)
+        return run
+    return make
+
+
+def _alloc(call):
+    def make(inp):
+        def run():
+            return call(inp, None)
+        return run
+    return make
+
+
+def _fce_case(BT, V, dtype) -> Case:
+    import fastgrad as fg
+
+    dt = _DT[dtype]
+
+    def inputs():
+        rng = _rng("fce", BT, V, dtype)
+        lg = _normal(rng, (BT, V), dt)
+        lf = lg.astype(np.float32)
+        m = lf.max(axis=1)
+        se = np.exp(lf - m[:, None]).sum(axis=1, dtype=np.float32)
+        pred = lf[np.arange(BT), rng.integers(0, V, BT)] - m
+        return {"logits_max": m, "sum_exp_logits": se, "predicted_logits": pred.astype(np.float32),
+                "vocab_parallel_logits": lg}
+
+    def fastgrad_run(inp):
+        def run():
+            return fg.fused_cross_entropy_loss_with_max_sum(
+                inp["logits_max"], inp["sum_exp_logits"], inp["predicted_logits"],
+                vocab_parallel_logits=inp["vocab_parallel_logits"])
+        return run
+
+    def torch_run(inp):
+        torch = _torch()
+        lg = tt(inp["vocab_parallel_logits"])
+        m, se, p = (tt(inp[k]) for k in ("logits_max", "sum_exp_logits", "predicted_logits"))
+
+        def run():
+            return torch.log(se) - p, torch.exp(lg.float() - m[:, None]) * (1.0 / se)[:, None]
+        return run
+
+    return Case("fused_cross_entropy_loss_with_max_sum", "softmax", dtype, {"BT": BT, "V": V}, inputs,
+                [Runner("fastgrad", "fastgrad", fastgrad_run),
+                 Runner("torch", "baseline", torch_run, needs_torch=True)],
+                bytes=float(BT * V * (dt.itemsize + 4) + BT * 16))
+
+
+def _ce_case(N, C, dtype) -> Case:
+    import fastgrad as fg
+
+    dt = _DT[dtype]
+
+    def inputs():
+        rng = _rng("ce", N, C, dtype)
+        x = rng.standard_normal((N, C), dtype=np.float32)
+        x -= x.max(axis=1, keepdims=True)
+        x -= np.log(np.exp(x).sum(axis=1, keepdims=True))
+        return {"grad_loss": np.array(1.0, dt), "log_prob": x.astype(dt),
+                "target": rng.integers(0, C, N, dtype=np.int64)}
+
+    def call(inp, out):
+        return fg.cross_entropy_loss_grad(inp["grad_loss"], inp["log_prob"], inp["target"],
+                                          reduction="mean", out=out)
+
+    def torch_run(inp):
+        torch = _torch()
+        aten = torch.ops.aten
+        g, lp, t = tt(inp["grad_loss"]), tt(inp["log_prob"]), tt(inp["target"])
+        total = torch.tensor(float(N), dtype=lp.dtype)
+
+        def run():
+            gn = aten.nll_loss_backward(g, lp, t, None, 1, -100, total)
+            return aten._log_softmax_backward_data(gn, lp, 1, lp.dtype)
+        return run
+
+    return Case("cross_entropy_loss_grad", "mean", dtype, {"N": N, "C": C}, inputs,
+                [Runner("fastgrad", "fastgrad", _alloc(call)),
+                 Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (i["log_prob"].shape, dt)), "out="),
+                 Runner("torch", "baseline", torch_run, needs_torch=True)],
+                bytes=float(2 * N * C * dt.itemsize + N * 8),
+                note="torch: aten.nll_loss_backward + aten._log_softmax_backward_data")
+
+
+def _softmax_case(B, N, S1, S2, dtype) -> Case:
+    import fastgrad as fg
+
+    dt = _DT[dtype]
+    scale = 0.125
+
+    def inputs():
+        rng = _rng("smsb", B, N, S1, S2, dtype)
+        z = rng.standard_normal((B, N, S1, S2), dtype=np.float32)
+        z = np.exp(z - z.max(axis=-1, keepdims=True))
+        z /= z.sum(axis=-1, keepdims=True)
+        causal = np.triu(np.ones((S1, S2), np.bool_), 1)
+        mask = causal[None, None] | (rng.random((B, 1, S1, S2)) < 0.05)
+        return {"grad_output": _normal(rng, (B, N, S1, S2), dt), "y": z.astype(dt), "mask": mask}
+
+    def call(inp, out):
+        return fg.scaled_masked_softmax_backward(inp["grad_output"], inp["y"], inp["mask"],
+                                                 scale=scale, out=out)
+
+    def torch_run(inp):
+        torch = _torch()
+        go, y, mask = tt(inp["grad_output"]), tt(inp["y"]), tt(inp["mask"])
+
+        def run():
+            gx = torch.ops.aten._softmax_backward_data(go, y, -1, y.dtype)
+            return gx.mul_(scale).masked_fill_(mask, 0)
+        return run
+
+    E = B * N * S1 * S2
+    return Case("scaled_masked_softmax_backward", "broadcast-mask", dtype,
+                {"B": B, "N": N, "S1": S1, "S2": S2}, inputs,
+                [Runner("fastgrad", "fastgrad", _alloc(call)),
+                 Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (i["y"].shape, dt)), "out="),
+                 Runner("torch", "baseline", torch_run, needs_torch=True)],
+                bytes=float(3 * E * dt.itemsize + B * S1 * S2),
+                note="torch: aten._softmax_backward_data, * scale, masked_fill")
+
+
+def _smooth_l1_case(n, dtype) -> Case:
+    import fastgrad as fg
+
+    dt = _DT[dtype]
+    rows = 4096 if n % 4096 == 0 else 1
+    shape = (rows, n // rows)
+
+    def inputs():
+        rng = _rng("sl1", n, dtype)
+        return {"grad_out": np.array(1.0, dt), "input": _normal(rng, shape, dt),
+                "target": _normal(rng, shape, dt)}
+
+    def call(inp, out):
+        return fg.smooth_l1_loss_backward(inp["grad_out"], inp["input"], inp["target"],
+                                          reduction="mean", beta=1.0, out=out)
+
+    def torch_run(inp):
+        torch = _torch()
+        g, x, t = tt(inp["grad_out"]), tt(inp["input"]), tt(inp["target"])
+
+        def run():
+            return torch.ops.aten.smooth_l1_loss_backward(g, x, t, 1, 1.0)
+        return run
+
+    return Case("smooth_l1_loss_backward", "mean", dtype, {"n": n}, inputs,
+                [Runner("fastgrad", "fastgrad", _alloc(call)),
+                 Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (shape, dt)), "out="),
+                 Runner("torch", "baseline", torch_run, needs_torch=True)],
+                bytes=float(3 * n * dt.itemsize),
+                note="torch: aten.smooth_l1_loss_backward")
+
+
+def _embedding_case(T, W, Dm, dtype) -> Case:
+    import fastgrad as fg
+
+    dt = _DT[dtype]
+
+    def inputs():
+        rng = _rng("emb", T, W, Dm, dtype)
+        return {"grad": _normal(rng, (T, Dm), dt), "indices": rng.integers(0, W, T, dtype=np.int64)}
+
+    def call(inp, out):
+        return fg.embedding_dense_backward(inp["grad"], inp["indices"], W, out=out)
+
+    def torch_run(inp):
+        torch = _torch()
+        g, idx = tt(inp["grad"]), tt(inp["indices"])
+
+        def run():
+            return torch.ops.aten.embedding_dense_backward(g, idx, W, -1, False)
+        return run
+
+    return Case("embedding_dense_backward", "dense", dtype, {"tokens": T, "num_weights": W, "D": Dm},
+                inputs,
+                [Runner("fastgrad", "fastgrad", _alloc(call)),
+                 Runner("fastgrad", "fastgrad", _with_out(call, lambda i: ((W, Dm), dt)), "out="),
+                 Runner("torch", "baseline", torch_run, needs_torch=True)],
+                bytes=float(T * Dm * dt.itemsize + T * 8 + W * Dm * dt.itemsize),
+                note="bytes: read grad and indices, write the whole [num_weights, D] output")
+
+
+# ------------------------------------------------------------------------------ table ----
+
+def all_cases(quick: bool = False) -> list:
+    """Every benchmark case (LLM-sized, or small with ``quick``)."""
+    cases = []
+    if quick:
+        for dtype in ("bfloat16",):
+            cases += _flce_cases(256, 128, 4096, dtype, quick)
+        cases.append(_fce_case(256, 4096, "bfloat16"))
+        for dtype in ("float32", "bfloat16"):
+            cases.append(_ce_case(512, 4096, dtype))
+        cases.append(_softmax_case(2, 4, 128, 128, "float16"))
+        for dtype in ("float32", "bfloat16"):
+            cases.append(_smooth_l1_case(1 << 20, dtype))
+        for dtype in ("float32", "bfloat16"):
+            cases.append(_embedding_case(1024, 4096, 256, dtype))
+        cases.append(_train_step_case(256, 128, 4096))
+        return cases
+    for BT, H, V in ((2048, 896, 151936), (1024, 896, 32000)):
+        cases += _flce_cases(BT, H, V, "bfloat16", quick)
+    cases.append(_fce_case(2048, 32000, "bfloat16"))
+    for dtype in ("float32", "bfloat16"):
+        cases.append(_ce_case(4096, 32000, dtype))
+    cases.append(_softmax_case(4, 16, 512, 512, "float16"))
+    for dtype in ("float32", "bfloat16"):
+        cases.append(_smooth_l1_case(16 * 2 ** 20, dtype))
+    for dtype in ("float32", "bfloat16"):
+        cases.append(_embedding_case(8192, 32000, 1024, dtype))
+    cases.append(_train_step_case(2048, 896, 151936))
+    return cases
+
+
+def select(cases: list, ops) -> list:
+    """Cases whose op matches any of ``ops`` (names, aliases, or substrings); all when empty."""
+    if not ops:
+        return list(cases)
+    want = []
+    for o in ops:
+        o = o.strip().lower()
+        if o:
+            want.append(ALIASES.get(o, o))
+    return [c for c in cases if any(w == c.op or w in c.op or w in c.id.lower() for w in want)]
+
+
+def find_case(case_id: str, quick: bool) -> Case:
+    for c in all_cases(quick):
+        if c.id == case_id:
+            return c
+    raise KeyError(case_id)

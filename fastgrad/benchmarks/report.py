@@ -1,0 +1,226 @@
+"""Report I/O and rendering: JSON (schema ``fastgrad-bench/1``), text table, Markdown table,
+side-by-side comparison with another machine's JSON, and one PNG per op (matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from .runner import SCHEMA
+
+
+def save(report: dict, path: str) -> str:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=_json_default)
+        f.write("\n")
+    return path
+
+
+def _json_default(o):
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+    except Exception:  # noqa: BLE001
+        pass
+    return str(o)
+
+
+def load(path: str) -> dict:
+    """Read a report; raises ValueError when it is not a fastgrad bench report."""
+    with open(path) as f:
+        rep = json.load(f)
+    if not isinstance(rep, dict) or not str(rep.get("schema", "")).startswith("fastgrad-bench/") \
+            or not isinstance(rep.get("rows"), list):
+        raise ValueError(f"{path}: not a fastgrad bench report (schema {SCHEMA!r} expected)")
+    return rep
+
+
+# ----------------------------------------------------------------------------- tables ----
+
+def _ms(t):
+    return "-" if t is None else (f"{t * 1e3:.3g}" if t * 1e3 < 100 else f"{t * 1e3:.0f}")
+
+
+def _num(x, fmt="{:.3g}"):
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return fmt.format(x)
+
+
+def _pct(x):
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _label(r):
+    return r["backend"] if r["kind"] != "fastgrad" else (
+        f"fastgrad:{r['backend']}" + (f" ({r['variant']})" if r.get("variant") else ""))
+
+
+def _speedup(r):
+    s = r.get("fastgrad_speedup")
+    if s is None or r["kind"] == "fastgrad" and not r.get("variant") and r["backend"] == "cpu":
+        return "-"
+    return f"{s:.2f}x"
+
+
+def _groups(rows):
+    out, order = {}, []
+    for r in rows:
+        key = (r["case"], r["threads"])
+        if key not in out:
+            out[key] = []
+            order.append(key)
+        out[key].append(r)
+    return [(k, out[k]) for k in order]
+
+
+COLUMNS = ("backend", "median ms", "p20-p80 ms", "GFLOP/s", "GB/s", "of bound", "fg speed-up", "peak MiB")
+
+
+def _cells(r):
+    if r["status"] != "ok":
+        return [_label(r), r["status"], r.get("note", "")[:60], "", "", "", "", ""]
+    p = f"{_ms(r['time_p20_s'])}-{_ms(r['time_p80_s'])}" if r.get("reps") else "(derived)"
+    peak = "-" if r.get("peak_rss_mib") is None else (
+        f"{r['peak_rss_mib']:.0f}" + (f" (+{r['peak_rss_delta_mib']:.0f})"
+                                      if r.get("peak_rss_delta_mib") is not None else ""))
+    return [_label(r), _ms(r["time_median_s"]), p, _num(r.get("gflops")), _num(r.get("gbps")),
+            _pct(r.get("fraction_of_bound")), _speedup(r), peak]
+
+
+def format_table(report: dict) -> str:
+    """Plain-text table, one block per case and thread count."""
+    lines = [f"fastgrad bench — {report.get('machine_id', '?')}",
+             "versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items() if v)]
+    for n, b in report.get("bounds", {}).items():
+        lines.append(f"copy bandwidth ({n} threads): {b['copy_gbps']:.1f} GB/s")
+    for note in report.get("notes", []):
+        lines.append(f"note: {note}")
+    widths = [26, 10, 16, 9, 8, 9, 12, 14]
+    for (case, n), rows in _groups(report["rows"]):
+        r0 = rows[0]
+        lines.append("")
+        lines.append(f"{r0['op']} [{r0['mode'].split('+')[0]}] {r0['dtype']} {r0['shape_str']}  "
+                     f"threads={n}  bound={r0['bound']}")
+        lines.append("  " + "".join(c.ljust(w) for c, w in zip(COLUMNS, widths)))
+        for r in rows:
+            lines.append("  " + "".join(str(c).ljust(w) for c, w in zip(_cells(r), widths)))
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict) -> str:
+    """A Markdown table of every row (for README / bench/results)."""
+    head = ["op", "shape", "dtype", "mode", "backend", "threads", "median ms", "GFLOP/s", "GB/s",
+            "% of bound", "fastgrad speed-up", "peak RSS MiB"]
+    out = [f"Machine: {report.get('machine_id', '?')}  ",
+           "Versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items() if v) + "  "]
+    for n, b in report.get("bounds", {}).items():
+        out.append(f"Copy bandwidth ({n} threads): {b['copy_gbps']:.1f} GB/s  ")
+    out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["rows"]:
+        if r["status"] != "ok":
+            cells = [r["op"], r["shape_str"], r["dtype"], r["mode"], _label(r), str(r["threads"]),
+                     r["status"] + ": " + r.get("note", "")[:50], "", "", "", "", ""]
+        else:
+            c = _cells(r)
+            cells = [r["op"], r["shape_str"], r["dtype"], r["mode"], c[0], str(r["threads"]), c[1],
+                     c[3], c[4], c[5], c[6], c[7]]
+        out.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def format_compare(this: dict, other: dict) -> str:
+    """Both reports side by side, per case (op, shape, dtype, mode): each row's median time and
+    its ratio to this report's fastgrad:cpu row of the case."""
+    def key(r):
+        return (r["op"], r["shape_str"], r["dtype"], r["mode"].split("+")[0])
+
+    a_id, b_id = this.get("machine_id", "this"), other.get("machine_id", "other")
+    groups, order = {}, []
+    for tag, rep in (("A", this), ("B", other)):
+        for r in rep["rows"]:
+            k = key(r)
+            if k not in groups:
+                groups[k] = []
+                order.append(k)
+            groups[k].append((tag, r))
+    lines = [f"A = {a_id}", f"B = {b_id}", ""]
+    for k in order:
+        items = groups[k]
+        ref = next((r for t, r in items if t == "A" and r["kind"] == "fastgrad" and r["backend"] == "cpu"
+                    and not r.get("variant") and r.get("time_median_s")), None)
+        lines.append(f"{k[0]} [{k[3]}] {k[2]} {k[1]}")
+        for tag, r in items:
+            t = r.get("time_median_s")
+            ratio = f"{t / ref['time_median_s']:.3g}x A:fastgrad:cpu" if (t and ref) else ""
+            status = "" if r["status"] == "ok" else f"{r['status']}: {r.get('note', '')[:50]}"
+            lines.append(f"  {tag}  {_label(r) + ' mode=' + r['mode']:<48} thr={r['threads']:<3} "
+                         f"{_ms(t):>9} ms  {_pct(r.get('fraction_of_bound')):>6} of bound  {ratio}{status}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ plots ----
+
+def plot(report: dict, outdir: str) -> list:
+    """One PNG per op: achieved throughput of each row beside the bound. Needs matplotlib
+    (the ``plot`` extra); returns the files written ([] with a note when it is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return []
+    os.makedirs(outdir, exist_ok=True)
+    files = []
+    by_op = {}
+    for r in report["rows"]:
+        if r["status"] == "ok" and r.get("time_median_s"):
+            by_op.setdefault(r["op"], []).append(r)
+    for op, rows in by_op.items():
+        gemm = rows[0]["bound"] == "gemm"
+        metric, unit = ("gflops", "GFLOP/s") if gemm else ("gbps", "GB/s")
+        cases = []
+        for r in rows:
+            c = f"{r['dtype']} {r['shape_str']}\n{r['mode'].split('+')[0]} thr={r['threads']}"
+            if c not in cases:
+                cases.append(c)
+        labels = []
+        for r in rows:
+            lab = _label(r) if r["backend"] != "bound" else "bound"
+            if r.get("variant") and r["kind"] == "fastgrad":
+                lab = _label(r)
+            if lab not in labels:
+                labels.append(lab)
+        fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases) + 2), 4.5))
+        width = 0.8 / max(1, len(labels))
+        for j, lab in enumerate(labels):
+            xs, ys = [], []
+            for r in rows:
+                lr = _label(r) if r["backend"] != "bound" else "bound"
+                if lr != lab or r.get(metric) is None:
+                    continue
+                c = f"{r['dtype']} {r['shape_str']}\n{r['mode'].split('+')[0]} thr={r['threads']}"
+                xs.append(cases.index(c) + (j - (len(labels) - 1) / 2) * width)
+                ys.append(r[metric])
+            if xs:
+                kw = {"hatch": "//", "edgecolor": "black", "facecolor": "none"} if lab == "bound" else {}
+                ax.bar(xs, ys, width, label=lab, **kw)
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(cases, fontsize=7)
+        ax.set_ylabel(f"achieved {unit}")
+        ax.set_title(f"{op} — achieved vs bound ({'fp32 GEMM' if gemm else 'copy bandwidth'})\n"
+                     f"{report.get('machine_id', '')}", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(outdir, f"{op}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path)
+    return files

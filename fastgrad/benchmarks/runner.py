@@ -1,0 +1,254 @@
+"""Run benchmark cases into JSON rows (schema: ``docs/benchmarks.md``).
+
+Rows of a case with ``memory=True`` (the FLCE family and the training step) run in a fresh
+Python subprocess (spawned, nothing inherited but the environment) so that their peak RSS is
+theirs alone: the child builds the inputs, then for each row resets the kernel's peak-RSS
+counter, records the RSS before the first call, times the row, and reports the peak
+(``peak_rss_mib``) and the growth over the pre-call RSS (``peak_rss_delta_mib``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+from . import cases as C
+from .machine import copy_bandwidth, gemm_runner, machine_id, machine_info, versions
+from .timing import MIB, current_rss, peak_rss, reset_peak_rss, threads, time_fn, torch_module
+
+SCHEMA = "fastgrad-bench/1"
+
+
+def _spec_label(case, runner) -> str:
+    return f"{runner.name}{('+' + runner.mode) if runner.mode else ''}"
+
+
+def _row_base(case, runner, backend, n, note="") -> dict:
+    mode = case.mode + (f"+{runner.mode}" if runner.mode else "")
+    return {
+        "op": case.op, "case": case.id, "shape": dict(case.shape), "shape_str": case.shape_str,
+        "dtype": case.dtype, "mode": mode, "backend": backend, "kind": runner.kind,
+        "runner": runner.name, "variant": runner.mode, "threads": n, "status": "ok", "note": note,
+        "time_median_s": None, "time_p20_s": None, "time_p80_s": None, "reps": 0,
+        "warmup_s": None, "flops": case.flops or None, "bytes": case.bytes or None,
+        "gflops": None, "gbps": None, "bound": case.bound, "bound_time_s": None,
+        "fraction_of_bound": None, "fastgrad_speedup": None,
+        "peak_rss_mib": None, "peak_rss_delta_mib": None, "rss_measured": None,
+    }
+
+
+def _callable(case, runner, backend, inp):
+    if runner.kind == "bound":
+        return gemm_runner(case.gemm)
+    fn = runner.make(inp)
+    if runner.kind != "fastgrad":
+        return fn
+    from ..backends import use_backend
+
+    def run():
+        with use_backend(backend):
+            return fn()
+    return run
+
+
+def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> dict:
+    """Time one row (in this process); with ``memory``, also its peak RSS."""
+    row = _row_base(case, runner, backend, n)
+    try:
+        fn = _callable(case, runner, backend, inp)
+        if memory:
+            ok = reset_peak_rss()
+            base = current_rss()
+        t = time_fn(fn, repeat, budget_s)
+        if memory:
+            peak = peak_rss()
+            row["peak_rss_mib"] = peak / MIB
+            row["peak_rss_delta_mib"] = max(0.0, peak - base) / MIB if ok else None
+            row["rss_measured"] = "subprocess" if ok else "subprocess (peak since start)"
+        del fn
+        row.update(t.as_dict())
+    except NotImplementedError as e:
+        row.update(status="error", note=f"not implemented: {e}")
+    except Exception as e:  # noqa: BLE001 - a failing row must not stop the report
+        row.update(status="error", note=f"{type(e).__name__}: {e}"[:300])
+        if os.environ.get("FASTGRAD_BENCH_DEBUG"):
+            traceback.print_exc()
+    return row
+
+
+# --------------------------------------------------------------- spawned memory worker ----
+
+def _child_main():
+    """Entry point of the spawned subprocess: JSON job list on stdin, JSON rows on stdout.
+
+    Each job is one case: its inputs are built, its rows run (peak RSS reset before each),
+    and its inputs dropped before the next job.
+    """
+    spec = json.loads(sys.stdin.read())
+    results = []
+    for job in spec["jobs"]:
+        rows = []
+        try:
+            case = C.find_case(job["case"], spec["quick"])
+            with threads(spec["threads"]):
+                inp = case.build()
+                for ri, backend in job["rows"]:
+                    rows.append(run_one(case, case.runners[ri], backend, inp, spec["threads"],
+                                        spec["repeat"], spec["budget"], memory=True))
+                inp = None
+            results.append({"ok": True, "rows": rows})
+        except Exception as e:  # noqa: BLE001
+            results.append({"ok": False, "error": f"{type(e).__name__}: {e}", "rows": rows})
+    sys.stdout.write("\n@@FASTGRAD-BENCH@@" + json.dumps(results) + "\n")
+    sys.stdout.flush()
+
+
+def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None) -> list:
+    """Run ``jobs`` ([(case, [(runner index, backend), ...]), ...]) in one fresh interpreter;
+    returns one list of rows per job."""
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    payload = json.dumps({"jobs": [{"case": c.id, "rows": specs} for c, specs in jobs], "quick": quick,
+                          "threads": n, "repeat": repeat, "budget": budget_s})
+    cmd = [sys.executable, "-c", "from fastgrad.benchmarks.runner import _child_main; _child_main()"]
+
+    def failed(note):
+        return [[dict(_row_base(c, c.runners[ri], b, n), status="error", note=note[:300])
+                 for ri, b in specs] for c, specs in jobs]
+    try:
+        p = subprocess.run(cmd, input=payload, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return failed("subprocess timed out")
+    out = p.stdout.rsplit("@@FASTGRAD-BENCH@@", 1)
+    if len(out) != 2:
+        err = (p.stderr or "").strip().splitlines()[-1:] or [f"exit status {p.returncode}"]
+        return failed(f"subprocess failed: {err[0]}")
+    results = []
+    for (c, specs), res in zip(jobs, json.loads(out[1])):
+        rows = res["rows"]
+        if not res["ok"]:
+            for ri, b in specs[len(rows):]:
+                rows.append(dict(_row_base(c, c.runners[ri], b, n), status="error", note=res["error"]))
+        results.append(rows)
+    return results
+
+
+# ------------------------------------------------------------------------------ driver ----
+
+def run(cases, backends=("cpu",), thread_counts=(None,), repeat=5, budget_s=30.0, quick=False,
+        use_torch=True, memory=True, progress=None, copy_bytes=None) -> dict:
+    """Run ``cases`` and return the report dict (see ``docs/benchmarks.md`` for the schema).
+
+    ``backends``: fastgrad backends, one row each per fastgrad runner; ``thread_counts``: the
+    thread settings (None: the default); ``memory=False`` runs memory cases in-process
+    without peak RSS.  ``progress(row)`` is called after each row.
+    """
+    from .timing import default_threads
+
+    info, vers = machine_info(), versions()
+    mid = machine_id(info)
+    has_torch = use_torch and torch_module() is not None
+    torch_note = None if has_torch else ("torch disabled (--no-torch)" if not use_torch
+                                         else "torch not installed")
+    rows, bounds = [], {}
+    t_start = time.time()
+    if copy_bytes is None:
+        copy_bytes = (64 if quick else 512) * 2 ** 20
+    for n in thread_counts:
+        nthr = int(n) if n is not None else default_threads()
+        with threads(nthr):
+            bw = None
+            if any(c.bound == "copy" for c in cases):
+                bw = copy_bandwidth(copy_bytes, repeat=3 if quick else 7)
+                bounds[str(nthr)] = {"copy_gbps": bw["gbps"], "copy_bytes": bw["bytes"],
+                                     "copy_numba_gbps": bw["numba_gbps"], "copy_numpy_gbps": bw["numpy_gbps"]}
+            planned = []
+            for case in cases:
+                specs, skipped = [], []
+                for ri, r in enumerate(case.runners):
+                    if (r.needs_torch or case.needs_torch) and not has_torch:
+                        for b in (backends if r.kind == "fastgrad" else [r.name]):
+                            sk = _row_base(case, r, b, nthr, note=f"skipped: {torch_note}")
+                            sk["status"] = "skipped"
+                            skipped.append(sk)
+                        continue
+                    if r.kind == "fastgrad":
+                        specs += [(ri, b) for b in backends]
+                    else:
+                        specs.append((ri, r.name))
+                planned.append((case, specs, skipped))
+            # memory cases: in a fresh subprocess (one per case; one for all of them in quick mode)
+            mem = [(c, s) for c, s, _ in planned if c.memory and memory and s]
+            mem_rows = {}
+            groups = [mem] if quick else [[j] for j in mem]
+            for g in groups:
+                if g:
+                    for (c, _), rws in zip(g, run_in_subprocess(g, nthr, repeat, budget_s, quick)):
+                        mem_rows[c.id] = rws
+            for case, specs, skipped in planned:
+                case_rows = []
+                if case.id in mem_rows:
+                    case_rows = mem_rows[case.id]
+                elif specs:
+                    err = None
+                    try:
+                        inp = case.build()
+                    except Exception as e:  # noqa: BLE001
+                        inp, err = None, f"building inputs failed: {type(e).__name__}: {e}"
+                    for ri, b in specs:
+                        if inp is None:
+                            case_rows.append(dict(_row_base(case, case.runners[ri], b, nthr),
+                                                  status="error", note=err))
+                        else:
+                            case_rows.append(run_one(case, case.runners[ri], b, inp, nthr, repeat, budget_s))
+                    inp = None
+                if case.bound == "copy" and bw is not None:
+                    br = _row_base(case, C.Runner("bound", "bound", None), "bound", nthr,
+                                   note="bytes at the measured copy bandwidth")
+                    br.update(time_median_s=case.bytes / (bw["gbps"] * 1e9), reps=0)
+                    br["time_p20_s"] = br["time_p80_s"] = br["time_median_s"]
+                    case_rows.append(br)
+                _derive(case_rows)
+                for r in case_rows + skipped:
+                    r["machine"] = mid
+                    r["versions"] = vers
+                    rows.append(r)
+                    if progress:
+                        progress(r)
+    return {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "elapsed_s": time.time() - t_start,
+        "machine": info, "machine_id": mid, "versions": vers,
+        "settings": {"quick": quick, "repeat": repeat, "budget_s": budget_s,
+                     "threads": [int(n) if n is not None else default_threads() for n in thread_counts],
+                     "backends": list(backends), "torch": has_torch, "memory_subprocess": memory},
+        "bounds": bounds,
+        "notes": [torch_note] if torch_note else [],
+        "rows": rows,
+    }
+
+
+def _derive(rows: list) -> None:
+    """Fill GFLOP/s, GB/s, bound time, fraction of the bound and fastgrad speed-ups."""
+    bound = next((r for r in rows if r["backend"] == "bound" and r["time_median_s"]), None)
+    ref = next((r for r in rows if r["kind"] == "fastgrad" and r["backend"] == "cpu"
+                and not r["variant"] and r["time_median_s"]), None)
+    for r in rows:
+        t = r["time_median_s"]
+        if not t:
+            continue
+        if r["flops"]:
+            r["gflops"] = r["flops"] / t / 1e9
+        if r["bytes"]:
+            r["gbps"] = r["bytes"] / t / 1e9
+        if bound is not None:
+            r["bound_time_s"] = bound["time_median_s"]
+            r["fraction_of_bound"] = bound["time_median_s"] / t
+        if ref is not None and r is not ref and r["backend"] != "bound":
+            r["fastgrad_speedup"] = t / ref["time_median_s"]

@@ -1,0 +1,80 @@
+"""Deterministic parallel GEMMs on NumPy's BLAS.
+
+A multi-threaded BLAS splits a GEMM differently for different thread counts, and an output
+element computed by a different micro-kernel can differ in its last bit: OpenBLAS's sgemm is
+*not* bitwise reproducible across thread counts.  fastgrad promises identical results for every
+thread count, so the GEMMs of the fused kernels are cut here into a fixed partition of output rows
+(chosen from the shapes only), each block computed by single-threaded BLAS, and the blocks spread
+over a pool of ``fastgrad.get_num_threads()`` Python threads (NumPy releases the GIL in BLAS).
+Every output element is then produced by the same call with the same operands whatever the
+thread count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+
+#: Fixed block sizes (output rows per BLAS call). Never derived from the thread count.
+ROW_BLOCK = 256
+COL_BLOCK = 512
+
+_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+_controller = None
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    with _lock:
+        p = _pools.get(n)
+        if p is None:
+            p = _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="fastgrad-gemm")
+        return p
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """Limit the BLAS to one thread for the duration (restored afterwards)."""
+    global _controller
+    if _controller is None:
+        from threadpoolctl import ThreadpoolController
+
+        _controller = ThreadpoolController()
+    with _controller.limit(limits=1, user_api="blas"):
+        yield
+
+
+def _run(tasks):
+    n = numba.get_num_threads()
+    if n <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            t()
+        return
+    futs = [_pool(n).submit(t) for t in tasks]
+    for f in futs:
+        f.result()
+
+
+def matmul_nt(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
+    """out[M, N] = A[M, K] · B[N, K]ᵀ, blocks of ROW_BLOCK rows of out."""
+    M = A.shape[0]
+    _run([(lambda a=a, b=min(a + ROW_BLOCK, M): np.matmul(A[a:b], B.T, out=out[a:b]))
+          for a in range(0, M, ROW_BLOCK)])
+
+
+def matmul_nn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
+    """out[M, N] = A[M, K] · B[K, N], blocks of ROW_BLOCK rows of out."""
+    M = A.shape[0]
+    _run([(lambda a=a, b=min(a + ROW_BLOCK, M): np.matmul(A[a:b], B, out=out[a:b]))
+          for a in range(0, M, ROW_BLOCK)])
+
+
+def matmul_tn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
+    """out[M, N] = A[K, M]ᵀ · B[K, N], blocks of COL_BLOCK rows of out (columns of A)."""
+    M = A.shape[1]
+    _run([(lambda a=a, b=min(a + COL_BLOCK, M): np.matmul(A[:, a:b].T, B, out=out[a:b]))
+          for a in range(0, M, COL_BLOCK)])

@@ -1,0 +1,110 @@
+"""Vocabulary parallelism over ``torch.distributed`` (Megatron's ``_VocabParallelCrossEntropy``).
+
+Each rank of a process group holds the LM-head rows of a contiguous vocabulary range, in rank
+order: rank ``k`` owns ``[start_k, start_k + V_k)`` with ``start_k = V_0 + ... + V_{k-1}``.
+Shard sizes may differ (``split_vocab`` gives the first ``V % world`` ranks one extra row).
+
+The loss needs three all-reduces of per-row fp32 statistics (SPEC.md, "Combining shards"),
+fused here into two collectives:
+
+1. ``gmax = max_k m_k``                                             (``ReduceOp.MAX``)
+2. ``sum = Σ_k s_k·exp(m_k - gmax)``, ``predicted = Σ_k (p_k + (m_k - gmax)·owned_k)`` and, for
+   label smoothing, ``Σ_k Σ_{v in shard k} logits[:, v]`` stacked into one ``[n, BT]`` ``SUM``.
+
+The backward all-reduces ``grad_input`` (in fp32, rounded once to the input dtype afterwards);
+``grad_weight`` stays local to each shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["split_vocab", "shard_weight", "vocab_shard_range", "combine_stats",
+           "all_reduce_sum_fp32"]
+
+
+def split_vocab(vocab_size: int, world_size: int) -> list[int]:
+    """Shard sizes of a vocabulary split over ``world_size`` ranks, in rank order.
+
+    The first ``vocab_size % world_size`` ranks get one extra row (``V = 101`` over 3 ranks:
+    ``[34, 34, 33]``), as ``numpy.array_split``.
+    """
+    vocab_size, world_size = int(vocab_size), int(world_size)
+    if vocab_size < 0 or world_size < 1:
+        raise ValueError(f"split_vocab: need vocab_size >= 0 and world_size >= 1, "
+                         f"got {vocab_size} and {world_size}")
+    q, r = divmod(vocab_size, world_size)
+    return [q + (1 if k < r else 0) for k in range(world_size)]
+
+
+def shard_weight(weight: torch.Tensor, rank: int | None = None, world_size: int | None = None,
+                 group=None) -> torch.Tensor:
+    """This rank's rows of a full ``[V, H]`` LM-head weight (a view; ``.clone()`` it to own it).
+
+    ``rank``/``world_size`` default to the process group's (``group``, default WORLD).
+    """
+    if rank is None or world_size is None:
+        rank = dist.get_rank(group) if rank is None else rank
+        world_size = dist.get_world_size(group) if world_size is None else world_size
+    sizes = split_vocab(weight.shape[0], world_size)
+    start = sum(sizes[:rank])
+    return weight[start:start + sizes[rank]]
+
+
+def vocab_shard_range(local_vocab_size: int, group=None) -> tuple[int, int, int]:
+    """``(vocab_start_index, vocab_end_index, vocab_size)`` of this rank's shard.
+
+    All-gathers the local shard sizes once over ``group`` (a collective: every rank of the group
+    must call it) and places the shards in rank order.  ``vocab_end_index`` is exclusive;
+    ``vocab_size`` is the global vocabulary size.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    mine = torch.tensor([int(local_vocab_size)], dtype=torch.int64)
+    sizes = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine, group=group)
+    sizes = [int(s.item()) for s in sizes]
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank], sum(sizes)
+
+
+def combine_stats(logits_max: torch.Tensor, sum_exp: torch.Tensor, predicted: torch.Tensor,
+                  owned: torch.Tensor, extra: torch.Tensor | None, group):
+    """Combine the shards' row statistics (all ranks of ``group`` must call it).
+
+    Parameters
+    ----------
+    logits_max, sum_exp, predicted : float [BT]
+        This shard's ``m_k``, ``s_k`` (relative to ``m_k``) and ``p_k`` (target logit minus
+        ``m_k`` where owned, else 0), as :func:`fastgrad.fused_linear_online_max_sum` returns.
+    owned : bool [BT]
+        Whether this shard holds the row's target.
+    extra : float [BT] or None
+        A per-row quantity to sum over the shards as well (the logits' row sums for label
+        smoothing).
+
+    Returns
+    -------
+    (gmax, sum_exp, predicted, extra or None)
+        The global values: ``gmax = max_k m_k``; ``sum = Σ_k s_k·exp(m_k - gmax)``;
+        ``predicted = Σ_k (p_k + (m_k - gmax)·owned_k)`` (the global target logit minus gmax).
+    """
+    gmax = logits_max.clone()
+    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+    shift = logits_max - gmax                       # -inf on an empty shard: exp -> 0
+    rows = [sum_exp * torch.exp(shift), torch.where(owned, predicted + shift, predicted)]
+    if extra is not None:
+        rows.append(extra.to(sum_exp.dtype))
+    buf = torch.stack(rows)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    return gmax, buf[0], buf[1], (buf[2] if extra is not None else None)
+
+
+def all_reduce_sum_fp32(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``t`` over ``group`` in fp32 (fp64 stays fp64); returns the fp32/fp64 result."""
+    acc = t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+    if acc is t:
+        acc = t.clone()
+    dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=group)
+    return acc

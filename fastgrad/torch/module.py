@@ -1,0 +1,82 @@
+"""``LinearCrossEntropyLoss``: the ``nn.Module`` face of :func:`linear_cross_entropy`."""
+
+from __future__ import annotations
+
+import torch
+
+from . import distributed as _vp
+from .functional import linear_cross_entropy
+
+__all__ = ["LinearCrossEntropyLoss"]
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    r"""Fused LM-head cross-entropy: ``loss(hidden, weight, target)``.
+
+    Equivalent to ``nn.CrossEntropyLoss(ignore_index, reduction, label_smoothing)`` applied to
+    ``hidden @ weight.T``, without materializing the ``[BT, V]`` logits; see
+    :func:`fastgrad.torch.linear_cross_entropy` for shapes, dtypes, precision and errors.
+
+    Parameters
+    ----------
+    ignore_index : int, default -100
+    reduction : {"mean", "sum", "none"}, default "mean"
+    label_smoothing : float in [0, 1], default 0 (PyTorch's meaning, global vocabulary)
+    process_group : torch.distributed.ProcessGroup, optional
+        Vocabulary parallel: ``weight`` is this rank's shard.  The shard layout
+        (``vocab_start_index``, ``vocab_size``) is all-gathered on the first call and reused;
+        this rank's shard size must not change afterwards (ValueError), since a re-gather on one
+        rank only would hang the others.
+    vocab_start_index, vocab_size : int, optional
+        Give the layout explicitly (no collective).
+
+    Examples
+    --------
+    >>> loss_fn = LinearCrossEntropyLoss(ignore_index=-100)
+    >>> loss = loss_fn(hidden, model.lm_head.weight, labels)   # hidden [B, T, H], labels [B, T]
+    >>> loss.backward()
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, process_group=None, *,
+                 vocab_start_index: int | None = None, vocab_size: int | None = None):
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.process_group = process_group
+        self.vocab_start_index = vocab_start_index
+        self.vocab_size = vocab_size
+        self._layout: tuple[int, int, int] | None = None   # (local V, start, global V)
+
+    def _shard_layout(self, local_vocab: int) -> tuple[int | None, int | None]:
+        if self.process_group is None or (self.vocab_start_index is not None
+                                          and self.vocab_size is not None):
+            return self.vocab_start_index, self.vocab_size
+        if self._layout is None:
+            start, _, V = _vp.vocab_shard_range(local_vocab, self.process_group)
+            self._layout = (local_vocab, start, V)
+        elif self._layout[0] != local_vocab:
+            raise ValueError(f"LinearCrossEntropyLoss: this rank's weight shard had "
+                             f"{self._layout[0]} rows when the layout was gathered, now "
+                             f"{local_vocab}; pass vocab_start_index/vocab_size or make a new "
+                             f"module")
+        _, start, V = self._layout
+        return (start if self.vocab_start_index is None else self.vocab_start_index,
+                V if self.vocab_size is None else self.vocab_size)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                target: torch.Tensor) -> torch.Tensor:
+        start, V = self._shard_layout(weight.shape[0])
+        return linear_cross_entropy(hidden, weight, target, ignore_index=self.ignore_index,
+                                    reduction=self.reduction,
+                                    label_smoothing=self.label_smoothing,
+                                    process_group=self.process_group,
+                                    vocab_start_index=start, vocab_size=V)
+
+    def extra_repr(self) -> str:
+        s = (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+             f"label_smoothing={self.label_smoothing}")
+        if self.process_group is not None:
+            s += ", vocab_parallel=True"
+        return s

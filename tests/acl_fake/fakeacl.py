@@ -1,0 +1,93 @@
+"""Build and drive the fake CANN runtime (``fake_acl.c``) for the acl backend's ABI tests."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "fake_acl.c")
+
+
+def compiler() -> str | None:
+    """The system C compiler (``$CC``, cc, gcc, clang) or None."""
+    for c in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if c and shutil.which(c):
+            return shutil.which(c)
+    return None
+
+
+def build(dest: str) -> str:
+    """Compile libascendcl.so, libnnopbase.so and libopapi.so into ``dest``; returns ``dest``.
+
+    libnnopbase and libopapi link against libascendcl (which holds the shared state), found
+    next to them through ``$ORIGIN``, as in a real toolkit's lib64.
+    """
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler")
+    os.makedirs(dest, exist_ok=True)
+    common = [cc, "-shared", "-fPIC", "-O1", "-std=gnu11", "-Wall", "-fvisibility=hidden", SOURCE]
+    rpath = "-Wl,-rpath,$ORIGIN"
+    steps = [
+        ["-DFAKE_PART_ACL", "-Wl,-soname,libascendcl.so", "-o", os.path.join(dest, "libascendcl.so"), "-lm"],
+        ["-DFAKE_PART_NNOPBASE", "-Wl,-soname,libnnopbase.so", "-o", os.path.join(dest, "libnnopbase.so"),
+         "-L" + dest, "-lascendcl", rpath, "-lm"],
+        ["-DFAKE_PART_OPAPI", "-Wl,-soname,libopapi.so", "-o", os.path.join(dest, "libopapi.so"),
+         "-L" + dest, "-lnnopbase", "-lascendcl", rpath, "-lm"],
+    ]
+    for extra in steps:
+        r = subprocess.run(common + extra, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"compiling the fake runtime failed:\n{r.stderr}")
+    return dest
+
+
+class Fake:
+    """The fake's query/control API (``fake_*`` in libascendcl.so), through ctypes.
+
+    Opening the same path the backend opened returns the same handle, hence the same state.
+    """
+
+    def __init__(self, libdir: str):
+        self.libdir = libdir
+        mode = os.RTLD_GLOBAL | os.RTLD_NOW
+        self.lib = ctypes.CDLL(os.path.join(libdir, "libascendcl.so"), mode=mode)
+        L = self.lib
+        L.fake_log_json.restype = ctypes.c_char_p
+        L.fake_last_violation.restype = ctypes.c_char_p
+        L.fake_counter.restype = ctypes.c_int64
+        L.fake_counter.argtypes = [ctypes.c_char_p]
+        L.fake_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        L.fake_set_workspace.argtypes = [ctypes.c_uint64]
+        L.fake_live_allocations.restype = ctypes.c_int64
+        L.aclInit.argtypes = [ctypes.c_char_p]
+        L.aclFinalize.argtypes = []
+
+    def log(self) -> list[dict]:
+        return json.loads(self.lib.fake_log_json().decode())
+
+    def clear_log(self) -> None:
+        self.lib.fake_clear_log()
+
+    def counter(self, name: str) -> int:
+        return int(self.lib.fake_counter(name.encode()))
+
+    def counters(self, *names: str) -> dict:
+        return {n: self.counter(n) for n in names}
+
+    def live_allocations(self) -> int:
+        return int(self.lib.fake_live_allocations())
+
+    def violation(self) -> str:
+        v = self.lib.fake_last_violation()
+        return v.decode() if v else ""
+
+    def fail(self, fn: str | None, code: int = 0, nth: int = 1) -> None:
+        self.lib.fake_fail(fn.encode() if fn else None, int(code), int(nth))
+
+    def set_workspace(self, n: int) -> None:
+        self.lib.fake_set_workspace(int(n))

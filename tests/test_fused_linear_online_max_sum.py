@@ -1,0 +1,158 @@
+"""The companion forward ops: fused_linear_online_max_sum and fused_cross_entropy_loss_with_max_sum."""
+
+import numpy as np
+import pytest
+
+import fastgrad as fg
+from fastgrad import tiling
+from flce_helpers import BF16, DTYPES, F16, F32, make_problem
+
+torch = pytest.importorskip("torch")
+
+
+def golden(x, w, t, start, end):
+    """Independent oracle: logits rounded to the input dtype, then float64 statistics."""
+    L = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(x.dtype).astype(np.float64)
+    m = L.max(axis=1)
+    s = np.exp(L - m[:, None]).sum(axis=1)
+    masked = (t < start) | (t >= end)
+    local = np.where(masked, 0, t - start)
+    pred = np.where(masked, 0.0, L[np.arange(len(t)), np.clip(local, 0, L.shape[1] - 1)] - m)
+    return m, s, pred, masked, local, L
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (9, 7, 300), (130, 17, 1031)], ids=str)
+def test_matches_golden(rng, dtype, shape):
+    BT, H, V = shape
+    x, w, _, _, _ = make_problem(rng, BT, H, V, dtype)
+    start = 5
+    t = rng.integers(0, V + 10, BT).astype(np.int32)
+    r = fg.fused_linear_online_max_sum(x, w, t, start, start + V, return_logits=True)
+    m, s, pred, masked, local, L = golden(x, w, t, start, start + V)
+    u = {BF16: 2.0 ** -8, F16: 2.0 ** -11, F32: 2.0 ** -23}[np.dtype(dtype)]
+    np.testing.assert_allclose(r.logits_max_local, m, rtol=2 * u, atol=1e-6)   # at most one rounding apart
+    np.testing.assert_allclose(r.sum_exp_logits_local, s, rtol=1e-5)
+    np.testing.assert_allclose(r.predicted_logits_local, pred, rtol=1e-5, atol=1e-6)
+    assert r.masked_target.dtype == np.int32
+    np.testing.assert_array_equal(r.masked_target, local)
+    bits = np.unpackbits(r.target_mask, bitorder="little")
+    np.testing.assert_array_equal(bits[:BT].astype(bool), masked)
+    assert bits[BT:].all(), "padding bits must be 1 (device)"
+    assert r.target_mask.shape == ((BT + 7) // 8,)
+    assert r.vocab_parallel_logits.dtype == dtype
+    got = r.vocab_parallel_logits.astype(np.float64)
+    np.testing.assert_allclose(got, L, rtol=2 * u, atol=1e-6)   # fp32 GEMM vs float64: one rounding at most
+    if dtype != F32:
+        assert np.mean(got != L) < 0.01
+
+
+def test_online_tiles_match_single_tile_and_threads_are_bitwise_equal(rng):
+    BT, H, V = 300, 16, 2100
+    x, w, t, _, _ = make_problem(rng, BT, H, V, BF16)
+    ref = fg.fused_linear_online_max_sum(x, w, t, 0, V)
+    tiling.set_workspace_budget(150_000)
+    try:
+        assert tiling.plan_linear_cross_entropy(BT, V, H, mode="forward").n_tiles > 4
+        res = []
+        for n in (1, 2):
+            with fg.num_threads(n):
+                res.append(fg.fused_linear_online_max_sum(x, w, t, 0, V))
+    finally:
+        tiling.set_workspace_budget(None)
+    for a, b in zip(res[0][:5], res[1][:5]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(res[0].logits_max_local, ref.logits_max_local)
+    np.testing.assert_allclose(res[0].sum_exp_logits_local, ref.sum_exp_logits_local, rtol=1e-5)
+
+
+def test_loss_and_softmax_match_torch(rng):
+    BT, H, V = 23, 11, 97
+    x, w, t, _, _ = make_problem(rng, BT, H, V, F32)
+    r = fg.fused_linear_online_max_sum(x, w, t, 0, V, return_logits=True)
+    loss, sm = fg.fused_cross_entropy_loss_with_max_sum(r.logits_max_local, r.sum_exp_logits_local,
+                                                        r.predicted_logits_local,
+                                                        vocab_parallel_logits=r.vocab_parallel_logits)
+    logits = torch.tensor(x, dtype=torch.float64) @ torch.tensor(w, dtype=torch.float64).T
+    ref = torch.nn.functional.cross_entropy(logits, torch.tensor(t), reduction="none").numpy()
+    np.testing.assert_allclose(loss, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sm, torch.softmax(logits, -1).numpy(), rtol=1e-5, atol=1e-7)
+    l2, none = fg.fused_cross_entropy_loss_with_max_sum(r.logits_max_local, r.sum_exp_logits_local,
+                                                        r.predicted_logits_local)
+    assert none is None
+    np.testing.assert_array_equal(l2, loss)
+    with fg.use_backend("reference"):
+        l3, s3 = fg.fused_cross_entropy_loss_with_max_sum(r.logits_max_local, r.sum_exp_logits_local,
+                                                          r.predicted_logits_local,
+                                                          vocab_parallel_logits=r.vocab_parallel_logits)
+    np.testing.assert_allclose(l3, loss, rtol=1e-6)
+    np.testing.assert_allclose(s3, sm, rtol=1e-6, atol=1e-9)
+
+
+def test_loss_label_smoothing_extension_is_megatrons(rng):
+    BT, H, V = 13, 6, 40
+    x, w, t, _, _ = make_problem(rng, BT, H, V, F32)
+    r = fg.fused_linear_online_max_sum(x, w, t, 0, V, return_logits=True)
+    a = 0.2
+    loss, _ = fg.fused_cross_entropy_loss_with_max_sum(r.logits_max_local, r.sum_exp_logits_local,
+                                                       r.predicted_logits_local, a, r.vocab_parallel_logits)
+    logits = torch.tensor(x, dtype=torch.float64) @ torch.tensor(w, dtype=torch.float64).T
+    ref = torch.nn.functional.cross_entropy(logits, torch.tensor(t), reduction="none",
+                                            label_smoothing=a * V / (V - 1)).numpy()
+    np.testing.assert_allclose(loss, ref, rtol=1e-5, atol=1e-5)
+    for kw in ({}, ):
+        with pytest.raises(fg.AclnnError) as e:   # needs the logits
+            fg.fused_cross_entropy_loss_with_max_sum(r.logits_max_local, r.sum_exp_logits_local,
+                                                     r.predicted_logits_local, a, **kw)
+        assert e.value.status == 161002
+
+
+def test_torch_in_torch_out(rng):
+    BT, H, V = 8, 4, 32
+    x, w, t, _, _ = make_problem(rng, BT, H, V, BF16)
+    xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    wt = torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
+    r = fg.fused_linear_online_max_sum(xt, wt, torch.from_numpy(t), 0, V, return_logits=True)
+    assert all(isinstance(a, torch.Tensor) for a in r)
+    assert r.vocab_parallel_logits.dtype == torch.bfloat16 and r.target_mask.dtype == torch.uint8
+    n = fg.fused_linear_online_max_sum(x, w, t, 0, V)
+    np.testing.assert_array_equal(r.sum_exp_logits_local.numpy(), n.sum_exp_logits_local)
+
+
+@pytest.mark.parametrize("kw,status,param", [
+    (dict(input=None), 161001, "input"),
+    (dict(weight=None), 161001, "weight"),
+    (dict(target=None), 161001, "target"),
+    (dict(vocab_start_index=-1), 161002, "vocab_start_index"),
+    (dict(vocab_end_index=2), 161002, "vocab_end_index"),
+    (dict(target=np.zeros(6, np.float32)), 161002, "target"),
+    (dict(target=np.zeros(5, np.int64)), 161002, "target"),
+    (dict(weight=np.zeros((0, 4), BF16)), 161002, "weight"),
+    (dict(weight=np.zeros((8, 3), BF16)), 161002, "weight"),
+    (dict(weight=np.zeros((8, 4), F16)), 161002, "weight"),
+    (dict(input=np.zeros((6, 4), np.float64)), 161002, "input"),
+    (dict(return_logits=1), 161002, "return_logits"),
+])
+def test_forward_errors(kw, status, param):
+    args = dict(input=np.zeros((6, 4), BF16), weight=np.zeros((8, 4), BF16), target=np.zeros(6, np.int64),
+                vocab_start_index=3, vocab_end_index=11)
+    args.update(kw)
+    with pytest.raises(fg.AclnnError) as e:
+        fg.fused_linear_online_max_sum(**args)
+    assert e.value.status == status and param in str(e.value)
+
+
+@pytest.mark.parametrize("kw,status", [
+    (dict(logits_max=None), 161001),
+    (dict(sum_exp_logits=np.zeros(5, np.float64)), 161002),
+    (dict(predicted_logits=np.zeros(4, np.float32)), 161002),
+    (dict(vocab_parallel_logits=np.zeros((4, 3), np.float32)), 161002),
+    (dict(label_smoothing=0.1), 161002),
+])
+def test_loss_errors(kw, status):
+    args = dict(logits_max=np.zeros(5, np.float32), sum_exp_logits=np.ones(5, np.float32),
+                predicted_logits=np.zeros(5, np.float32))
+    args.update(kw)
+    with pytest.raises(fg.AclnnError) as e:
+        fg.fused_cross_entropy_loss_with_max_sum(**args)
+    assert e.value.status == status
