@@ -241,22 +241,26 @@ def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, weight,
         j1 = min(j0 + _BLOCK, c)
         t = tgt[i]
         a = coef_p[i]
+        # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices
+        dst = out[i, j0:j1]
         if t == ignore_index:
             # ignored row: 0 (NaN when the row scale is not finite), log_prob not read
             d = a - a
             z = store_as(d if d != d else np.float32(0.0), code, out)
-            for j in range(j0, j1):
-                out[i, j] = z
+            for j in range(dst.shape[0]):
+                dst[j] = z
             continue
+        src = lp[i, j0:j1]
         if smooth:
             b = coef_s[i]
-            for j in range(j0, j1):
-                v = exp_f32(load_f32(lp[i, j], code)) * a - b * weight[j]
-                out[i, j] = store_as(v, code, out)
+            wv = weight[j0:j1]
+            for j in range(src.shape[0]):
+                v = exp_f32(load_f32(src[j], code)) * a - b * wv[j]
+                dst[j] = store_as(v, code, out)
         else:
-            for j in range(j0, j1):
-                v = exp_f32(load_f32(lp[i, j], code)) * a
-                out[i, j] = store_as(v, code, out)
+            for j in range(src.shape[0]):
+                v = exp_f32(load_f32(src[j], code)) * a
+                dst[j] = store_as(v, code, out)
         if j0 <= t and t < j1:
             v = exp_f32(load_f32(lp[i, t], code)) * a
             if smooth:

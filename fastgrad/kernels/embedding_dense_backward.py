@@ -1,1 +1,201 @@
-"""PLACEHOLDER — to be written (embedding_dense_backward, kernels)."""
+"""CPU kernel of ``embedding_dense_backward`` (op_kernel layer of aclnnEmbeddingDenseBackward).
+
+Plan (the op_host "tiling"), O(N + num_weights·D) work, no atomics:
+
+1. Indices are flattened and cast to int64 (floats truncated toward zero, as the device's
+   Cast; bool as 0/1).
+2. A serial counting sort buckets the N token positions by output row, keeping index order
+   inside each bucket (``counts``, ``starts``, ``order``).  O(N + num_weights).
+3. A parallel pass over fixed blocks of ``ROWS`` output rows writes every output row exactly
+   once: runs of rows that receive nothing (and the ``padding_idx`` row) are zero-filled with
+   one ``memset`` per run; every other row is accumulated in fp32 over its bucket, in index
+   order (the fp32 row of the output itself for fp32, an fp32 scratch row for 16-bit),
+   divided by its count when ``scale_grad_by_freq``, and rounded once.
+
+Each row is produced by one thread with a fixed sequence of operations, so results are
+bitwise identical for any thread count.  Kernel specializations: fp32 grad/out, and 16-bit
+grad/out as ``uint16`` bit patterns with a format code.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .._jit import njit, pjit, prange
+from ..backends import implements
+from ..dtypes import BFLOAT16, code_of, from_f32, storage_view, to_f32
+from .smooth_l1_loss_backward import _base
+
+OP = "embedding_dense_backward"
+
+#: Output rows per parallel block (fixed; results never depend on it).
+ROWS = 64
+
+
+@intrinsic
+def _zero_fill(typingctx, arr, start, count):
+    """Zero ``count`` elements of the 1-D array ``arr`` from element ``start`` (llvm.memset).
+
+    libc's memset zero-fills large runs far faster than a store loop (no read-for-ownership).
+    """
+    if not isinstance(arr, types.Array) or arr.ndim != 1:
+        return None
+    sig = types.void(arr, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        a, s, c = args
+        ary = context.make_array(signature.args[0])(context, builder, a)
+        ptr = builder.gep(ary.data, [s])
+        isz = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
+        nbytes = builder.mul(c, ir.Constant(ir.IntType(64), isz))
+        cgutils.memset(builder, ptr, nbytes, 0)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit
+def _bucket(idx, num_weights):
+    """Counting sort of token positions by row: (counts, starts, order); order keeps index order."""
+    n = idx.size
+    counts = np.zeros(num_weights, np.int64)
+    for i in range(n):
+        k = idx[i]
+        if k >= 0 and k < num_weights:
+            counts[k] += 1
+    starts = np.empty(num_weights + 1, np.int64)
+    s = 0
+    for k in range(num_weights):
+        starts[k] = s
+        s += counts[k]
+    starts[num_weights] = s
+    pos = starts[:num_weights].copy()
+    order = np.empty(s, np.int64)
+    for i in range(n):
+        k = idx[i]
+        if k >= 0 and k < num_weights:
+            order[pos[k]] = i
+            pos[k] += 1
+    return counts, starts, order
+
+
+@njit
+def _accumulate(gb, goff, grs, d, order, p0, p1, acc, code):
+    """acc[:d] = fp32 sum, in index order, of the grad rows order[p0:p1] (starting from +0)."""
+    i = order[p0]
+    g = gb[goff + i * grs:goff + i * grs + d]
+    if code == 0:
+        for j in range(d):
+            acc[j] = np.float32(0.0) + np.float32(g[j])
+    elif code == 1:
+        for j in range(d):
+            acc[j] = np.float32(0.0) + to_f32(g[j], 1)
+    else:
+        for j in range(d):
+            acc[j] = np.float32(0.0) + to_f32(g[j], 2)
+    for p in range(p0 + 1, p1):
+        i = order[p]
+        g = gb[goff + i * grs:goff + i * grs + d]
+        if code == 0:
+            for j in range(d):
+                acc[j] += np.float32(g[j])
+        elif code == 1:
+            for j in range(d):
+                acc[j] += to_f32(g[j], 1)
+        else:
+            for j in range(d):
+                acc[j] += to_f32(g[j], 2)
+
+
+@njit
+def _finish(acc, row, d, code, scale, c):
+    """row = acc (/ c when scale), rounded to format ``code``; in place when code == 0."""
+    cf = np.float32(c)
+    if code == 0:
+        if scale:
+            for j in range(d):
+                row[j] = acc[j] / cf
+    elif code == 1:
+        if scale:
+            for j in range(d):
+                row[j] = from_f32(acc[j] / cf, 1)
+        else:
+            for j in range(d):
+                row[j] = from_f32(acc[j], 1)
+    else:
+        if scale:
+            for j in range(d):
+                row[j] = from_f32(acc[j] / cf, 2)
+        else:
+            for j in range(d):
+                row[j] = from_f32(acc[j], 2)
+
+
+@njit
+def _block(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code):
+    """Write output rows [b*ROWS, (b+1)*ROWS): zero runs by memset, others accumulated."""
+    nw = counts.size
+    r0 = b * ROWS
+    r1 = min(nw, r0 + ROWS)
+    z0 = -1  # first row of the pending run of zero rows
+    for k in range(r0, r1):
+        c = counts[k]
+        if c == 0 or k == padding_idx:
+            if z0 < 0:
+                z0 = k
+            continue
+        if z0 >= 0:
+            _zero_fill(ob, z0 * d, (k - z0) * d)
+            z0 = -1
+        row = ob[k * d:(k + 1) * d]
+        if code == 0:  # fp32: accumulate in the output row itself
+            _accumulate(gb, goff, grs, d, order, starts[k], starts[k + 1], row, 0)
+            _finish(row, row, d, 0, scale, c)
+        else:
+            _accumulate(gb, goff, grs, d, order, starts[k], starts[k + 1], acc, code)
+            _finish(acc, row, d, code, scale, c)
+    if z0 >= 0:
+        _zero_fill(ob, z0 * d, (r1 - z0) * d)
+
+
+@pjit
+def _emb(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, code):
+    nblk = (counts.size + ROWS - 1) // ROWS
+    for b in prange(nblk):
+        acc = np.empty(d if code != 0 else 0, np.float32)
+        _block(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code)
+
+
+def index_int64(indices: np.ndarray) -> np.ndarray:
+    """Flat C-contiguous int64 copy of ``indices``: floats truncated toward zero, bool as 0/1."""
+    a = np.asarray(indices).reshape(-1)
+    if a.dtype == BFLOAT16 or a.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            return np.trunc(a.astype(np.float64)).astype(np.int64)
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+@implements("cpu", OP)
+def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out):
+    """Numba implementation (see module docstring); fills ``out`` [num_weights, D] completely."""
+    nw, d = out.shape
+    if out.size == 0:
+        return out
+    idx = index_int64(indices) if grad.size else np.zeros(0, np.int64)
+    counts, starts, order = _bucket(idx, nw)
+    if grad.size:
+        g2 = grad.reshape(idx.size, d)
+        if g2.strides[1] != g2.itemsize:  # last axis not unit-stride: one contiguous copy
+            g2 = np.ascontiguousarray(g2)
+        gb, goff, (grs, _) = _base(g2, g2.shape)
+    else:
+        gb, goff, grs = storage_view(np.zeros(1, grad.dtype)), 0, 0
+    ob = storage_view(out).reshape(-1)
+    pad = int(padding_idx) if 0 <= padding_idx < nw else -1
+    _emb(gb, goff, grs, d, counts, starts, order, pad, bool(scale_grad_by_freq), ob,
+         code_of(out.dtype))
+    return out

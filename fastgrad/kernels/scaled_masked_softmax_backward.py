@@ -28,9 +28,13 @@ def _smb_kernel(go, y, code, mask, mask_row, mask_step, has_mask, triu, s1, scal
     rows, s = go.shape
     sc = np.float32(scale)
     for r in prange(rows):
+        # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices
+        g = go[r]
+        yr = y[r]
+        o = out[r]
         acc = np.float32(0.0)
         for j in range(s):
-            acc += load_f32(go[r, j], code) * load_f32(y[r, j], code)
+            acc += load_f32(g[j], code) * load_f32(yr[j], code)
         # columns [0, jend) follow the mask; [jend, s) are causally masked (triu)
         jend = s
         if triu:
@@ -40,17 +44,19 @@ def _smb_kernel(go, y, code, mask, mask_row, mask_step, has_mask, triu, s1, scal
         zero = store_as(np.float32(0.0), code, out)
         if has_mask and mask_step != 0:
             base = mask_row[r]
+            mr = mask[base:base + s]
             for j in range(jend):
-                yv = load_f32(y[r, j], code)
-                v = (load_f32(go[r, j], code) * yv - acc * yv) * sc
-                out[r, j] = zero if mask[base + j] != 0 else store_as(v, code, out)
+                yv = load_f32(yr[j], code)
+                v = (load_f32(g[j], code) * yv - acc * yv) * sc
+                o[j] = zero if mr[j] != 0 else store_as(v, code, out)
         else:
             for j in range(jend):
-                yv = load_f32(y[r, j], code)
-                v = (load_f32(go[r, j], code) * yv - acc * yv) * sc
-                out[r, j] = store_as(v, code, out)
-        for j in range(jend, s):
-            out[r, j] = zero
+                yv = load_f32(yr[j], code)
+                v = (load_f32(g[j], code) * yv - acc * yv) * sc
+                o[j] = store_as(v, code, out)
+        tail = o[jend:]
+        for j in range(tail.shape[0]):
+            tail[j] = zero
 
 
 def mask_plan(mask_shape, shape):

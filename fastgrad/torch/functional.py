@@ -18,6 +18,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._config import is_strict
 from ..errors import invalid
@@ -189,6 +190,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss):
         hidden, weight, tmask, mt, m, s, valid, owned = ctx.saved_tensors
         reduction, eps, group, V, n_valid = ctx.cfg
