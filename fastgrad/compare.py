@@ -502,7 +502,8 @@ def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
 
 def save_array(path: str, a: np.ndarray) -> str:
     """Write ``.npy``, or ``.bin`` (raw little-endian) plus a ``<stem>.json`` dtype/shape sidecar."""
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a)
+    a = a if a.flags.c_contiguous else a.copy()   # (ascontiguousarray would make 0-d arrays 1-d)
     if path.lower().endswith(".bin"):
         a.tofile(path)
         from .dtypes import dtype_name

@@ -21,6 +21,7 @@ is orders of magnitude above both.  fp32 must match float64 autograd to ~1e-5 re
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -421,6 +422,6 @@ def test_tiny_lm_example_runs():
                         "--steps", "4", "--threads", "1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("step")]
+    lines = [ln for ln in r.stdout.splitlines() if re.match(r"step\s+\d+\s", ln)]
     assert len(lines) == 4, r.stdout
     assert "MATCH" in r.stdout, r.stdout

@@ -168,8 +168,8 @@ def main(argv: list[str]) -> int:
     except AclnnError as e:
         print(f"fastgrad golden: {args.op} rejected the inputs: {e}", file=sys.stderr)
         return 1 if e.status != 361001 else 2
-    except (OSError, ValueError, TypeError) as e:
-        print(f"fastgrad golden: {e}", file=sys.stderr)
+    except (OSError, ValueError, TypeError, NotImplementedError) as e:
+        print(f"fastgrad golden: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     for name, a in outputs.items():
         print(f"{os.path.join(args.out, name + '.' + args.format)}  {a.dtype} {list(a.shape)}")

@@ -22,7 +22,7 @@ from numba.extending import overload
 
 from .._jit import njit, pjit, prange
 from ..backends import implements
-from ..dtypes import F32, bf16_to_f32, code_of, f16_to_f32, f32_to_bf16, storage_view
+from ..dtypes import code_of, storage_view
 
 OP = "cross_entropy_loss_grad"
 
@@ -43,18 +43,18 @@ _XMIN = np.float32(-104.0)               # exp(-104) < 2**-150: rounds to +0
 _XMAX = np.float32(89.0)                 # exp(89) > FLT_MAX: overflows to +inf
 
 
-@njit
+@njit(fastmath={"contract"})
 def exp_f32(x):
     """``exp`` of an fp32 value in fp32, branch-free (Cephes ``expf``, max error ~1 ulp).
 
     Cody-Waite range reduction ``x = n ln2 + r``, a degree-7 polynomial on
     ``|r| <= ln2/2``, and the scaling by ``2**n`` done as two exact power-of-two products so
     that subnormal results round once (gradual underflow).  ``-inf -> 0``, ``+inf -> inf``,
-    NaN -> NaN.  Compiled without fastmath (the Cody-Waite split must not be reassociated);
-    LLVM inlines it into the calling loop, keeping these per-instruction flags.
+    NaN -> NaN (it flows through the polynomial).  Compiled with ``contract`` only (FMA;
+    never ``reassoc``: the Cody-Waite split must not be reassociated); LLVM inlines it into
+    the calling loop, keeping these per-instruction flags.
     """
-    x = np.float32(x)
-    xc = x
+    xc = np.float32(x)
     if xc < _XMIN:
         xc = _XMIN
     if xc > _XMAX:
@@ -74,10 +74,7 @@ def exp_f32(x):
     k2 = k - k1
     s1 = np.int32((k1 + np.int32(127)) << np.int32(23)).view(np.float32)
     s2 = np.int32((k2 + np.int32(127)) << np.int32(23)).view(np.float32)
-    res = (p * s1) * s2
-    if x != x:
-        res = x
-    return res
+    return (p * s1) * s2
 
 
 @njit
@@ -112,6 +109,37 @@ def f32_to_f16_bits(x):
     return np.uint16(r | sign)
 
 
+@njit
+def bf16_bits_to_f32(h):
+    """bf16 bit pattern -> fp32 (exact), on 32-bit lanes."""
+    return np.uint32(np.uint32(h) << np.uint32(16)).view(np.float32)
+
+
+@njit
+def f32_to_bf16_bits(x):
+    """fp32 -> bf16 bit pattern, RNE, NaN -> 0x7FC0|sign (as ml_dtypes), on 32-bit lanes."""
+    u = np.float32(x).view(np.uint32)
+    r = np.uint32(u + np.uint32(0x7FFF) + np.uint32((u >> np.uint32(16)) & np.uint32(1)))
+    r = np.uint32(r >> np.uint32(16))
+    if np.uint32(u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        r = np.uint32(np.uint32((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    return np.uint16(r)
+
+
+@njit
+def f16_bits_to_f32(h):
+    """fp16 bit pattern -> fp32 (exact; subnormals, ±Inf, NaN payload kept), on 32-bit lanes."""
+    h32 = np.uint32(h)
+    sign = np.uint32(np.uint32(h32 & np.uint32(0x8000)) << np.uint32(16))
+    em = np.uint32(h32 & np.uint32(0x7FFF))
+    # normal and subnormal alike: shift into place and rescale by 2**112 (exact)
+    f = np.float32(np.uint32(em << np.uint32(13)).view(np.float32) * np.float32(5.192296858534828e33))
+    bits = f.view(np.uint32)
+    if em >= np.uint32(0x7C00):  # Inf / NaN
+        bits = np.uint32(np.uint32(0x7F800000) | np.uint32(np.uint32(em & np.uint32(0x3FF)) << np.uint32(13)))
+    return np.uint32(bits | sign).view(np.float32)
+
+
 def load_f32(x, code):
     """Element of a kernel array -> fp32 (fp32 as is; uint16 storage of format ``code``)."""
     raise NotImplementedError("only callable from Numba kernels")
@@ -125,8 +153,8 @@ def _load_f32_ol(x, code):
     else:
         def impl(x, code):
             if code == 1:
-                return bf16_to_f32(x)
-            return f16_to_f32(x)
+                return bf16_bits_to_f32(x)
+            return f16_bits_to_f32(x)
     return impl
 
 
@@ -143,7 +171,7 @@ def _store_as_ol(v, code, like):
     else:
         def impl(v, code, like):
             if code == 1:
-                return f32_to_bf16(v)
+                return f32_to_bf16_bits(v)
             return f32_to_f16_bits(v)
     return impl
 
