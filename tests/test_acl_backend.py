@@ -916,3 +916,21 @@ def test_auto_falls_back_to_cpu_without_device(libdir, tmp_path):
     lines, exit_log = _run_fresh(libdir, tmp_path, FAKE_ACL_DEVICE_COUNT="0")
     assert lines[0]["backend"] == "cpu" and "no Ascend device" in lines[0]["reason"]
     assert exit_log["init"] == 1 and exit_log["finalize"] == 1 and exit_log.get("set_device", 0) == 0
+
+
+def test_fake_does_not_leak_into_later_probes(libdir, monkeypatch):
+    """Once the fake is loaded, a later probe without FASTGRAD_ACL_LIB_DIR must not find it
+    (the fake has sonames of its own, so dlopen("libascendcl.so") cannot return it)."""
+    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    if os.path.exists(acl_runtime.DEFAULT_TOOLKIT_LIB):
+        pytest.skip("a CANN toolkit is installed here")
+    with acl_env(libdir):
+        assert acl.unavailable_reason() is None
+    monkeypatch.delenv(acl_runtime.ENV_LIB_DIR, raising=False)
+    acl_runtime._reset_for_tests()
+    try:
+        reason = acl.unavailable_reason()
+        assert reason is not None and "libascendcl.so" in reason
+    finally:
+        acl_runtime._reset_for_tests()

@@ -301,7 +301,7 @@ def load() -> Runtime:
     paths: dict[str, str] = {}
     for name in REQUIRED_LIBS + OPTIONAL_LIBS:
         p = find_library(name, dirs)
-        if p is None and not exclusive and name in REQUIRED_LIBS:
+        if p is None and not exclusive and name in REQUIRED_LIBS + ("libnnopbase.so",):
             p = name  # let the dynamic loader search (ld.so.cache, rpath)
         if p is not None:
             paths[name] = p

@@ -259,6 +259,23 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls,
 _BLOCK = 16384  # columns per work item: rows of the 32k vocabulary split in two
 
 
+@njit(inline="always")
+def _ce_block(src, dst, a, b, wv, smooth, code):
+    """``dst = exp(src)·a - b·wv`` (or ``exp(src)·a``), for one format ``code``.
+
+    Called with a literal ``code`` from each branch of the kernel, so that after inlining
+    every copy of the loop converts with one format only (LLVM does not unswitch it).
+    """
+    if smooth:
+        for j in range(src.shape[0]):
+            v = exp_f32(load_f32(src[j], code)) * a - b * wv[j]
+            dst[j] = store_as(v, code, dst)
+    else:
+        for j in range(src.shape[0]):
+            v = exp_f32(load_f32(src[j], code)) * a
+            dst[j] = store_as(v, code, dst)
+
+
 @pjit
 def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, weight, smooth, out):
     n, c = lp.shape
@@ -279,20 +296,19 @@ def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, weight,
                 dst[j] = z
             continue
         src = lp[i, j0:j1]
-        if smooth:
-            b = coef_s[i]
-            wv = weight[j0:j1]
-            for j in range(src.shape[0]):
-                v = exp_f32(load_f32(src[j], code)) * a - b * wv[j]
-                dst[j] = store_as(v, code, out)
+        b = coef_s[i]
+        wv = weight[j0:j1]
+        if code == 1:
+            _ce_block(src, dst, a, b, wv, smooth, 1)
+        elif code == 2:
+            _ce_block(src, dst, a, b, wv, smooth, 2)
         else:
-            for j in range(src.shape[0]):
-                v = exp_f32(load_f32(src[j], code)) * a
-                dst[j] = store_as(v, code, out)
+            _ce_block(src, dst, a, b, wv, smooth, 0)
         if j0 <= t and t < j1:
+            # the target column: recomputed from the input, one rounding
             v = exp_f32(load_f32(lp[i, t], code)) * a
             if smooth:
-                v = v - coef_s[i] * weight[t]
+                v = v - b * weight[t]
             v = v - coef_t[i]
             out[i, t] = store_as(v, code, out)
 

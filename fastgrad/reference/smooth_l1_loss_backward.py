@@ -22,8 +22,8 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out):
     x = np.broadcast_to(np.asarray(input, dtype=np.float64), shape)
     t = np.broadcast_to(np.asarray(target, dtype=np.float64), shape)
     b = float(np.float32(beta))
-    d = x - t
     with np.errstate(invalid="ignore", divide="ignore"):
+        d = x - t
         if b > 0:
             s = np.where(np.abs(d) < b, d / b, np.sign(d))
         else:

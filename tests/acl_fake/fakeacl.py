@@ -10,6 +10,7 @@ import subprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fake_acl.c")
+SONAME_PREFIX = "libfastgrad_fake_"
 
 
 def compiler() -> str | None:
@@ -32,17 +33,23 @@ def build(dest: str) -> str:
     os.makedirs(dest, exist_ok=True)
     common = [cc, "-shared", "-fPIC", "-O1", "-std=gnu11", "-Wall", "-fvisibility=hidden", SOURCE]
     rpath = "-Wl,-rpath,$ORIGIN"
+    # Sonames of their own (with symlinks so $ORIGIN resolves them): once loaded, the fake
+    # must never satisfy a later dlopen("libascendcl.so") by bare name in the same process.
     steps = [
-        ["-DFAKE_PART_ACL", "-Wl,-soname,libascendcl.so", "-o", os.path.join(dest, "libascendcl.so"), "-lm"],
-        ["-DFAKE_PART_NNOPBASE", "-Wl,-soname,libnnopbase.so", "-o", os.path.join(dest, "libnnopbase.so"),
-         "-L" + dest, "-lascendcl", rpath, "-lm"],
-        ["-DFAKE_PART_OPAPI", "-Wl,-soname,libopapi.so", "-o", os.path.join(dest, "libopapi.so"),
-         "-L" + dest, "-lnnopbase", "-lascendcl", rpath, "-lm"],
+        ("libascendcl.so", "FAKE_PART_ACL", []),
+        ("libnnopbase.so", "FAKE_PART_NNOPBASE", ["-L" + dest, "-l:libascendcl.so", rpath]),
+        ("libopapi.so", "FAKE_PART_OPAPI", ["-L" + dest, "-l:libnnopbase.so", "-l:libascendcl.so", rpath]),
     ]
-    for extra in steps:
-        r = subprocess.run(common + extra, capture_output=True, text=True)
+    for name, part, extra in steps:
+        soname = SONAME_PREFIX + name
+        out = os.path.join(dest, name)
+        r = subprocess.run(common + ["-D" + part, "-Wl,-soname," + soname, "-o", out] + extra + ["-lm"],
+                           capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"compiling the fake runtime failed:\n{r.stderr}")
+        link = os.path.join(dest, soname)
+        if not os.path.lexists(link):
+            os.symlink(name, link)
     return dest
 
 
