@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="dtype of the LM-head matmul (hidden and weight cast for the loss)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch and fastgrad threads (tiny model: 1 is fastest; 0 = default)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:

@@ -18,7 +18,7 @@ import numba
 import numba.core.config as _nconfig
 
 #: fastmath flags that keep NaN/Inf semantics and true division (no nnan/ninf/arcp).
-FASTMATH_SAFE = frozenset({"nsz", "contract", "afn", "reassoc"})
+FASTMATH_SAFE = {"nsz", "contract", "afn", "reassoc"}  # a set: numba rejects frozenset
 
 
 def _writable(d: str) -> bool:

@@ -45,13 +45,32 @@ def is_torch(x: Any) -> bool:
 def _torch_to_numpy(x, name: str) -> np.ndarray:
     torch = _get_torch()
     if x.device.type != "cpu":
-        raise invalid(name, "a CPU tensor (use the 'acl' backend for NPU tensors)", f"device {x.device}")
+        dev = _device_operand(x)
+        if dev is not None:
+            return dev
+        raise invalid(name, "a CPU tensor (NPU tensors need the 'acl' backend and torch_npu)",
+                      f"device {x.device}")
     x = x.detach()
     if x.is_conj() or x.is_neg():
         x = x.resolve_conj().resolve_neg()
     if x.dtype == torch.bfloat16:
         return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return x.numpy()
+
+
+def _device_operand(x):
+    """A torch_npu tensor on the 'acl' backend: described in place (no copy), else None."""
+    if x.device.type != "npu":
+        return None
+    from .backends import get_backend
+
+    if get_backend() != "acl":
+        return None
+    from .backends import acl
+
+    if not acl.torch_npu_available():
+        return None
+    return acl.device_array_from_torch(x.detach())
 
 
 def as_numpy(x: Any, name: str, *, required: bool = True, op: str | None = None) -> np.ndarray | None:

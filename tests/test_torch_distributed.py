@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -246,3 +248,14 @@ def test_single_rank_group_equals_no_group(tmp_path):
 def test_vocab_parallel_matches_single_process(world, tmp_path):
     outdir = _spawn(world, tmp_path)
     _check(world, outdir)
+
+
+def test_torchrun_example_matches_single_process():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(root, "examples", "train_tiny_lm_vocab_parallel.py"), "--steps", "3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "split [40, 40]" in r.stdout and "-> MATCH" in r.stdout, r.stdout
+    assert len([ln for ln in r.stdout.splitlines() if ln.startswith("step ")]) == 3, r.stdout

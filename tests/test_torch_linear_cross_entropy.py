@@ -193,7 +193,9 @@ def test_gradcheck_float64(reduction, ls, ignore_every, lead):
     h, w, t = _inputs(6, 4, 7, torch.float64, seed=5, ignore_every=ignore_every, lead=lead)
     h.requires_grad_()
     w.requires_grad_()
-    fn = lambda a, b: ft.linear_cross_entropy(a, b, t, reduction=reduction, label_smoothing=ls)  # noqa: E731
+    def fn(a, b):
+        return ft.linear_cross_entropy(a, b, t, reduction=reduction, label_smoothing=ls)
+
     assert torch.autograd.gradcheck(fn, (h, w), eps=1e-6, atol=1e-8, rtol=1e-6)
 
 

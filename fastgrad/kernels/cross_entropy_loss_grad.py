@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import types
-from numba.extending import overload
+from llvmlite import ir as llvmir
+from numba.extending import intrinsic, overload
 
 from .._jit import njit, pjit, prange
 from ..backends import implements
@@ -117,12 +118,21 @@ def bf16_bits_to_f32(h):
 
 @njit
 def f32_to_bf16_bits(x):
-    """fp32 -> bf16 bit pattern, RNE, NaN -> 0x7FC0|sign (as ml_dtypes), on 32-bit lanes."""
+    """fp32 -> bf16 bit pattern, RNE, NaN -> 0x7FC0|sign (as ml_dtypes), on 32-bit lanes.
+
+    (Every integer step is wrapped in ``np.uint32``: Numba types uint32 arithmetic as
+    uint64, and LLVM only narrows the lanes back when each step is truncated.)
+    """
     u = np.float32(x).view(np.uint32)
-    r = np.uint32(u + np.uint32(0x7FFF) + np.uint32((u >> np.uint32(16)) & np.uint32(1)))
+    hi = np.uint32(u >> np.uint32(16))
+    lsb = np.uint32(hi & np.uint32(1))
+    r = np.uint32(u + np.uint32(0x7FFF))
+    r = np.uint32(r + lsb)
     r = np.uint32(r >> np.uint32(16))
-    if np.uint32(u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        r = np.uint32(np.uint32((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    a = np.uint32(u & np.uint32(0x7FFFFFFF))
+    qnan = np.uint32(np.uint32(hi & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    if a > np.uint32(0x7F800000):
+        r = qnan
     return np.uint16(r)
 
 
@@ -140,6 +150,71 @@ def f16_bits_to_f32(h):
     return np.uint32(bits | sign).view(np.float32)
 
 
+def _host_has_f16c() -> bool:
+    """True when Numba compiles for a CPU with the F16C conversions (vcvtph2ps/vcvtps2ph)."""
+    try:
+        import llvmlite.binding as llvm
+        from numba.core import config
+
+        if config.CPU_NAME not in (None, "host"):
+            return False
+        feats = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+        return "+f16c" in feats.split(",")
+    except Exception:  # pragma: no cover - be conservative
+        return False
+
+
+#: Use the hardware fp16 conversions (one instruction per vector) instead of the integer
+#: emulation; chosen once, for the CPU Numba targets (its on-disk cache is keyed by CPU).
+HW_F16 = _host_has_f16c()
+
+
+@intrinsic
+def _f16_bits_to_f32_hw(typingctx, h):
+    """fp16 bits -> fp32 through LLVM ``fpext half`` (F16C ``vcvtph2ps``); quiets sNaN."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], llvmir.HalfType()), llvmir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def _f32_to_f16_bits_hw(typingctx, x):
+    """fp32 -> fp16 bits through LLVM ``fptrunc`` (F16C ``vcvtps2ph``, RNE); quiets sNaN."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], llvmir.HalfType()), llvmir.IntType(16))
+    return sig, codegen
+
+
+@njit
+def f16_bits_to_f32_fast(h):
+    """fp16 bits -> fp32, exact: the F16C conversion, with NumPy's NaN payloads (no quieting)."""
+    v = _f16_bits_to_f32_hw(h)
+    h32 = np.uint32(h)
+    if np.uint32(h32 & np.uint32(0x7FFF)) > np.uint32(0x7C00):
+        v = np.uint32(np.uint32(np.uint32(h32 & np.uint32(0x8000)) << np.uint32(16))
+                      | np.uint32(0x7F800000)
+                      | np.uint32(np.uint32(h32 & np.uint32(0x3FF)) << np.uint32(13))).view(np.float32)
+    return v
+
+
+@njit
+def f32_to_f16_bits_fast(x):
+    """fp32 -> fp16 bits, RNE: the F16C conversion, with NumPy's NaN payloads (no quieting)."""
+    r = _f32_to_f16_bits_hw(np.float32(x))
+    f = np.float32(x).view(np.uint32)
+    a = np.uint32(f & np.uint32(0x7FFFFFFF))
+    if a > np.uint32(0x7F800000):
+        nanp = np.uint32(np.uint32(0x7C00) | np.uint32(np.uint32(a & np.uint32(0x007FFFFF)) >> np.uint32(13)))
+        if nanp == np.uint32(0x7C00):
+            nanp = np.uint32(0x7C01)
+        r = np.uint16(np.uint32(np.uint32(np.uint32(f >> np.uint32(16)) & np.uint32(0x8000)) | nanp))
+    return r
+
+
 def load_f32(x, code):
     """Element of a kernel array -> fp32 (fp32 as is; uint16 storage of format ``code``)."""
     raise NotImplementedError("only callable from Numba kernels")
@@ -150,6 +225,11 @@ def _load_f32_ol(x, code):
     if isinstance(x, types.Float):
         def impl(x, code):
             return np.float32(x)
+    elif HW_F16:
+        def impl(x, code):
+            if code == 1:
+                return bf16_bits_to_f32(x)
+            return f16_bits_to_f32_fast(x)
     else:
         def impl(x, code):
             if code == 1:
@@ -168,6 +248,11 @@ def _store_as_ol(v, code, like):
     if isinstance(like.dtype, types.Float):
         def impl(v, code, like):
             return np.float32(v)
+    elif HW_F16:
+        def impl(v, code, like):
+            if code == 1:
+                return f32_to_bf16_bits(v)
+            return f32_to_f16_bits_fast(v)
     else:
         def impl(v, code, like):
             if code == 1:
@@ -180,7 +265,7 @@ def _store_as_ol(v, code, like):
 # Per-row coefficients (O(N), serial, fixed order: the tiling/scalar part)
 # ----------------------------------------------------------------------------------------
 
-@njit
+@njit(error_model="numpy")
 def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls,
                       gz, lse, zscale, coef_p, coef_t, coef_s):
     """Fill the per-row fp32 coefficients; returns True when some row is ignored.

@@ -6,11 +6,15 @@ Plan (the op_host "tiling"), O(N + num_weights·D) work, no atomics:
    Cast; bool as 0/1).
 2. A serial counting sort buckets the N token positions by output row, keeping index order
    inside each bucket (``counts``, ``starts``, ``order``).  O(N + num_weights).
-3. A parallel pass over fixed blocks of ``ROWS`` output rows writes every output row exactly
-   once: runs of rows that receive nothing (and the ``padding_idx`` row) are zero-filled with
-   one ``memset`` per run; every other row is accumulated in fp32 over its bucket, in index
-   order (the fp32 row of the output itself for fp32, an fp32 scratch row for 16-bit),
-   divided by its count when ``scale_grad_by_freq``, and rounded once.
+3. The whole output is zero-filled by ONE ``memset`` call: for a large table libc takes its
+   streaming-store path (no read-for-ownership), measured ~2.5x faster on this machine than
+   zeroing the untouched rows run by run (which cannot reach that path: runs are short
+   when indices are spread) and much faster than a store loop.  The indexed rows are thus
+   written twice, a small price (they are a fraction of the table for real vocabularies).
+4. A parallel pass over fixed blocks of ``ROWS`` output rows writes each indexed row (other
+   than ``padding_idx``) once: accumulated in fp32 over its bucket in index order (in the
+   fp32 output row itself, or an fp32 scratch row for 16-bit), divided by its count when
+   ``scale_grad_by_freq``, and rounded once.
 
 Each row is produced by one thread with a fixed sequence of operations, so results are
 bitwise identical for any thread count.  Kernel specializations: fp32 grad/out, and 16-bit
@@ -137,29 +141,25 @@ def _finish(acc, row, d, code, scale, c):
 
 @njit
 def _block(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code):
-    """Write output rows [b*ROWS, (b+1)*ROWS): zero runs by memset, others accumulated."""
+    """Write the indexed rows among output rows [b*ROWS, (b+1)*ROWS) (the others are zero)."""
     nw = counts.size
-    r0 = b * ROWS
-    r1 = min(nw, r0 + ROWS)
-    z0 = -1  # first row of the pending run of zero rows
-    for k in range(r0, r1):
+    for k in range(b * ROWS, min(nw, (b + 1) * ROWS)):
         c = counts[k]
         if c == 0 or k == padding_idx:
-            if z0 < 0:
-                z0 = k
             continue
-        if z0 >= 0:
-            _zero_fill(ob, z0 * d, (k - z0) * d)
-            z0 = -1
         row = ob[k * d:(k + 1) * d]
         if code == 0:  # fp32: accumulate in the output row itself
-            _accumulate(gb, goff, grs, d, order, starts[k], starts[k + 1], row, 0)
-            _finish(row, row, d, 0, scale, c)
-        else:
+            _accumulate(gb, goff, grs, d, order, starts[k], starts[k + 1], row, code)
+            _finish(row, row, d, code, scale, c)
+        else:  # 16-bit: accumulate in fp32 scratch, round once into the row
             _accumulate(gb, goff, grs, d, order, starts[k], starts[k + 1], acc, code)
             _finish(acc, row, d, code, scale, c)
-    if z0 >= 0:
-        _zero_fill(ob, z0 * d, (r1 - z0) * d)
+
+
+@njit
+def _zero_all(ob):
+    """Zero the whole output with one memset (large sizes take libc's streaming-store path)."""
+    _zero_fill(ob, 0, ob.size)
 
 
 @pjit
@@ -167,7 +167,7 @@ def _emb(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, code):
     nblk = (counts.size + ROWS - 1) // ROWS
     for b in prange(nblk):
         acc = np.empty(d if code != 0 else 0, np.float32)
-        _block(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code)
+        _block(np.int64(b), gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code)
 
 
 def index_int64(indices: np.ndarray) -> np.ndarray:
@@ -196,6 +196,7 @@ def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_g
         gb, goff, grs = storage_view(np.zeros(1, grad.dtype)), 0, 0
     ob = storage_view(out).reshape(-1)
     pad = int(padding_idx) if 0 <= padding_idx < nw else -1
+    _zero_all(ob)
     _emb(gb, goff, grs, d, counts, starts, order, pad, bool(scale_grad_by_freq), ob,
          code_of(out.dtype))
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._jit import FASTMATH_SAFE, pjit, prange
+from .._jit import FASTMATH_SAFE, njit, pjit, prange
 from ..backends import implements
 from ..dtypes import code_of, storage_view
 from .cross_entropy_loss_grad import load_f32, store_as
@@ -23,40 +23,50 @@ from .cross_entropy_loss_grad import load_f32, store_as
 OP = "scaled_masked_softmax_backward"
 
 
+@njit(inline="always")
+def _smb_row(g, yr, o, mr, use_mr, jend, sc, code):
+    """One row for one format ``code`` (a literal at each call site, so that each inlined
+    copy of the loops converts with one format only)."""
+    acc = np.float32(0.0)
+    for j in range(g.shape[0]):
+        acc += load_f32(g[j], code) * load_f32(yr[j], code)
+    zero = store_as(np.float32(0.0), code, o)
+    if use_mr:
+        for j in range(jend):
+            yv = load_f32(yr[j], code)
+            v = (load_f32(g[j], code) * yv - acc * yv) * sc
+            o[j] = zero if mr[j] != 0 else store_as(v, code, o)
+    else:
+        for j in range(jend):
+            yv = load_f32(yr[j], code)
+            v = (load_f32(g[j], code) * yv - acc * yv) * sc
+            o[j] = store_as(v, code, o)
+    tail = o[jend:]
+    for j in range(tail.shape[0]):
+        tail[j] = zero
+
+
 @pjit(fastmath=set(FASTMATH_SAFE))
 def _smb_kernel(go, y, code, mask, mask_row, mask_step, has_mask, triu, s1, scale, out):
     rows, s = go.shape
     sc = np.float32(scale)
+    use_mr = has_mask and mask_step != 0
     for r in prange(rows):
-        # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices
-        g = go[r]
-        yr = y[r]
-        o = out[r]
-        acc = np.float32(0.0)
-        for j in range(s):
-            acc += load_f32(g[j], code) * load_f32(yr[j], code)
         # columns [0, jend) follow the mask; [jend, s) are causally masked (triu)
         jend = s
         if triu:
             jend = min(s, r % s1 + 1)
         if has_mask and mask_step == 0 and mask[mask_row[r]] != 0:
             jend = 0
-        zero = store_as(np.float32(0.0), code, out)
-        if has_mask and mask_step != 0:
-            base = mask_row[r]
-            mr = mask[base:base + s]
-            for j in range(jend):
-                yv = load_f32(yr[j], code)
-                v = (load_f32(g[j], code) * yv - acc * yv) * sc
-                o[j] = zero if mr[j] != 0 else store_as(v, code, out)
+        base = mask_row[r] if use_mr else 0
+        mr = mask[base:base + s]
+        # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices
+        if code == 1:
+            _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 1)
+        elif code == 2:
+            _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 2)
         else:
-            for j in range(jend):
-                yv = load_f32(yr[j], code)
-                v = (load_f32(g[j], code) * yv - acc * yv) * sc
-                o[j] = store_as(v, code, out)
-        tail = o[jend:]
-        for j in range(tail.shape[0]):
-            tail[j] = zero
+            _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 0)
 
 
 def mask_plan(mask_shape, shape):

@@ -67,23 +67,29 @@ def _elem(g, x, t, beta, inv, scale):
 
 
 @njit(inline="always")
-def _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale):
+def _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, scale):
+    """input/target unit-stride, grad_out unit-stride (gs == 1) or a broadcast scalar (gs == 0)."""
     # Contiguous operands are sliced first: indexing a slice with the loop counter lets LLVM
     # drop Numba's negative-index wraparound and vectorize the loop.
     o = ob[oo:oo + m]
-    if xs == 1 and ts == 1 and gs == 1:
+    x = xb[xo:xo + m]
+    t = tb[to:to + m]
+    if gs == 1:
         g = gb[go:go + m]
-        x = xb[xo:xo + m]
-        t = tb[to:to + m]
         for j in range(m):
             _st(o, j, _elem(_ld(g, j, code), _ld(x, j, code), _ld(t, j, code), beta, inv, scale), code)
-    elif xs == 1 and ts == 1 and gs == 0:
+    else:
         gv = _ld(gb, go, code)
-        x = xb[xo:xo + m]
-        t = tb[to:to + m]
         for j in range(m):
             _st(o, j, _elem(gv, _ld(x, j, code), _ld(t, j, code), beta, inv, scale), code)
+
+
+@njit(inline="always")
+def _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale):
+    if xs == 1 and ts == 1 and (gs == 1 or gs == 0):
+        _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, scale)
     else:  # general strides (any sign); every index is a valid element, so non-negative
+        o = ob[oo:oo + m]
         for j in range(m):
             _st(o, j, _elem(_ld(gb, np.uint64(go + j * gs), code), _ld(xb, np.uint64(xo + j * xs), code),
                             _ld(tb, np.uint64(to + j * ts), code), beta, inv, scale), code)
@@ -115,18 +121,16 @@ def _task(task, nchunk, inner, shape, strides, offs):
     return go, xo, to, r * inner + j0, m
 
 
-@pjit
-def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, scale):
-    nd = shape.shape[0]
-    inner = shape[nd - 1]
-    nchunk = (inner + CHUNK - 1) // CHUNK
-    ntask = (ob.size // inner) * nchunk
-    gs = strides[0, nd - 1]
-    xs = strides[1, nd - 1]
-    ts = strides[2, nd - 1]
-    for task in prange(ntask):
-        go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
-        _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 0, beta, inv, scale)
+@njit
+def _f32_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, beta, inv, scale):
+    """One fp32 span (any strides)."""
+    _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 0, beta, inv, scale)
+
+
+@njit
+def _bf16_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, beta, inv, scale):
+    """One contiguous bf16 span, the conversions (a shift, a rounding add) fused in the loop."""
+    _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, 1, beta, inv, scale)
 
 
 @njit
@@ -168,6 +172,39 @@ def _narrow_span(src, m, code, dst, off):
 SUB = 2048
 
 
+@njit
+def _staged_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale):
+    """One 16-bit span through fp32 scratch: widen SUB elements of each input, compute, round."""
+    gf = np.empty(SUB, np.float32)
+    xf = np.empty(SUB, np.float32)
+    tf = np.empty(SUB, np.float32)
+    for j0 in range(0, m, SUB):
+        n = min(SUB, m - j0)
+        _widen_span(gb, go + j0 * gs, gs, n, code, gf)
+        _widen_span(xb, xo + j0 * xs, xs, n, code, xf)
+        _widen_span(tb, to + j0 * ts, ts, n, code, tf)
+        g = gf[:n]
+        x = xf[:n]
+        t = tf[:n]
+        for j in range(n):
+            x[j] = _elem(g[j], x[j], t[j], beta, inv, scale)
+        _narrow_span(xf, n, code, ob, oo + j0)
+
+
+@pjit
+def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, scale):
+    nd = shape.shape[0]
+    inner = shape[nd - 1]
+    nchunk = (inner + CHUNK - 1) // CHUNK
+    ntask = (ob.size // inner) * nchunk
+    gs = strides[0, nd - 1]
+    xs = strides[1, nd - 1]
+    ts = strides[2, nd - 1]
+    for task in prange(ntask):
+        go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
+        _f32_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, beta, inv, scale)
+
+
 @pjit
 def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, scale):
     nd = shape.shape[0]
@@ -179,16 +216,10 @@ def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, scale):
     ts = strides[2, nd - 1]
     for task in prange(ntask):
         go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
-        gf = np.empty(SUB, np.float32)
-        xf = np.empty(SUB, np.float32)
-        tf = np.empty(SUB, np.float32)
-        for j0 in range(0, m, SUB):
-            n = min(SUB, m - j0)
-            _widen_span(gb, go + j0 * gs, gs, n, code, gf)
-            _widen_span(xb, xo + j0 * xs, xs, n, code, xf)
-            _widen_span(tb, to + j0 * ts, ts, n, code, tf)
-            _span(gf, 0, 1, xf, 0, 1, tf, 0, 1, xf, 0, n, 0, beta, inv, scale)
-            _narrow_span(xf, n, code, ob, oo + j0)
+        if code == 1 and xs == 1 and ts == 1 and (gs == 1 or gs == 0):
+            _bf16_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, beta, inv, scale)
+        else:  # fp16 (branchy conversions) or strided bf16
+            _staged_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale)
 
 
 # ----------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, reduction=
     ----------
     grad_loss : array, float32 | float16 | bfloat16
         Gradient of the loss: 0-d for ``reduction`` ``"mean"``/``"sum"``, shape ``(N,)`` for
-        ``"none"``.  (A Python number is accepted as a 0-d float32.)
+        ``"none"``.  (A Python number is accepted as a 0-d float32 of any precision.)
     log_prob : array (N, C), float32 | float16 | bfloat16
         The forward's ``log_softmax(logits)``.  ``p = exp(log_prob)`` is used as is (not
         renormalised).  N may be 0; C classes.
@@ -141,7 +141,7 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, reduction=
         arrays.check_dtype(gz, "grad_zloss", FLOAT_DTYPES, OP)
     if lse is not None:
         arrays.check_dtype(lse, "lse_for_zloss", FLOAT_DTYPES, OP)
-    if strict and gl.dtype != lp.dtype:
+    if strict and gl.dtype != lp.dtype and not _is_number(grad_loss):
         raise invalid("grad_loss", f"the dtype of log_prob ({dtype_name(lp.dtype)})",
                       dtype_name(gl.dtype), OP)
 
@@ -194,4 +194,5 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, reduction=
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.ndarray))
+    """A Python int/float (not bool, not a NumPy scalar, which carries its own dtype)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.generic, np.ndarray))

@@ -230,8 +230,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if d_u != 0.0:
                 gi += (d_u * rows)[:, None] * weight.sum(0, dtype=sdt)[None, :]
                 gw += d_u * (rows @ h32)[None, :]
-        if group is not None:
-            gi = _vp.all_reduce_sum_fp32(gi, group)   # fp32 sum of the shards' partials
+        if group is not None and need_h:
+            # fp32 sum of the shards' partials (skipped on every rank alike when hidden is frozen)
+            gi = _vp.all_reduce_sum_fp32(gi, group)
         gi = gi.to(hidden.dtype).reshape(hidden.shape) if need_h else None
         gw = gw.to(weight.dtype) if need_w else None
         return (gi, gw) + nones
@@ -254,7 +255,8 @@ def _check_args(hidden, weight, target, ignore_index, reduction, label_smoothing
                          f"got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden must be [..., H] with "
-                         f"H == weight.shape[1] == {weight.shape[1]}, got shape {tuple(hidden.shape)}")
+                         f"H == weight.shape[1] == {weight.shape[1]}, "
+                         f"got shape {tuple(hidden.shape)}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"linear_cross_entropy: target must have shape hidden.shape[:-1] == "
                          f"{tuple(hidden.shape[:-1])}, got {tuple(target.shape)}")
