@@ -428,3 +428,20 @@ def test_unknown_or_unavailable_backend_raises_361001(rng):
                 pass
         assert e.value.status == 361001
         assert fg.available_backends(with_reasons=True)["acl"]
+
+
+def test_fp32_grad_input_out_is_the_unrounded_accumulator(rng):
+    BT, H, V = 15, 9, 77
+    x, w, t, masked, grad = make_problem(rng, BT, H, V, BF16)
+    m, s = stats64(x, w)
+    oi = np.empty((BT, H), np.float32)
+    ow = np.empty((V, H), BF16)
+    fg.fused_linear_cross_entropy_loss_grad(grad, x, w, masked, t, logits_max=m, sum_exp_logits=s, out=(oi, ow))
+    gi, gw = fg.fused_linear_cross_entropy_loss_grad(grad, x, w, masked, t, logits_max=m, sum_exp_logits=s)
+    np.testing.assert_array_equal(oi.astype(BF16).view(np.uint16), gi.view(np.uint16))
+    assert np.any(oi != oi.astype(BF16).astype(np.float32))      # really unrounded
+    np.testing.assert_array_equal(ow.view(np.uint16), gw.view(np.uint16))
+    with fg.strict(), pytest.raises(fg.AclnnError) as e:
+        fg.fused_linear_cross_entropy_loss_grad(grad, x, w, masked, t, logits_max=m, sum_exp_logits=s,
+                                                out=(oi, ow))
+    assert e.value.status == 161002

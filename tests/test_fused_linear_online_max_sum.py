@@ -127,7 +127,6 @@ def test_torch_in_torch_out(rng):
     (dict(vocab_end_index=2), 161002, "vocab_end_index"),
     (dict(target=np.zeros(6, np.float32)), 161002, "target"),
     (dict(target=np.zeros(5, np.int64)), 161002, "target"),
-    (dict(weight=np.zeros((0, 4), BF16)), 161002, "weight"),
     (dict(weight=np.zeros((8, 3), BF16)), 161002, "weight"),
     (dict(weight=np.zeros((8, 4), F16)), 161002, "weight"),
     (dict(input=np.zeros((6, 4), np.float64)), 161002, "input"),
@@ -156,3 +155,16 @@ def test_loss_errors(kw, status):
     with pytest.raises(fg.AclnnError) as e:
         fg.fused_cross_entropy_loss_with_max_sum(**args)
     assert e.value.status == status
+
+
+def test_empty_shard_outside_strict_mode_and_rejected_inside():
+    x = np.ones((3, 4), BF16)
+    w = np.zeros((0, 4), BF16)
+    t = np.array([0, 1, 2])
+    r = fg.fused_linear_online_max_sum(x, w, t, 5, 5)
+    assert np.all(r.logits_max_local == -np.inf) and np.all(r.sum_exp_logits_local == 0)
+    assert np.all(r.predicted_logits_local == 0)
+    assert np.all(np.unpackbits(r.target_mask, bitorder="little")[:3] == 1)
+    with fg.strict(), pytest.raises(fg.AclnnError) as e:
+        fg.fused_linear_online_max_sum(x, w, t, 5, 5)
+    assert e.value.status == 161002 and "weight" in str(e.value)

@@ -6,12 +6,13 @@ Plan (the op_host "tiling"), O(N + num_weights·D) work, no atomics:
    Cast; bool as 0/1).
 2. A serial counting sort buckets the N token positions by output row, keeping index order
    inside each bucket (``counts``, ``starts``, ``order``).  O(N + num_weights).
-3. The whole output is zero-filled by ONE ``memset`` call: for a large table libc takes its
-   streaming-store path (no read-for-ownership), measured ~2.5x faster on this machine than
-   zeroing the untouched rows run by run (which cannot reach that path: runs are short
-   when indices are spread) and much faster than a store loop.  The indexed rows are thus
-   written twice, a small price (they are a fraction of the table for real vocabularies).
-4. A parallel pass over fixed blocks of ``ROWS`` output rows writes each indexed row (other
+3. The whole output is zero-filled by one ``memset`` call per thread on equal contiguous
+   pieces: for a large table libc then takes its streaming-store path (no
+   read-for-ownership), measured 2.5-4x faster on this machine than zeroing the untouched
+   rows run by run (runs are short when indices are spread, below libc's threshold) or a
+   store loop.  The indexed rows are thus written twice, a small price (they are a fraction
+   of the table for real vocabularies).
+4. A second parallel pass over fixed blocks of ``ROWS`` output rows writes each indexed row (other
    than ``padding_idx``) once: accumulated in fp32 over its bucket in index order (in the
    fp32 output row itself, or an fp32 scratch row for 16-bit), divided by its count when
    ``scale_grad_by_freq``, and rounded once.
@@ -29,6 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .._config import get_num_threads
 from .._jit import njit, pjit, prange
 from ..backends import implements
 from ..dtypes import BFLOAT16, code_of, from_f32, storage_view, to_f32
@@ -156,14 +158,16 @@ def _block(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, a
             _finish(acc, row, d, code, scale, c)
 
 
-@njit
-def _zero_all(ob):
-    """Zero the whole output with one memset (large sizes take libc's streaming-store path)."""
-    _zero_fill(ob, 0, ob.size)
-
-
 @pjit
-def _emb(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, code):
+def _emb(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, code, nparts):
+    # Phase 1: zero the output in ``nparts`` equal contiguous pieces, one memset each.
+    n = ob.size
+    per = (n + nparts - 1) // nparts
+    for p in prange(nparts):
+        s = p * per
+        if s < n:
+            _zero_fill(ob, np.int64(s), np.int64(min(per, n - s)))
+    # Phase 2: the indexed rows, in fixed blocks of rows.
     nblk = (counts.size + ROWS - 1) // ROWS
     for b in prange(nblk):
         acc = np.empty(d if code != 0 else 0, np.float32)
@@ -196,7 +200,8 @@ def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_g
         gb, goff, grs = storage_view(np.zeros(1, grad.dtype)), 0, 0
     ob = storage_view(out).reshape(-1)
     pad = int(padding_idx) if 0 <= padding_idx < nw else -1
-    _zero_all(ob)
+    # zero-fill pieces: one per thread (the row results never depend on it), each as large
+    # as possible so that libc's memset takes its streaming-store path
     _emb(gb, goff, grs, d, counts, starts, order, pad, bool(scale_grad_by_freq), ob,
-         code_of(out.dtype))
+         code_of(out.dtype), get_num_threads())
     return out

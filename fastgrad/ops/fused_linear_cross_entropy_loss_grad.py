@@ -50,7 +50,8 @@ def fused_linear_cross_entropy_loss_grad(grad, input, weight, target_mask, maske
         overwrites it in place; fastgrad does not).
     out : (grad_input, grad_weight), optional
         Preallocated outputs (shapes ``[BT, H]`` and ``[V, H]``, input's dtype).  Untouched when
-        validation fails.
+        validation fails.  Extension (not in strict mode): an fp32 ``grad_input`` receives the
+        fp32 accumulator unrounded — what a vocabulary-parallel caller all-reduces.
 
     Returns
     -------
@@ -164,22 +165,26 @@ def fused_linear_cross_entropy_loss_grad(grad, input, weight, target_mask, maske
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise invalid("out", "a (grad_input, grad_weight) pair", type(out).__name__, OP)
-        o_gi = arrays.check_out(out[0], "out[0] (grad_input)", (BT, H), x.dtype, OP)
+        gi_dtype = x.dtype
+        if not strict and out[0] is not None and arrays.as_numpy(out[0], "out[0]", op=OP).dtype == D.FLOAT32:
+            gi_dtype = D.FLOAT32     # extension: the unrounded fp32 accumulator (for all-reduces)
+        o_gi = arrays.check_out(out[0], "out[0] (grad_input)", (BT, H), gi_dtype, OP)
         o_gw = arrays.check_out(out[1], "out[1] (grad_weight)", (V, H), x.dtype, OP)
         user_gi, user_gw = out
     else:
         o_gi = o_gw = user_gi = user_gw = None
+        gi_dtype = x.dtype
 
     if strict and (x.size == 0 or w.size == 0):
         # the device returns success without launching: outputs untouched
-        b_gi = arrays.prepare_out(user_gi, o_gi, (BT, H), x.dtype)
+        b_gi = arrays.prepare_out(user_gi, o_gi, (BT, H), gi_dtype)
         b_gw = arrays.prepare_out(user_gw, o_gw, (V, H), x.dtype)
         if user_gi is None:
             b_gi.buffer[...] = 0
             b_gw.buffer[...] = 0
         return b_gi.result(kind), b_gw.result(kind)
 
-    b_gi = arrays.prepare_out(user_gi, o_gi, (BT, H), x.dtype)
+    b_gi = arrays.prepare_out(user_gi, o_gi, (BT, H), gi_dtype)
     b_gw = arrays.prepare_out(user_gw, o_gw, (V, H), x.dtype)
     dispatch(OP)(grad=g, input=x, weight=w, target_mask=tm, masked_target=mt,
                  label_smoothing=ls, logits_max=lm, sum_exp_logits=se, softmax=sm,

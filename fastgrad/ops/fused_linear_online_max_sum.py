@@ -65,9 +65,9 @@ def fused_linear_online_max_sum(input, weight, target, vocab_start_index, vocab_
         input, weight or target is None.
     AclnnError 161002
         dtypes (input/weight not bf16/fp16[/fp32] or different, target not int32/int64), ranks,
-        ``target.shape[0] != BT``, ``weight.shape[1] != H``, ``weight.shape[0] == 0``,
-        ``vocab_start_index < 0``, ``vocab_end_index < vocab_start_index``.  Strict mode also:
-        fp32 input, ``H > 65534``.
+        ``target.shape[0] != BT``, ``weight.shape[1] != H``, ``vocab_start_index < 0``,
+        ``vocab_end_index < vocab_start_index``.  Strict mode also: fp32 input, ``H > 65534``,
+        ``weight.shape[0] == 0`` (outside it, an empty shard gives max -inf, sum 0, all masked).
     """
     kind = arrays.kind_of(input, weight, target)
     x = arrays.as_numpy(input, "input", op=OP)
@@ -90,8 +90,8 @@ def fused_linear_online_max_sum(input, weight, target, vocab_start_index, vocab_
     V = w.shape[0]
     if strict and H > 65534:
         raise invalid("input", "input.shape[1] <= 65534 (strict mode)", f"shape {x.shape}", OP)
-    if V == 0:
-        raise invalid("weight", "weight.shape[0] > 0", f"shape {w.shape}", OP)
+    if V == 0 and strict:
+        raise invalid("weight", "weight.shape[0] > 0 (strict mode)", f"shape {w.shape}", OP)
     if w.shape[1] != H:
         raise invalid("weight", f"weight.shape[1] == input.shape[1] == {H}", f"shape {w.shape}", OP)
     if t.shape[0] != BT:
