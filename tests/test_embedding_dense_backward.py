@@ -343,3 +343,22 @@ def test_strict_rank_limits():
                 fg.embedding_dense_backward(grad, idx, 4)
             assert ei.value.status == 161002
         fg.embedding_dense_backward(np.ones((1,) * 7 + (3,), np.float32), np.zeros((1,) * 8, np.int64), 2)
+
+
+# ----------------------------------------------------------------------------------------
+# Property: random sizes, repeats, padding and scaling, bit-exact with the device order
+# ----------------------------------------------------------------------------------------
+
+from hypothesis import given, settings, HealthCheck, strategies as st  # noqa: E402
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 200), d=st.integers(1, 70), nw=st.integers(1, 150),
+       dtype=st.sampled_from(DTYPES), pad=st.integers(-2, 150), scale=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_property_random(n, d, nw, dtype, pad, scale, seed):
+    r = np.random.default_rng(seed)
+    idx = r.integers(0, r.integers(1, nw + 1), n)  # skewed: many repeats when the range is small
+    grad = r.standard_normal((n, d)).astype(dtype)
+    out = fg.embedding_dense_backward(grad, idx, nw, pad, scale)
+    np.testing.assert_array_equal(out.view(np.uint8), _emulate(grad, idx, nw, pad, scale, dtype).view(np.uint8))

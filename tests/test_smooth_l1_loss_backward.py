@@ -57,7 +57,7 @@ def _emulate(g, x, t, reduction, beta, dtype):
         r = (s * g).astype(np.float32)
     if reduction == "mean" and r.size:
         r = r * np.float32(1.0 / r.size)
-    return np.ascontiguousarray(r.astype(dtype))
+    return np.array(np.asarray(r).astype(dtype), order="C")  # (ascontiguousarray makes 0-d 1-d)
 
 
 def assert_close(out, ref64, dtype):
@@ -367,3 +367,47 @@ def test_strict_rank_limit():
         assert ei.value.status == 161002
         # the device accepts beta = 0 and every listed dtype
         fg.smooth_l1_loss_backward(OK.astype(BF16), OK, OK.astype(F16), 1, 0.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Property: random broadcast shapes and strided views, bit-exact with the device DAG
+# ----------------------------------------------------------------------------------------
+
+from hypothesis import given, settings, HealthCheck, strategies as st  # noqa: E402
+
+
+@st.composite
+def _broadcast_case(draw):
+    nd = draw(st.integers(0, 4))
+    shape = tuple(draw(st.integers(1, 5)) for _ in range(nd))
+    views = []
+    for _ in range(3):
+        # drop leading axes and set some axes to 1 (broadcast); maybe a strided/reversed view
+        k = draw(st.integers(0, nd))
+        s = tuple(1 if draw(st.booleans()) else n for n in shape[k:])
+        step = draw(st.sampled_from([1, 2, -1]))
+        views.append((s, step))
+    dtype = draw(st.sampled_from(DTYPES))
+    red = draw(st.sampled_from(["none", "mean", "sum"]))
+    beta = draw(st.sampled_from([0.0, 0.5, 1.0, 1.3]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return shape, views, dtype, red, beta, seed
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_broadcast_case())
+def test_property_broadcast_strides(case):
+    shape, views, dtype, red, beta, seed = case
+    r = np.random.default_rng(seed)
+    arrs = []
+    for s, step in views:
+        if s and step != 1:  # a view with a non-unit stride on the last axis
+            big = (r.standard_normal(s[:-1] + (s[-1] * abs(step),)) * 2).astype(dtype)
+            a = big[..., ::step] if step > 0 else big[..., ::-1][..., :s[-1]]
+        else:
+            a = np.asarray(r.standard_normal(s) * 2).astype(dtype)
+        arrs.append(a)
+    out = fg.smooth_l1_loss_backward(*arrs, red, beta)
+    expect = _emulate(*arrs, red, beta, dtype)
+    assert out.shape == expect.shape and out.dtype == expect.dtype
+    np.testing.assert_array_equal(out.reshape(-1).view(np.uint8), expect.reshape(-1).view(np.uint8))

@@ -12,10 +12,11 @@ Plan (the op_host "tiling"), O(N + num_weights·D) work, no atomics:
    rows run by run (runs are short when indices are spread, below libc's threshold) or a
    store loop.  The indexed rows are thus written twice, a small price (they are a fraction
    of the table for real vocabularies).
-4. A second parallel pass over fixed blocks of ``ROWS`` output rows writes each indexed row (other
-   than ``padding_idx``) once: accumulated in fp32 over its bucket in index order (in the
-   fp32 output row itself, or an fp32 scratch row for 16-bit), divided by its count when
-   ``scale_grad_by_freq``, and rounded once.
+4. A second parallel pass over fixed blocks of ``ROWS`` output rows writes each indexed row
+   (other than ``padding_idx``) once: accumulated in fp32 over its bucket in index order (in the
+   fp32 output row itself, or an fp32 scratch row for 16-bit whose last addition is fused
+   with the division and the rounding), divided by its count when ``scale_grad_by_freq``,
+   and rounded once.
 
 Each row is produced by one thread with a fixed sequence of operations, so results are
 bitwise identical for any thread count.  Kernel specializations: fp32 grad/out, and 16-bit
@@ -33,7 +34,7 @@ from numba.extending import intrinsic
 from .._config import get_num_threads
 from .._jit import njit, pjit, prange
 from ..backends import implements
-from ..dtypes import BFLOAT16, code_of, from_f32, storage_view, to_f32
+from ..dtypes import BFLOAT16, FLOAT32, code_of, from_f32, storage_view, to_f32
 from .smooth_l1_loss_backward import _base
 
 OP = "embedding_dense_backward"
@@ -90,88 +91,91 @@ def _bucket(idx, num_weights):
 
 
 @njit
-def _accumulate(gb, goff, grs, d, order, p0, p1, acc, code):
-    """acc[:d] = fp32 sum, in index order, of the grad rows order[p0:p1] (starting from +0)."""
-    i = order[p0]
-    g = gb[goff + i * grs:goff + i * grs + d]
-    if code == 0:
-        for j in range(d):
-            acc[j] = np.float32(0.0) + np.float32(g[j])
-    elif code == 1:
-        for j in range(d):
-            acc[j] = np.float32(0.0) + to_f32(g[j], 1)
-    else:
-        for j in range(d):
-            acc[j] = np.float32(0.0) + to_f32(g[j], 2)
-    for p in range(p0 + 1, p1):
-        i = order[p]
-        g = gb[goff + i * grs:goff + i * grs + d]
-        if code == 0:
-            for j in range(d):
-                acc[j] += np.float32(g[j])
-        elif code == 1:
-            for j in range(d):
-                acc[j] += to_f32(g[j], 1)
-        else:
-            for j in range(d):
-                acc[j] += to_f32(g[j], 2)
-
-
-@njit
-def _finish(acc, row, d, code, scale, c):
-    """row = acc (/ c when scale), rounded to format ``code``; in place when code == 0."""
-    cf = np.float32(c)
-    if code == 0:
-        if scale:
-            for j in range(d):
-                row[j] = acc[j] / cf
-    elif code == 1:
-        if scale:
-            for j in range(d):
-                row[j] = from_f32(acc[j] / cf, 1)
-        else:
-            for j in range(d):
-                row[j] = from_f32(acc[j], 1)
-    else:
-        if scale:
-            for j in range(d):
-                row[j] = from_f32(acc[j] / cf, 2)
-        else:
-            for j in range(d):
-                row[j] = from_f32(acc[j], 2)
-
-
-@njit
-def _block(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code):
-    """Write the indexed rows among output rows [b*ROWS, (b+1)*ROWS) (the others are zero)."""
-    nw = counts.size
-    for k in range(b * ROWS, min(nw, (b + 1) * ROWS)):
+def _rows_f32(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob):
+    """fp32: the indexed rows among output rows [b*ROWS, (b+1)*ROWS), summed in place."""
+    for k in range(b * ROWS, min(counts.size, (b + 1) * ROWS)):
         c = counts[k]
         if c == 0 or k == padding_idx:
             continue
         row = ob[k * d:(k + 1) * d]
-        if code == 0:  # fp32: accumulate in the output row itself
-            _accumulate(gb, goff, grs, d, order, starts[k], starts[k + 1], row, code)
-            _finish(row, row, d, code, scale, c)
-        else:  # 16-bit: accumulate in fp32 scratch, round once into the row
-            _accumulate(gb, goff, grs, d, order, starts[k], starts[k + 1], acc, code)
-            _finish(acc, row, d, code, scale, c)
+        i = order[starts[k]]
+        g = gb[goff + i * grs:goff + i * grs + d]
+        for j in range(d):
+            row[j] = np.float32(0.0) + g[j]  # +0 start: a -0 sum gives +0, as the device
+        for p in range(starts[k] + 1, starts[k + 1]):
+            i = order[p]
+            g = gb[goff + i * grs:goff + i * grs + d]
+            for j in range(d):
+                row[j] += g[j]
+        if scale:
+            cf = np.float32(c)
+            for j in range(d):
+                row[j] = row[j] / cf
+
+
+@njit(inline="always")
+def _row16(gb, goff, grs, d, order, p0, p1, acc, row, scale, c, code):
+    """16-bit row: all tokens but the last summed in fp32 ``acc`` (from +0); the last one
+    added in the same loop that divides and rounds into ``row`` (one pass fewer)."""
+    for j in range(d):
+        acc[j] = np.float32(0.0)
+    for p in range(p0, p1 - 1):
+        i = order[p]
+        g = gb[goff + i * grs:goff + i * grs + d]
+        for j in range(d):
+            acc[j] += to_f32(g[j], code)
+    i = order[p1 - 1]
+    g = gb[goff + i * grs:goff + i * grs + d]
+    if scale:
+        cf = np.float32(c)
+        for j in range(d):
+            row[j] = from_f32((acc[j] + to_f32(g[j], code)) / cf, code)
+    else:
+        for j in range(d):
+            row[j] = from_f32(acc[j] + to_f32(g[j], code), code)
+
+
+@njit
+def _rows_16(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code):
+    """16-bit: the indexed rows among output rows [b*ROWS, (b+1)*ROWS)."""
+    for k in range(b * ROWS, min(counts.size, (b + 1) * ROWS)):
+        c = counts[k]
+        if c == 0 or k == padding_idx:
+            continue
+        row = ob[k * d:(k + 1) * d]
+        if code == 1:
+            _row16(gb, goff, grs, d, order, starts[k], starts[k + 1], acc, row, scale, c, 1)
+        else:
+            _row16(gb, goff, grs, d, order, starts[k], starts[k + 1], acc, row, scale, c, 2)
+
+
+@njit(inline="always")
+def _zero_parts(ob, nparts, p):
+    """Zero piece ``p`` of ``nparts`` equal contiguous pieces of the output (one memset)."""
+    n = ob.size
+    per = (n + nparts - 1) // nparts
+    s = p * per
+    if s < n:
+        _zero_fill(ob, np.int64(s), np.int64(min(per, n - s)))
 
 
 @pjit
-def _emb(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, code, nparts):
-    # Phase 1: zero the output in ``nparts`` equal contiguous pieces, one memset each.
-    n = ob.size
-    per = (n + nparts - 1) // nparts
-    for p in prange(nparts):
-        s = p * per
-        if s < n:
-            _zero_fill(ob, np.int64(s), np.int64(min(per, n - s)))
-    # Phase 2: the indexed rows, in fixed blocks of rows.
+def _emb_f32(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, nparts):
+    for p in prange(nparts):  # phase 1: zero-fill
+        _zero_parts(ob, nparts, p)
     nblk = (counts.size + ROWS - 1) // ROWS
-    for b in prange(nblk):
-        acc = np.empty(d if code != 0 else 0, np.float32)
-        _block(np.int64(b), gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code)
+    for b in prange(nblk):  # phase 2: the indexed rows, in fixed blocks of rows
+        _rows_f32(np.int64(b), gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob)
+
+
+@pjit
+def _emb_16(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, code, nparts):
+    for p in prange(nparts):  # phase 1: zero-fill
+        _zero_parts(ob, nparts, p)
+    nblk = (counts.size + ROWS - 1) // ROWS
+    for b in prange(nblk):  # phase 2: the indexed rows, in fixed blocks of rows
+        acc = np.empty(d, np.float32)
+        _rows_16(np.int64(b), gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code)
 
 
 def index_int64(indices: np.ndarray) -> np.ndarray:
@@ -191,17 +195,20 @@ def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_g
         return out
     idx = index_int64(indices) if grad.size else np.zeros(0, np.int64)
     counts, starts, order = _bucket(idx, nw)
-    if grad.size:
-        g2 = grad.reshape(idx.size, d)
-        if g2.strides[1] != g2.itemsize:  # last axis not unit-stride: one contiguous copy
-            g2 = np.ascontiguousarray(g2)
-        gb, goff, (grs, _) = _base(g2, g2.shape)
-    else:
-        gb, goff, grs = storage_view(np.zeros(1, grad.dtype)), 0, 0
+    # grad as a read-only 1-D buffer + row offset/stride (no copy unless the last axis is
+    # strided); a dummy one-row buffer when there is no token (same Numba type either way)
+    g2 = grad.reshape(idx.size, d) if grad.size else np.zeros((1, d), grad.dtype)
+    if g2.strides[1] != g2.itemsize:
+        g2 = np.ascontiguousarray(g2)
+    gb, goff, (grs, _) = _base(g2, g2.shape)
     ob = storage_view(out).reshape(-1)
     pad = int(padding_idx) if 0 <= padding_idx < nw else -1
     # zero-fill pieces: one per thread (the row results never depend on it), each as large
     # as possible so that libc's memset takes its streaming-store path
-    _emb(gb, goff, grs, d, counts, starts, order, pad, bool(scale_grad_by_freq), ob,
-         code_of(out.dtype), get_num_threads())
+    scale = bool(scale_grad_by_freq)
+    if out.dtype == FLOAT32:
+        _emb_f32(gb, goff, grs, d, counts, starts, order, pad, scale, ob, get_num_threads())
+    else:
+        _emb_16(gb, goff, grs, d, counts, starts, order, pad, scale, ob, code_of(out.dtype),
+                get_num_threads())
     return out

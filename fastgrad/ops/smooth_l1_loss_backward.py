@@ -57,11 +57,15 @@ def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0,
     the promoted dtype, the result is rounded to the promoted dtype and then cast (the
     device's final Cast).
 
-    Deviations: with ``beta = 0`` every element takes the sign branch, so ``d == 0`` gives 0
-    as on the device (seed formula; 910B), where PyTorch's
-    ``aten::smooth_l1_loss_backward`` gives ``-grad_out``.  Elsewhere results match PyTorch
-    up to fp32 rounding (PyTorch computes ``x * grad / beta``, the device
-    ``x * (1/beta) * grad``).
+    Deviations from PyTorch's ``aten::smooth_l1_loss_backward`` (fastgrad follows the
+    device): with ``beta = 0`` every element takes the sign branch, so ``d == 0`` gives 0
+    (seed formula; 910B), where the aten op gives ``-grad_out`` (autograd of
+    ``F.smooth_l1_loss`` gives 0 too); ``"mean"`` divides by the broadcast output's element
+    count, where the aten op divides by ``input.numel()`` (they differ only when ``input``
+    itself is broadcast); and ``input`` may be broadcast to a larger shape, which the aten
+    op's output (shaped like ``input``) cannot express.  Elsewhere results match PyTorch up to
+    fp32 rounding (PyTorch computes ``x * grad / beta``, the device ``x * fp32(1/beta) *
+    grad``).
 
     Extensions outside strict mode: more than 8 dimensions.
 
