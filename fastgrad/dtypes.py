@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+from llvmlite import ir as llvmir
+from numba import types
+from numba.extending import intrinsic, overload
 
 from ._jit import njit
 
@@ -72,68 +75,201 @@ def promote(*dtypes) -> np.dtype:
 
 
 # ----------------------------------------------------------------------------------------
-# Scalar conversions (njit, inlined into kernels)
+# Scalar conversions (njit, inlined into kernels). Every integer step is kept on 32-bit lanes
+# and written with selects, so the loops using them vectorize. fp16 uses the CPU's F16C
+# conversions where Numba targets a host that has them (with NumPy's NaN payloads restored),
+# the integer emulation elsewhere; both are bit-exact with NumPy.
 # ----------------------------------------------------------------------------------------
 
-@njit(inline="always")
+@njit
+def _f32_to_f16_sw(x):
+    """fp32 -> fp16 bit pattern, round-to-nearest-even, branch-free.
+
+    Bit-identical to NumPy's ``astype(float16)``  on every fp32
+    pattern (checked exhaustively), including subnormals, overflow to ±Inf and NaN payloads;
+    written with selects on 32-bit lanes so that loops using it vectorize.  fp16 subnormals
+    are rounded by the FPU: ``|x| + 0.5`` has an ulp of 2**-24, the fp16 subnormal spacing.
+    """
+    f = np.float32(x).view(np.uint32)
+    sign = np.uint32((f >> np.uint32(16)) & np.uint32(0x8000))
+    a = np.uint32(f & np.uint32(0x7FFFFFFF))
+    # normal fp16 range: rebias the exponent, round half to even through the odd bit
+    odd = np.uint32((a >> np.uint32(13)) & np.uint32(1))
+    norm = np.uint32(np.uint32(a + np.uint32(0xC8000FFF) + odd) >> np.uint32(13))  # a - 0x38000000 + 0xFFF
+    # subnormal fp16 (|x| < 2**-14): the FPU's RNE of |x| + 0.5 at spacing 2**-24
+    sub = np.uint32(np.float32(a.view(np.float32) + np.float32(0.5)).view(np.uint32) - np.uint32(0x3F000000))
+    # Inf / NaN (NaN keeps its top payload bits and never becomes Inf)
+    nanp = np.uint32(np.uint32(0x7C00) | np.uint32((a & np.uint32(0x007FFFFF)) >> np.uint32(13)))
+    if nanp == np.uint32(0x7C00):
+        nanp = np.uint32(0x7C01)
+    big = np.uint32(0x7C00)
+    if a > np.uint32(0x7F800000):
+        big = nanp
+    r = norm
+    if a < np.uint32(0x38800000):
+        r = sub
+    if a >= np.uint32(0x47800000):
+        r = big
+    return np.uint16(r | sign)
+
+
+@njit
 def bf16_to_f32(h):
-    """bf16 bit pattern -> fp32 value (exact)."""
+    """bf16 bit pattern -> fp32 (exact), on 32-bit lanes."""
     return np.uint32(np.uint32(h) << np.uint32(16)).view(np.float32)
 
 
-@njit(inline="always")
+@njit
 def f32_to_bf16(x):
-    """fp32 value -> bf16 bit pattern, round-to-nearest-even, NaN -> 0x7FC0|sign."""
+    """fp32 -> bf16 bit pattern, RNE, NaN -> 0x7FC0|sign (as ml_dtypes), on 32-bit lanes.
+
+    (Every integer step is wrapped in ``np.uint32``: Numba types uint32 arithmetic as
+    uint64, and LLVM only narrows the lanes back when each step is truncated.)
+    """
     u = np.float32(x).view(np.uint32)
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
-    r = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-    return np.uint16(r >> np.uint32(16))
+    hi = np.uint32(u >> np.uint32(16))
+    lsb = np.uint32(hi & np.uint32(1))
+    r = np.uint32(u + np.uint32(0x7FFF))
+    r = np.uint32(r + lsb)
+    r = np.uint32(r >> np.uint32(16))
+    a = np.uint32(u & np.uint32(0x7FFFFFFF))
+    qnan = np.uint32(np.uint32(hi & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    if a > np.uint32(0x7F800000):
+        r = qnan
+    return np.uint16(r)
 
 
-@njit(inline="always")
-def f16_to_f32(h):
-    """fp16 bit pattern -> fp32 value (exact; subnormals, ±Inf, NaN payload kept)."""
+@njit
+def _f16_to_f32_sw(h):
+    """fp16 bit pattern -> fp32 (exact; subnormals, ±Inf, NaN payload kept), on 32-bit lanes."""
     h32 = np.uint32(h)
-    sign = (h32 & np.uint32(0x8000)) << np.uint32(16)
-    em = h32 & np.uint32(0x7FFF)
-    if em >= np.uint32(0x7C00):  # Inf / NaN
-        return np.uint32(sign | np.uint32(0x7F800000) | ((em & np.uint32(0x3FF)) << np.uint32(13))).view(np.float32)
+    sign = np.uint32(np.uint32(h32 & np.uint32(0x8000)) << np.uint32(16))
+    em = np.uint32(h32 & np.uint32(0x7FFF))
     # normal and subnormal alike: shift into place and rescale by 2**112 (exact)
-    f = np.uint32(em << np.uint32(13)).view(np.float32) * np.float32(5.192296858534828e33)
-    return np.uint32(np.float32(f).view(np.uint32) | sign).view(np.float32)
+    f = np.float32(np.uint32(em << np.uint32(13)).view(np.float32) * np.float32(5.192296858534828e33))
+    bits = f.view(np.uint32)
+    if em >= np.uint32(0x7C00):  # Inf / NaN
+        bits = np.uint32(np.uint32(0x7F800000) | np.uint32(np.uint32(em & np.uint32(0x3FF)) << np.uint32(13)))
+    return np.uint32(bits | sign).view(np.float32)
 
 
-@njit(inline="always")
-def f32_to_f16(x):
-    """fp32 value -> fp16 bit pattern, round-to-nearest-even (NumPy's algorithm)."""
+def _host_has_f16c() -> bool:
+    """True when Numba compiles for a CPU with the F16C conversions (vcvtph2ps/vcvtps2ph)."""
+    try:
+        import llvmlite.binding as llvm
+        from numba.core import config
+
+        if config.CPU_NAME not in (None, "host"):
+            return False
+        feats = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+        return "+f16c" in feats.split(",")
+    except Exception:  # pragma: no cover - be conservative
+        return False
+
+
+#: Use the hardware fp16 conversions (one instruction per vector) instead of the integer
+#: emulation; chosen once, for the CPU Numba targets (its on-disk cache is keyed by CPU).
+HW_F16 = _host_has_f16c()
+
+
+@intrinsic
+def _f16_bits_to_f32_hw(typingctx, h):
+    """fp16 bits -> fp32 through LLVM ``fpext half`` (F16C ``vcvtph2ps``); quiets sNaN."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], llvmir.HalfType()), llvmir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def _f32_to_f16_bits_hw(typingctx, x):
+    """fp32 -> fp16 bits through LLVM ``fptrunc`` (F16C ``vcvtps2ph``, RNE); quiets sNaN."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], llvmir.HalfType()), llvmir.IntType(16))
+    return sig, codegen
+
+
+@njit
+def _f16_to_f32_hw(h):
+    """fp16 bits -> fp32, exact: the F16C conversion, with NumPy's NaN payloads (no quieting)."""
+    v = _f16_bits_to_f32_hw(h)
+    h32 = np.uint32(h)
+    if np.uint32(h32 & np.uint32(0x7FFF)) > np.uint32(0x7C00):
+        v = np.uint32(np.uint32(np.uint32(h32 & np.uint32(0x8000)) << np.uint32(16))
+                      | np.uint32(0x7F800000)
+                      | np.uint32(np.uint32(h32 & np.uint32(0x3FF)) << np.uint32(13))).view(np.float32)
+    return v
+
+
+@njit
+def _f32_to_f16_hw(x):
+    """fp32 -> fp16 bits, RNE: the F16C conversion, with NumPy's NaN payloads (no quieting)."""
+    r = _f32_to_f16_bits_hw(np.float32(x))
     f = np.float32(x).view(np.uint32)
-    h_sgn = np.uint32((f & np.uint32(0x80000000)) >> np.uint32(16))
-    f_exp = f & np.uint32(0x7F800000)
-    if f_exp >= np.uint32(0x47800000):
-        if f_exp == np.uint32(0x7F800000):
-            f_sig = f & np.uint32(0x007FFFFF)
-            if f_sig != np.uint32(0):
-                ret = np.uint32(0x7C00) + (f_sig >> np.uint32(13))
-                if ret == np.uint32(0x7C00):  # keep it a NaN
-                    ret = ret + np.uint32(1)
-                return np.uint16(h_sgn + ret)
-            return np.uint16(h_sgn + np.uint32(0x7C00))
-        return np.uint16(h_sgn + np.uint32(0x7C00))
-    if f_exp <= np.uint32(0x38000000):
-        if f_exp < np.uint32(0x33000000):
-            return np.uint16(h_sgn)
-        e = f_exp >> np.uint32(23)
-        f_sig = np.uint32(0x00800000) + (f & np.uint32(0x007FFFFF))
-        f_sig = f_sig >> (np.uint32(113) - e)
-        if ((f_sig & np.uint32(0x00003FFF)) != np.uint32(0x00001000)) or ((f & np.uint32(0x000007FF)) != np.uint32(0)):
-            f_sig = f_sig + np.uint32(0x00001000)
-        return np.uint16(h_sgn + (f_sig >> np.uint32(13)))
-    h_exp = (f_exp - np.uint32(0x38000000)) >> np.uint32(13)
-    f_sig = f & np.uint32(0x007FFFFF)
-    if (f_sig & np.uint32(0x00003FFF)) != np.uint32(0x00001000):
-        f_sig = f_sig + np.uint32(0x00001000)
-    return np.uint16(h_sgn + (f_sig >> np.uint32(13)) + h_exp)
+    a = np.uint32(f & np.uint32(0x7FFFFFFF))
+    if a > np.uint32(0x7F800000):
+        nanp = np.uint32(np.uint32(0x7C00) | np.uint32(np.uint32(a & np.uint32(0x007FFFFF)) >> np.uint32(13)))
+        if nanp == np.uint32(0x7C00):
+            nanp = np.uint32(0x7C01)
+        r = np.uint16(np.uint32(np.uint32(np.uint32(f >> np.uint32(16)) & np.uint32(0x8000)) | nanp))
+    return r
+
+
+def load_f32(x, code):
+    """Element of a kernel array -> fp32 (fp32 as is; uint16 storage of format ``code``)."""
+    raise NotImplementedError("only callable from Numba kernels")
+
+
+@overload(load_f32)
+def _load_f32_ol(x, code):
+    if isinstance(x, types.Float):
+        def impl(x, code):
+            return np.float32(x)
+    elif HW_F16:
+        def impl(x, code):
+            if code == 1:
+                return bf16_to_f32(x)
+            return _f16_to_f32_hw(x)
+    else:
+        def impl(x, code):
+            if code == 1:
+                return bf16_to_f32(x)
+            return _f16_to_f32_sw(x)
+    return impl
+
+
+def store_as(v, code, like):
+    """fp32 value -> the element type of array ``like`` (RNE to format ``code`` for uint16)."""
+    raise NotImplementedError("only callable from Numba kernels")
+
+
+@overload(store_as)
+def _store_as_ol(v, code, like):
+    if isinstance(like.dtype, types.Float):
+        def impl(v, code, like):
+            return np.float32(v)
+    elif HW_F16:
+        def impl(v, code, like):
+            if code == 1:
+                return f32_to_bf16(v)
+            return _f32_to_f16_hw(v)
+    else:
+        def impl(v, code, like):
+            if code == 1:
+                return f32_to_bf16(v)
+            return _f32_to_f16_sw(v)
+    return impl
+
+
+if HW_F16:
+    f16_to_f32 = _f16_to_f32_hw
+    f32_to_f16 = _f32_to_f16_hw
+else:
+    f16_to_f32 = _f16_to_f32_sw
+    f32_to_f16 = _f32_to_f16_sw
 
 
 @njit(inline="always")

@@ -11,6 +11,7 @@ import numpy as np
 from .. import dtypes as D
 from .._jit import pjit, prange
 from ..backends import implements
+from ._vmath import exp_f32
 
 OP = "fused_cross_entropy_loss_with_max_sum"
 
@@ -22,7 +23,7 @@ def _softmax16(logits, code, lmax, sexp, out):
         m = lmax[i]
         inv = np.float32(1.0) / sexp[i]
         for j in range(v):
-            out[i, j] = np.exp(D.to_f32(logits[i, j], code) - m) * inv
+            out[i, j] = exp_f32(D.to_f32(logits[i, j], code) - m) * inv
 
 
 @pjit
@@ -32,7 +33,7 @@ def _softmax32(logits, lmax, sexp, out):
         m = lmax[i]
         inv = np.float32(1.0) / sexp[i]
         for j in range(v):
-            out[i, j] = np.exp(logits[i, j] - m) * inv
+            out[i, j] = exp_f32(logits[i, j] - m) * inv
 
 
 @implements("cpu", OP)

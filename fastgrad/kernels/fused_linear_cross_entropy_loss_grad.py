@@ -25,6 +25,7 @@ from ..backends import implements
 from ..tiling import plan_linear_cross_entropy
 from ._gemm import matmul_nn, matmul_nt, matmul_tn, single_threaded_blas
 from ._linear import fp32_block, mask_bits, target_columns
+from ._vmath import exp_f32
 
 OP = "fused_linear_cross_entropy_loss_grad"
 
@@ -42,18 +43,18 @@ def _epilogue_memory_saving(L, row0, col0, logits_max, sum_exp, grad, tcol, code
         g = grad[r]
         t = tcol[r] - col0
         if t >= 0 and t < nv:
-            pt = np.exp(L[i, t] - m) / se - one_minus_s
+            pt = exp_f32(L[i, t] - m) / se - one_minus_s
         else:
             pt = np.float32(0.0)
         if smooth != 0.0:
             for j in range(nv):
-                p = np.exp(L[i, j] - m) / se - s_over_k
+                p = exp_f32(L[i, j] - m) / se - s_over_k
                 L[i, j] = D.round_f32(p * g, code)
             if t >= 0 and t < nv:
                 L[i, t] = D.round_f32((pt - s_over_k) * g, code)
         else:
             for j in range(nv):
-                p = np.exp(L[i, j] - m) / se
+                p = exp_f32(L[i, j] - m) / se
                 L[i, j] = D.round_f32(p * g, code)
             if t >= 0 and t < nv:
                 L[i, t] = D.round_f32(pt * g, code)

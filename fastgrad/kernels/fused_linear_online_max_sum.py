@@ -11,13 +11,46 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes as D
-from .._jit import pjit, prange, FASTMATH_SAFE
+from .._jit import FASTMATH_SAFE, njit, pjit, prange
 from ..backends import implements
 from ..tiling import plan_linear_cross_entropy
 from ._gemm import matmul_nt, single_threaded_blas
 from ._linear import fp32_block
+from ._vmath import exp_f32
 
 OP = "fused_linear_online_max_sum"
+
+
+@njit
+def _round_row(L, i, code):
+    for j in range(L.shape[1]):
+        L[i, j] = D.round_f32(L[i, j], code)
+
+
+@njit
+def _nan_count(L, i):
+    c = 0
+    for j in range(L.shape[1]):
+        x = L[i, j]
+        c += (x != x)
+    return c
+
+
+@njit(fastmath={"nnan", "nsz", "reassoc"})
+def _max_row(L, i):
+    """Row max, vectorized (nnan is safe here: a NaN row is detected by ``_nan_count``)."""
+    m = np.float32(-np.inf)
+    for j in range(L.shape[1]):
+        m = max(m, L[i, j])
+    return m
+
+
+@njit(fastmath=FASTMATH_SAFE)
+def _sum_exp(L, i, mt):
+    acc = np.float32(0.0)
+    for j in range(L.shape[1]):
+        acc += exp_f32(L[i, j] - mt)
+    return acc
 
 
 @pjit
@@ -26,45 +59,27 @@ def _online_tile(L, row0, col0, code, m_run, s_run, tcol, picked):
     nb, nv = L.shape
     for i in prange(nb):
         r = row0 + i
-        mt = -np.inf
-        nan = False
-        for j in range(nv):
-            x = D.round_f32(L[i, j], code)
-            L[i, j] = x
-            if x > mt:
-                mt = x
-            elif x != x:
-                nan = True
-        if nan:
-            mt = np.nan
+        if code != 0:
+            _round_row(L, i, code)
+        mt = _max_row(L, i)
+        if _nan_count(L, i):
+            mt = np.float32(np.nan)
         st = _sum_exp(L, i, mt)
         m0 = m_run[r]
         if m0 >= mt:
             mnew = m0
         elif mt > m0:
             mnew = mt
-        else:  # NaN involved
-            mnew = np.float32(np.nan) if (mt != mt or m0 != m0) else m0
+        else:  # a NaN on either side
+            mnew = np.float32(np.nan)
         if mnew == -np.inf:
             s_run[r] = s_run[r] + st
         else:
-            s_run[r] = s_run[r] * np.exp(m0 - mnew) + st * np.exp(mt - mnew)
+            s_run[r] = s_run[r] * exp_f32(m0 - mnew) + st * exp_f32(mt - mnew)
         m_run[r] = mnew
         t = tcol[r] - col0
         if t >= 0 and t < nv:
             picked[r] = L[i, t]
-
-
-from .._jit import njit  # noqa: E402
-
-
-@njit(fastmath=FASTMATH_SAFE, inline="always")
-def _sum_exp(L, i, mt):
-    nv = L.shape[1]
-    acc = np.float32(0.0)
-    for j in range(nv):
-        acc += np.exp(L[i, j] - mt)
-    return acc
 
 
 def run(input, weight, target, vocab_start_index, vocab_end_index, return_logits, out,
