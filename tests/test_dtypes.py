@@ -82,3 +82,16 @@ def test_non_contiguous_and_empty():
     out = np.zeros((8, 5), F16).T
     D.from_float32(np.ones((5, 8), np.float32), F16, out=out)
     assert np.all(out == 1)
+
+
+@pytest.mark.parametrize("dt", [BF16, F16], ids=str)
+def test_round_trip_of_every_16_bit_pattern(dt):
+    """widen then narrow gives every pattern back (bf16 NaNs become the canonical quiet NaN)."""
+    a = ALL16.view(dt)
+    back = D.from_float32(D.to_float32(a), dt).view(np.uint16)
+    if dt == BF16:
+        nan = (ALL16 & 0x7FFF) > 0x7F80
+        expect = np.where(nan, (ALL16 & 0x8000) | 0x7FC0, ALL16).astype(np.uint16)
+    else:
+        expect = ALL16
+    np.testing.assert_array_equal(back, expect)
