@@ -18,8 +18,8 @@ import numpy as np
 
 from .._jit import njit, pjit, prange
 from ..backends import implements
-from ..dtypes import code_of, load_f32, storage_view, store_as
-from ._vmath import exp_f32
+from ..dtypes import code_of, storage_view
+from ._vmath import exp_f32, load_f32_arith as load_f32, store_arith as store_as
 
 OP = "cross_entropy_loss_grad"
 
