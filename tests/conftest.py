@@ -21,3 +21,13 @@ def _reset_fastgrad_state():
     yield
     fg.set_backend(None)
     fg.set_strict(None)
+
+
+# Property tests explore a fixed, reproducible set of examples (CI must not depend on luck).
+try:
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("fastgrad", derandomize=True, deadline=None)
+    _hyp_settings.load_profile("fastgrad")
+except ImportError:  # pragma: no cover
+    pass
