@@ -10,7 +10,6 @@ off explicitly.
 
 from __future__ import annotations
 
-import functools
 import os
 import tempfile
 

@@ -129,6 +129,8 @@ def _workspace(mode: str, BT: int, H: int, bt: int, vt: int, widen: bool) -> int
         per_tile += vt * H * f               # fp32 weight tile
     if mode != "forward":
         per_tile += vt * H * f + bt * H * f  # grad_weight tile accumulator, g·W product
+        if bt < BT:
+            per_tile += vt * H * f           # gᵀ·X product of one row tile (several row tiles)
     return fixed + per_tile
 
 

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import runtime_error, invalid
+from ..errors import runtime_error
 
 
 @dataclass

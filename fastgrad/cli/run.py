@@ -173,7 +173,6 @@ class _Bar:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc=desc, unit="tile", file=sys.stderr, leave=False)
-        self.n = 0
 
     def __call__(self, done):
         if self.bar is not None:
@@ -309,7 +308,6 @@ def _warm(fg, dtype):
 def _sampled_errors(x, w, t, grad, gmax, gsum, loss, grad_input, gw, rows, cols, rgrad):
     """Max |fastgrad - float64 golden| on sampled rows (loss, stats, grad_input) and sampled
     vocabulary rows of grad_weight, with the golden's own inputs (the global statistics)."""
-    V = w.shape[0]
     BT = x.shape[0]
     X64 = x.astype(np.float64)
     # loss and statistics of the sampled rows, from exact logits rounded to the input dtype

@@ -7,8 +7,8 @@ import numpy as np
 from .. import arrays
 from .. import dtypes as D
 from .._config import is_strict
-from ..backends import dispatch, get_backend
-from ..errors import invalid, null_error, AclnnError, ACLNN_ERR_PARAM_NULLPTR
+from ..backends import dispatch
+from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError, invalid
 from ._common import INDEX_DTYPES, parse_float
 
 OP = "fused_linear_cross_entropy_loss_grad"

@@ -8,7 +8,7 @@ from .. import arrays
 from .._config import is_strict
 from ..backends import dispatch
 from ..dtypes import FLOAT_DTYPES, dtype_name
-from ..errors import invalid, null_error
+from ..errors import invalid
 from ._common import parse_bool, parse_float
 
 OP = "scaled_masked_softmax_backward"
