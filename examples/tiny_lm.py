@@ -76,3 +76,13 @@ class TinyLM(nn.Module):
         h = self.embed(x) + self.pos[:T]
         h = self.block(h, src_mask=self.mask[:T, :T], is_causal=True)
         return self.norm(h)                     # [B, T, D]
+
+
+def add_training_args(ap) -> None:
+    """The arguments both training examples take (same defaults: same run)."""
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)

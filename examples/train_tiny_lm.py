@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tiny_lm import CharData, TinyLM
+from tiny_lm import CharData, TinyLM, add_training_args
 
 import fastgrad as fg
 import fastgrad.torch as ft
@@ -24,16 +24,11 @@ import fastgrad.torch as ft
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    add_training_args(ap)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="dtype of the LM-head matmul (hidden and weight cast for the loss)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch and fastgrad threads (tiny model: 1 is fastest; 0 = default)")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tiny_lm import CharData, TinyLM
+from tiny_lm import CharData, TinyLM, add_training_args
 
 import fastgrad as fg
 import fastgrad.torch as ft
@@ -31,12 +31,7 @@ import fastgrad.torch as ft
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    add_training_args(ap)
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo")                     # env:// rendezvous set up by torchrun

@@ -123,19 +123,18 @@ def bf16_to_f32(h):
 def f32_to_bf16(x):
     """fp32 -> bf16 bit pattern, RNE, NaN -> 0x7FC0|sign (as ml_dtypes), on 32-bit lanes.
 
-    (Every integer step is wrapped in ``np.uint32``: Numba types uint32 arithmetic as
-    uint64, and LLVM only narrows the lanes back when each step is truncated.)
+    The NaN test is one unordered compare and the quiet-NaN pattern one select, so loops using
+    it vectorize with few operations per vector.  (Every integer step is wrapped in
+    ``np.uint32``: Numba types uint32 arithmetic as uint64, and LLVM only narrows the lanes back
+    when each step is truncated.)
     """
-    u = np.float32(x).view(np.uint32)
-    hi = np.uint32(u >> np.uint32(16))
-    lsb = np.uint32(hi & np.uint32(1))
+    xf = np.float32(x)
+    u = xf.view(np.uint32)
     r = np.uint32(u + np.uint32(0x7FFF))
-    r = np.uint32(r + lsb)
+    r = np.uint32(r + np.uint32(np.uint32(u >> np.uint32(16)) & np.uint32(1)))
     r = np.uint32(r >> np.uint32(16))
-    a = np.uint32(u & np.uint32(0x7FFFFFFF))
-    qnan = np.uint32(np.uint32(hi & np.uint32(0x8000)) | np.uint32(0x7FC0))
-    if a > np.uint32(0x7F800000):
-        r = qnan
+    if xf != xf:
+        r = np.uint32(np.uint32(np.uint32(u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
     return np.uint16(r)
 
 
@@ -349,3 +348,61 @@ def from_float32(a: np.ndarray, dtype, out: np.ndarray | None = None) -> np.ndar
         out[...] = res
         return out
     return res
+
+
+# ----------------------------------------------------------------------------------------
+# Element conversions for values that only feed / come out of fp32 arithmetic
+# ----------------------------------------------------------------------------------------
+
+def load_f32_arith(x, code):
+    """Like :func:`fastgrad.dtypes.load_f32`, for a value that is only used as an operand of
+    fp32 arithmetic (never copied to an output as is).
+
+    With F16C, an fp16 element is widened by the bare ``vcvtph2ps``: it differs from the exact
+    widening only for signaling NaNs (which it quiets), and every arithmetic operation quiets
+    a signaling NaN the same way, so the results are bit-identical while the per-element
+    NaN-payload fix-up (a compare and a blend per vector) is skipped.
+    """
+    raise NotImplementedError("only callable from Numba kernels")
+
+
+@overload(load_f32_arith)
+def _load_f32_arith_ol(x, code):
+    if isinstance(x, types.Float) or not HW_F16:
+        def impl(x, code):
+            return load_f32(x, code)
+    else:
+        def impl(x, code):
+            if code == 1:
+                return bf16_to_f32(x)
+            return _f16_bits_to_f32_hw(x)
+    return impl
+
+
+def store_arith(v, code, like):
+    """Like :func:`fastgrad.dtypes.store_as`, for a value produced by fp32 arithmetic (so never
+    a signaling NaN).
+
+    With F16C, fp32 -> fp16 is the bare ``vcvtps2ph`` (RNE): for a quiet NaN it gives the sign,
+    ``0x7E00`` and the payload's top bits, exactly what the NaN fix-up of ``store_as``
+    computes, so it is skipped.  bf16: the same :func:`f32_to_bf16` as ``store_as``.
+    """
+    raise NotImplementedError("only callable from Numba kernels")
+
+
+@overload(store_arith)
+def _store_arith_ol(v, code, like):
+    if isinstance(like.dtype, types.Float):
+        def impl(v, code, like):
+            return store_as(v, code, like)
+    elif not HW_F16:
+        def impl(v, code, like):
+            if code == 1:
+                return f32_to_bf16(v)
+            return store_as(v, code, like)
+    else:
+        def impl(v, code, like):
+            if code == 1:
+                return f32_to_bf16(v)
+            return _f32_to_f16_bits_hw(np.float32(v))
+    return impl

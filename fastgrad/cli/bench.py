@@ -50,10 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     p = build_parser()
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+    args = p.parse_args(argv)
     from .. import benchmarks as B
     from ..backends import available_backends
 

@@ -49,10 +49,7 @@ def main(argv: list[str]) -> int:
     from ..errors import AclnnError
 
     p = build_parser()
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:  # argparse: 0 for --help, 2 for bad usage
-        return int(e.code or 0)
+    args = p.parse_args(argv)
     def load(path, dtype):  # the dtype options describe raw .bin files; .npy carry their own
         return load_array(path, dtype if not path.lower().endswith(".npy") else None, args.shape)
 

@@ -152,10 +152,7 @@ def main(argv: list[str]) -> int:
     from ..errors import AclnnError
 
     p = build_parser()
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+    args = p.parse_args(argv)
     if args.op not in OUTPUT_NAMES:
         print(f"fastgrad golden: unknown op {args.op!r}; one of: {', '.join(OPS)}", file=sys.stderr)
         return 2

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numba import types
-from numba.extending import overload
-
 from .._jit import njit
-from ..dtypes import (HW_F16, _f16_bits_to_f32_hw, _f32_to_f16_bits_hw, bf16_to_f32,
-                      load_f32, store_as)
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)        # Cody-Waite split of ln 2 (Cephes expf)
@@ -57,77 +52,3 @@ def exp_f32(x):
     s1 = np.int32((k1 + np.int32(127)) << np.int32(23)).view(np.float32)
     s2 = np.int32((k2 + np.int32(127)) << np.int32(23)).view(np.float32)
     return (p * s1) * s2
-
-
-# ----------------------------------------------------------------------------------------
-# Element conversions for values that only feed / come out of fp32 arithmetic
-# ----------------------------------------------------------------------------------------
-
-def load_f32_arith(x, code):
-    """Like :func:`fastgrad.dtypes.load_f32`, for a value that is only used as an operand of
-    fp32 arithmetic (never copied to an output as is).
-
-    With F16C, an fp16 element is widened by the bare ``vcvtph2ps``: it differs from the exact
-    widening only for signaling NaNs (which it quiets), and every arithmetic operation quiets
-    a signaling NaN the same way, so the results are bit-identical while the per-element
-    NaN-payload fix-up (a compare and a blend per vector) is skipped.
-    """
-    raise NotImplementedError("only callable from Numba kernels")
-
-
-@overload(load_f32_arith)
-def _load_f32_arith_ol(x, code):
-    if isinstance(x, types.Float) or not HW_F16:
-        def impl(x, code):
-            return load_f32(x, code)
-    else:
-        def impl(x, code):
-            if code == 1:
-                return bf16_to_f32(x)
-            return _f16_bits_to_f32_hw(x)
-    return impl
-
-
-def store_arith(v, code, like):
-    """Like :func:`fastgrad.dtypes.store_as`, for a value produced by fp32 arithmetic (so never
-    a signaling NaN).
-
-    With F16C, fp32 -> fp16 is the bare ``vcvtps2ph`` (RNE): for a quiet NaN it gives the sign,
-    ``0x7E00`` and the payload's top bits, exactly what the NaN fix-up of ``store_as``
-    computes, so it is skipped.  bf16: :func:`_f32_to_bf16_nan`, the same RNE and NaN rule as
-    ``store_as`` in fewer vector operations.
-    """
-    raise NotImplementedError("only callable from Numba kernels")
-
-
-@overload(store_arith)
-def _store_arith_ol(v, code, like):
-    if isinstance(like.dtype, types.Float):
-        def impl(v, code, like):
-            return store_as(v, code, like)
-    elif not HW_F16:
-        def impl(v, code, like):
-            if code == 1:
-                return _f32_to_bf16_nan(v)
-            return store_as(v, code, like)
-    else:
-        def impl(v, code, like):
-            if code == 1:
-                return _f32_to_bf16_nan(v)
-            return _f32_to_f16_bits_hw(np.float32(v))
-    return impl
-
-
-@njit(inline="always")
-def _f32_to_bf16_nan(x):
-    """fp32 -> bf16 bits, RNE, any NaN -> ``0x7FC0 | sign``: bit-identical to
-    :func:`fastgrad.dtypes.f32_to_bf16`, with the NaN test as one unordered compare and the
-    quiet-NaN pattern as one bitwise select (fewer operations per vector)."""
-    xf = np.float32(x)
-    u = xf.view(np.uint32)
-    r = np.uint32(u + np.uint32(0x7FFF))
-    r = np.uint32(r + np.uint32(np.uint32(u >> np.uint32(16)) & np.uint32(1)))
-    r = np.uint32(r >> np.uint32(16))
-    if xf != xf:
-        r = np.uint32(np.uint32(np.uint32(u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
-    return np.uint16(r)

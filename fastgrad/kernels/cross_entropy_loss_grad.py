@@ -19,7 +19,8 @@ import numpy as np
 from .._jit import njit, pjit, prange
 from ..backends import implements
 from ..dtypes import code_of, storage_view
-from ._vmath import exp_f32, load_f32_arith as load_f32, store_arith as store_as
+from ..dtypes import load_f32_arith as load_f32, store_arith as store_as
+from ._vmath import exp_f32
 
 OP = "cross_entropy_loss_grad"
 

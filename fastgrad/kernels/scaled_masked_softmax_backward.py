@@ -18,7 +18,7 @@ import numpy as np
 from .._jit import FASTMATH_SAFE, njit, pjit, prange
 from ..backends import implements
 from ..dtypes import code_of, storage_view
-from ._vmath import load_f32_arith as load_f32, store_arith as store_as
+from ..dtypes import load_f32_arith as load_f32, store_arith as store_as
 
 OP = "scaled_masked_softmax_backward"
 

@@ -196,15 +196,19 @@ def _staged_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv,
         _narrow_span(xf, n, code, ob, oo + j0)
 
 
-@pjit
-def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, scale):
+@njit(inline="always")
+def _task_plan(shape, strides, size):
+    """Innermost extent, chunks per row, task count and the three innermost strides."""
     nd = shape.shape[0]
     inner = shape[nd - 1]
     nchunk = (inner + CHUNK - 1) // CHUNK
-    ntask = (ob.size // inner) * nchunk
-    gs = strides[0, nd - 1]
-    xs = strides[1, nd - 1]
-    ts = strides[2, nd - 1]
+    return (inner, nchunk, (size // inner) * nchunk,
+            strides[0, nd - 1], strides[1, nd - 1], strides[2, nd - 1])
+
+
+@pjit
+def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, scale):
+    inner, nchunk, ntask, gs, xs, ts = _task_plan(shape, strides, ob.size)
     for task in prange(ntask):
         go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
         _f32_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, beta, inv, scale)
@@ -212,13 +216,7 @@ def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, scale):
 
 @pjit
 def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, scale):
-    nd = shape.shape[0]
-    inner = shape[nd - 1]
-    nchunk = (inner + CHUNK - 1) // CHUNK
-    ntask = (ob.size // inner) * nchunk
-    gs = strides[0, nd - 1]
-    xs = strides[1, nd - 1]
-    ts = strides[2, nd - 1]
+    inner, nchunk, ntask, gs, xs, ts = _task_plan(shape, strides, ob.size)
     for task in prange(ntask):
         go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
         if code == 1 and xs == 1 and ts == 1 and (gs == 1 or gs == 0):
