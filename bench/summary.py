@@ -22,7 +22,8 @@ def main(path: str) -> None:
           f"bound = fp32 GEMMs through NumPy's BLAS (FLCE family) or the bytes each op must move at the "
           f"measured copy bandwidth ({bw:.1f} GB/s). "
           f"Times are medians; ratios come from the same run.\n")
-    print("| op | shape, dtype, mode | fastgrad | with `out=` | of bound | PyTorch | speed-up vs PyTorch | peak RSS fastgrad / PyTorch |")
+    print("| op | shape, dtype, mode | fastgrad | with `out=` | of bound | PyTorch | speed-up vs PyTorch "
+          "| peak RSS fastgrad / PyTorch |")
     print("|---|---|---|---|---|---|---|---|")
     for c in cases.values():
         fg = c.get("fastgrad")

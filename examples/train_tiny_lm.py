@@ -15,7 +15,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from tiny_lm import CharData, TinyLM, add_training_args
 
 import fastgrad as fg

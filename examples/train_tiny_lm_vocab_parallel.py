@@ -22,7 +22,6 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from tiny_lm import CharData, TinyLM, add_training_args
 
 import fastgrad as fg

@@ -1,6 +1,6 @@
 """fastgrad: Numba-parallel CPU kernels reproducing CANN aclnn backward operators.
 
-Public ops (aclnn names in snake_case; contract in SPEC.md):
+Public ops (aclnn names in snake_case; contract in docs/spec.md):
 
 * :func:`fused_linear_online_max_sum`            (aclnnFusedLinearOnlineMaxSum)
 * :func:`fused_cross_entropy_loss_with_max_sum`  (aclnnFusedCrossEntropyLossWithMaxSum)
@@ -14,27 +14,55 @@ Backends: ``available_backends``, ``set_backend``, ``use_backend``; strict devic
 ``strict``; errors: :class:`AclnnError` with ``.status``.
 """
 
-from .errors import (AclnnError, ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_PARAM_INVALID,
-                     ACLNN_ERR_RUNTIME_ERROR)
-from ._config import strict, set_strict, is_strict, set_num_threads, get_num_threads, num_threads
-from .backends import available_backends, set_backend, get_backend, use_backend
-from .ops.fused_linear_online_max_sum import fused_linear_online_max_sum
+from ._config import get_num_threads, is_strict, num_threads, progress, set_num_threads, set_strict, strict
+from ._version import __version__
+from .backends import available_backends, get_backend, set_backend, use_backend
+from .compare import compare
+from .errors import (
+    ACLNN_ERR_PARAM_INVALID,
+    ACLNN_ERR_PARAM_NULLPTR,
+    ACLNN_ERR_RUNTIME_ERROR,
+    AclnnError,
+    AclnnNullptrError,
+    AclnnParamError,
+    AclnnRuntimeError,
+)
+from .ops.cross_entropy_loss_grad import cross_entropy_loss_grad
+from .ops.embedding_dense_backward import embedding_dense_backward
 from .ops.fused_cross_entropy_loss_with_max_sum import fused_cross_entropy_loss_with_max_sum
 from .ops.fused_linear_cross_entropy_loss_grad import fused_linear_cross_entropy_loss_grad
-from .ops.cross_entropy_loss_grad import cross_entropy_loss_grad
+from .ops.fused_linear_online_max_sum import fused_linear_online_max_sum
+from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.scaled_masked_softmax_backward import scaled_masked_softmax_backward
 from .ops.smooth_l1_loss_backward import smooth_l1_loss_backward
-from .ops.embedding_dense_backward import embedding_dense_backward
-from .compare import compare
-
-__version__ = "0.1.0"
 
 __all__ = [
-    "AclnnError", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_RUNTIME_ERROR",
-    "strict", "set_strict", "is_strict", "set_num_threads", "get_num_threads", "num_threads",
-    "available_backends", "set_backend", "get_backend", "use_backend",
-    "fused_linear_online_max_sum", "fused_cross_entropy_loss_with_max_sum",
-    "fused_linear_cross_entropy_loss_grad", "cross_entropy_loss_grad",
-    "scaled_masked_softmax_backward", "smooth_l1_loss_backward", "embedding_dense_backward",
+    "__version__",
+    "linear_cross_entropy",
+    "AclnnError",
+    "AclnnNullptrError",
+    "AclnnParamError",
+    "AclnnRuntimeError",
+    "ACLNN_ERR_PARAM_NULLPTR",
+    "ACLNN_ERR_PARAM_INVALID",
+    "ACLNN_ERR_RUNTIME_ERROR",
+    "strict",
+    "set_strict",
+    "is_strict",
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
+    "progress",
+    "available_backends",
+    "set_backend",
+    "get_backend",
+    "use_backend",
+    "fused_linear_online_max_sum",
+    "fused_cross_entropy_loss_with_max_sum",
+    "fused_linear_cross_entropy_loss_grad",
+    "cross_entropy_loss_grad",
+    "scaled_masked_softmax_backward",
+    "smooth_l1_loss_backward",
+    "embedding_dense_backward",
     "compare",
 ]

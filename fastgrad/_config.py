@@ -53,7 +53,7 @@ def set_num_threads(n: int) -> None:
     n = int(n)
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     threadpool_limits(limits=n, user_api="blas")
 
 
@@ -70,9 +70,39 @@ def num_threads(n: int):
     from threadpoolctl import threadpool_limits
 
     old = numba.get_num_threads()
-    numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     try:
         with threadpool_limits(limits=int(n), user_api="blas"):
             yield
     finally:
         numba.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------------------------
+# progress hook (the CLI's progress bar; any caller's)
+# ----------------------------------------------------------------------------------------------
+
+_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("fastgrad_progress", default=None)
+
+
+@contextlib.contextmanager
+def progress(callback):
+    """Context manager: ops that run over a tile plan call ``callback(done, total)`` per tile.
+
+    ``fused_linear_cross_entropy_loss_grad`` and ``fused_linear_online_max_sum`` report tiles
+    of their plan (``fastgrad.tiling.plan_linear_cross_entropy``) on the cpu backend; other
+    ops and backends do not call it.
+
+    >>> with fg.progress(lambda done, total: print(done, "/", total)):
+    ...     fg.fused_linear_cross_entropy_loss_grad(...)
+    """
+    token = _PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+def progress_callback():
+    """The callback installed by :func:`progress`, or None."""
+    return _PROGRESS.get()

@@ -36,17 +36,19 @@ def _choose_cache() -> bool:
     env = os.environ.get("NUMBA_CACHE_DIR")
     if env:
         if _writable(env):
-            _nconfig.CACHE_DIR = env
+            _nconfig.CACHE_DIR = env  # type: ignore[attr-defined]
             return True
     pkg_cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
     if _writable(pkg_cache):
-        _nconfig.CACHE_DIR = ""  # numba's default in-tree locator
+        _nconfig.CACHE_DIR = ""  # type: ignore[attr-defined]  # numba's default in-tree locator
         return True
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for d in (os.path.join(base, "fastgrad", "numba"),
-              os.path.join(tempfile.gettempdir(), f"fastgrad-numba-{os.getuid() if hasattr(os, 'getuid') else 0}")):
+    for d in (
+        os.path.join(base, "fastgrad", "numba"),
+        os.path.join(tempfile.gettempdir(), f"fastgrad-numba-{os.getuid() if hasattr(os, 'getuid') else 0}"),
+    ):
         if _writable(d):
-            _nconfig.CACHE_DIR = d
+            _nconfig.CACHE_DIR = d  # type: ignore[attr-defined]
             return True
     return False
 

@@ -8,7 +8,7 @@ memory.  Kernels never see torch tensors or ml_dtypes dtypes (see ``dtypes.stora
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import ml_dtypes
 import numpy as np
@@ -48,8 +48,7 @@ def _torch_to_numpy(x, name: str) -> np.ndarray:
         dev = _device_operand(x)
         if dev is not None:
             return dev
-        raise invalid(name, "a CPU tensor (NPU tensors need the 'acl' backend and torch_npu)",
-                      f"device {x.device}")
+        raise invalid(name, "a CPU tensor (NPU tensors need the 'acl' backend and torch_npu)", f"device {x.device}")
     x = x.detach()
     if x.is_conj() or x.is_neg():
         x = x.resolve_conj().resolve_neg()
@@ -71,6 +70,14 @@ def _device_operand(x):
     if not acl.torch_npu_available():
         return None
     return acl.device_array_from_torch(x.detach())
+
+
+@overload
+def as_numpy(x: Any, name: str, *, required: Literal[True] = True, op: str | None = None) -> np.ndarray: ...
+
+
+@overload
+def as_numpy(x: Any, name: str, *, required: bool, op: str | None = None) -> np.ndarray | None: ...
 
 
 def as_numpy(x: Any, name: str, *, required: bool = True, op: str | None = None) -> np.ndarray | None:
@@ -117,8 +124,7 @@ def check_dtype(a: np.ndarray, name: str, allowed, op: str | None = None) -> Non
     if a.dtype not in allowed:
         from .dtypes import dtype_name
 
-        raise invalid(name, "dtype in (" + ", ".join(dtype_name(d) for d in allowed) + ")",
-                      dtype_name(a.dtype), op)
+        raise invalid(name, "dtype in (" + ", ".join(dtype_name(d) for d in allowed) + ")", dtype_name(a.dtype), op)
 
 
 def check_ndim(a: np.ndarray, name: str, ndim: int, op: str | None = None) -> None:

@@ -59,11 +59,11 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from .dtypes import parse_dtype  # noqa: F401  (re-exported: fg.compare users call it)
 from .errors import invalid, null_error
 
 OP = "compare"
@@ -71,59 +71,32 @@ OP = "compare"
 STANDARDS = ("single", "double", "legacy")
 
 _F16, _BF16, _F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
-_NAMES = {_F16: "float16", _BF16: "bfloat16", _F32: "float32"}
+_NAMES = {_F16: "float16", _BF16: "bfloat16", _F32: "float32"}  # the dtypes with thresholds
 
 #: eps in the relative error ``|a - g| / (|g| + eps)``.
 REL_EPS = 1e-7
 #: single benchmark threshold T: pass iff MERE < T and MARE < 10 T.
-SINGLE_THRESHOLD = {_F16: 2.0 ** -10, _BF16: 2.0 ** -7, _F32: 2.0 ** -13}
+SINGLE_THRESHOLD = {_F16: 2.0**-10, _BF16: 2.0**-7, _F32: 2.0**-13}
 #: double benchmark small-value domain: (|golden| below this, absolute error limit there).
-SMALL_VALUE = {_F16: (2.0 ** -11, 2.0 ** -16), _BF16: (2.0 ** -8, 2.0 ** -16), _F32: (2.0 ** -14, 2.0 ** -30)}
+SMALL_VALUE = {_F16: (2.0**-11, 2.0**-16), _BF16: (2.0**-8, 2.0**-16), _F32: (2.0**-14, 2.0**-30)}
 #: double benchmark: max ratio of small-value error counts (actual / reference).
 SMALL_COUNT_RATIO = 2.0
 #: double benchmark levels: max ratios (MARE, MERE, RMSE), strictest last.
 LEVELS = {"L0": (10.0, 2.0, 2.0), "L1": (5.0, 1.5, 1.5), "L2": (2.0, 1.2, 1.2)}
 #: unit roundoff per dtype (floor for a reference metric of 0).
-UNIT_ROUNDOFF = {_F16: 2.0 ** -11, _BF16: 2.0 ** -8, _F32: 2.0 ** -24}
+UNIT_ROUNDOFF = {_F16: 2.0**-11, _BF16: 2.0**-8, _F32: 2.0**-24}
 #: legacy 'double thousandth': loss = rtol = atol = max failing fraction.
 LEGACY_LOSS = {_F16: 1e-3, _BF16: 4e-3, _F32: 1e-4}
 #: legacy denominator guard (``MINIMUM = 10e-10`` in verify_result.py).
 LEGACY_MINIMUM = 1e-9
 
-_ALIASES = {
-    "float16": _F16, "fp16": _F16, "half": _F16, "f16": _F16,
-    "bfloat16": _BF16, "bf16": _BF16,
-    "float32": _F32, "fp32": _F32, "float": _F32, "f32": _F32, "single": _F32,
-}
-
-
-def parse_dtype(dtype) -> np.dtype:
-    """Any dtype spelling (``"bf16"``, ``"float16"``, ``np.float32``, ``torch.bfloat16``,
-    ``ml_dtypes.bfloat16``, ``"int64"`` ...) -> a NumPy dtype.  161002 when unknown."""
-    if isinstance(dtype, str):
-        key = dtype.strip().lower()
-        if key.startswith("torch."):
-            key = key[6:]
-        if key in _ALIASES:
-            return _ALIASES[key]
-        try:
-            return np.dtype(key)
-        except TypeError:
-            raise invalid("dtype", "a dtype name (float16|bfloat16|float32|float64|int32|...)",
-                          repr(dtype), OP) from None
-    if type(dtype).__module__ == "torch":  # a torch.dtype
-        return parse_dtype(str(dtype))
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        raise invalid("dtype", "a dtype", repr(dtype), OP) from None
-
 
 def _standard_dtype(dtype) -> np.dtype:
     dt = parse_dtype(dtype)
     if dt not in _NAMES:
-        raise invalid("dtype", "one of float16, bfloat16, float32 (the output dtype the "
-                      "thresholds are for)", str(dt), OP)
+        raise invalid(
+            "dtype", "one of float16, bfloat16, float32 (the output dtype the thresholds are for)", str(dt), OP
+        )
     return dt
 
 
@@ -175,10 +148,15 @@ class CompareResult:
 
     def to_dict(self) -> dict:
         return {
-            "passed": bool(self.passed), "standard": self.standard, "dtype": self.dtype,
-            "level": self.level, "achieved_level": self.achieved_level,
-            "metrics": _jsonable(self.metrics), "thresholds": _jsonable(self.thresholds),
-            "reference_metrics": _jsonable(self.reference_metrics), "failures": list(self.failures),
+            "passed": bool(self.passed),
+            "standard": self.standard,
+            "dtype": self.dtype,
+            "level": self.level,
+            "achieved_level": self.achieved_level,
+            "metrics": _jsonable(self.metrics),
+            "thresholds": _jsonable(self.thresholds),
+            "reference_metrics": _jsonable(self.reference_metrics),
+            "failures": list(self.failures),
         }
 
     def summary(self) -> str:
@@ -248,12 +226,12 @@ def _max(x: np.ndarray) -> float:
 
 def _common_metrics(a: np.ndarray, g: np.ndarray, fin: np.ndarray) -> dict:
     d = np.abs(a[fin] - g[fin])
-    return {"n_elements": int(a.size), "n_finite": int(np.count_nonzero(fin)),
-            "max_abs_err": _max(d)}
+    return {"n_elements": int(a.size), "n_finite": int(np.count_nonzero(fin)), "max_abs_err": _max(d)}
 
 
-def compare(actual, golden, dtype=None, standard: str = "single", reference=None, *,
-            level: str = "L0", eps: float = REL_EPS) -> CompareResult:
+def compare(
+    actual, golden, dtype=None, standard: str = "single", reference=None, *, level: str = "L0", eps: float = REL_EPS
+) -> CompareResult:
     """Judge ``actual`` against ``golden`` with an Ascend operator accuracy standard.
 
     Parameters
@@ -302,8 +280,12 @@ def compare(actual, golden, dtype=None, standard: str = "single", reference=None
     if dtype is None:
         dt = adt if adt in _NAMES else gdt if gdt in _NAMES else None
         if dt is None:
-            raise invalid("dtype", "given when neither actual nor golden is float16/bfloat16/float32",
-                          f"actual {adt}, golden {gdt}", OP)
+            raise invalid(
+                "dtype",
+                "given when neither actual nor golden is float16/bfloat16/float32",
+                f"actual {adt}, golden {gdt}",
+                OP,
+            )
     else:
         dt = _standard_dtype(dtype)
     eps = float(eps)
@@ -355,10 +337,16 @@ def _legacy(a, g, dt, name) -> CompareResult:
     n_rtol = int(np.count_nonzero(relerr > loss))
     limit = a.size * loss
     m = _common_metrics(a, g, fin)
-    m.update({"special_mismatch": nbad, "max_rel_err": _max(relerr),
-              "rtol_failures": n_rtol, "atol_failures": n_atol,
-              "rtol_fail_fraction": n_rtol / a.size if a.size else 0.0,
-              "atol_fail_fraction": n_atol / a.size if a.size else 0.0})
+    m.update(
+        {
+            "special_mismatch": nbad,
+            "max_rel_err": _max(relerr),
+            "rtol_failures": n_rtol,
+            "atol_failures": n_atol,
+            "rtol_fail_fraction": n_rtol / a.size if a.size else 0.0,
+            "atol_fail_fraction": n_atol / a.size if a.size else 0.0,
+        }
+    )
     if first:
         m["first_special_mismatch"] = first
     th = {"rtol": loss, "atol": loss, "max_fail_fraction": loss, "minimum": LEGACY_MINIMUM}
@@ -366,8 +354,9 @@ def _legacy(a, g, dt, name) -> CompareResult:
     if nbad:
         fails.append(f"inf/NaN placement differs at {nbad} positions (first {first})")
     if n_rtol > limit and n_atol > limit:
-        fails.append(f"{n_rtol} elements beyond rtol and {n_atol} beyond atol; "
-                     f"at most {loss:g} x {a.size} = {limit:g} may fail")
+        fails.append(
+            f"{n_rtol} elements beyond rtol and {n_atol} beyond atol; at most {loss:g} x {a.size} = {limit:g} may fail"
+        )
     return CompareResult(not fails, "legacy", name, m, th, fails)
 
 
@@ -379,13 +368,16 @@ def _double_metrics(x, g, dt, eps) -> tuple[dict, list]:
     rel = _rel(xf[~small], gf[~small], eps)
     d = xf - gf
     m = _common_metrics(x, g, fin)
-    m.update({
-        "special_mismatch": nbad,
-        "MARE": _max(rel), "MERE": _mean(rel),
-        "RMSE": math.sqrt(float(np.mean(d * d))) if d.size else 0.0,
-        "n_small": int(np.count_nonzero(small)),
-        "small_errors": int(np.count_nonzero(np.abs(d[small]) > small_atol)),
-    })
+    m.update(
+        {
+            "special_mismatch": nbad,
+            "MARE": _max(rel),
+            "MERE": _mean(rel),
+            "RMSE": math.sqrt(float(np.mean(d * d))) if d.size else 0.0,
+            "n_small": int(np.count_nonzero(small)),
+            "small_errors": int(np.count_nonzero(np.abs(d[small]) > small_atol)),
+        }
+    )
     return m, first
 
 
@@ -417,9 +409,13 @@ def _double(a, g, r, dt, name, eps, lv) -> CompareResult:
 
     def meets(level):
         lim = LEVELS[level]
-        return (ma["special_mismatch"] == 0
-                and ratios["MARE_ratio"] <= lim[0] and ratios["MERE_ratio"] <= lim[1]
-                and ratios["RMSE_ratio"] <= lim[2] and ratios["small_error_ratio"] <= SMALL_COUNT_RATIO)
+        return (
+            ma["special_mismatch"] == 0
+            and ratios["MARE_ratio"] <= lim[0]
+            and ratios["MERE_ratio"] <= lim[1]
+            and ratios["RMSE_ratio"] <= lim[2]
+            and ratios["small_error_ratio"] <= SMALL_COUNT_RATIO
+        )
 
     achieved = None
     for level in ("L0", "L1", "L2"):
@@ -427,15 +423,26 @@ def _double(a, g, r, dt, name, eps, lv) -> CompareResult:
             achieved = level
     lim = LEVELS[lv]
     small_thr, small_atol = SMALL_VALUE[dt]
-    th = {"MARE_ratio_max": lim[0], "MERE_ratio_max": lim[1], "RMSE_ratio_max": lim[2],
-          "small_error_ratio_max": SMALL_COUNT_RATIO, "small_value": small_thr,
-          "small_value_atol": small_atol, "eps": eps, "ratio_floor_rel": u,
-          "ratio_floor_rmse": u * rms_g}
+    th = {
+        "MARE_ratio_max": lim[0],
+        "MERE_ratio_max": lim[1],
+        "RMSE_ratio_max": lim[2],
+        "small_error_ratio_max": SMALL_COUNT_RATIO,
+        "small_value": small_thr,
+        "small_value_atol": small_atol,
+        "eps": eps,
+        "ratio_floor_rel": u,
+        "ratio_floor_rmse": u * rms_g,
+    }
     fails = []
     if ma["special_mismatch"]:
         fails.append(f"inf/NaN placement differs at {ma['special_mismatch']} positions (first {first})")
-    for key, limit in (("MARE_ratio", lim[0]), ("MERE_ratio", lim[1]), ("RMSE_ratio", lim[2]),
-                       ("small_error_ratio", SMALL_COUNT_RATIO)):
+    for key, limit in (
+        ("MARE_ratio", lim[0]),
+        ("MERE_ratio", lim[1]),
+        ("RMSE_ratio", lim[2]),
+        ("small_error_ratio", SMALL_COUNT_RATIO),
+    ):
         if not ratios[key] <= limit:
             fails.append(f"{key} {ratios[key]:.6g} > {limit:g} ({lv})")
     return CompareResult(not fails, "double", name, metrics, th, fails, mr, lv, achieved)
@@ -444,6 +451,7 @@ def _double(a, g, r, dt, name, eps, lv) -> CompareResult:
 # ----------------------------------------------------------------------------------------
 # Files: .npy, and raw .bin dumps (as the aclnn sample programs write them)
 # ----------------------------------------------------------------------------------------
+
 
 def _parse_shape(shape) -> tuple | None:
     if shape is None:
@@ -486,8 +494,9 @@ def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
         dt = parse_dtype(dt)
         raw = np.fromfile(path, dtype=np.uint8)
         if raw.size % dt.itemsize:
-            raise invalid("dtype", f"an item size dividing the file size {raw.size} of {path}",
-                          f"{dt} ({dt.itemsize} bytes)", OP)
+            raise invalid(
+                "dtype", f"an item size dividing the file size {raw.size} of {path}", f"{dt} ({dt.itemsize} bytes)", OP
+            )
         a = raw.view(dt)
         if sys.byteorder == "big" and dt.itemsize > 1:  # dumps are little-endian
             a = a.byteswap()
@@ -503,7 +512,7 @@ def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
 def save_array(path: str, a: np.ndarray) -> str:
     """Write ``.npy``, or ``.bin`` (raw little-endian) plus a ``<stem>.json`` dtype/shape sidecar."""
     a = np.asarray(a)
-    a = a if a.flags.c_contiguous else a.copy()   # (ascontiguousarray would make 0-d arrays 1-d)
+    a = a if a.flags.c_contiguous else a.copy()  # (ascontiguousarray would make 0-d arrays 1-d)
     if path.lower().endswith(".bin"):
         a.tofile(path)
         from .dtypes import dtype_name
@@ -515,5 +524,16 @@ def save_array(path: str, a: np.ndarray) -> str:
     return path
 
 
-__all__ = ["compare", "CompareResult", "load_array", "save_array", "parse_dtype", "STANDARDS",
-           "SINGLE_THRESHOLD", "SMALL_VALUE", "LEVELS", "LEGACY_LOSS", "REL_EPS"]
+__all__ = [
+    "compare",
+    "CompareResult",
+    "load_array",
+    "save_array",
+    "parse_dtype",
+    "STANDARDS",
+    "SINGLE_THRESHOLD",
+    "SMALL_VALUE",
+    "LEVELS",
+    "LEGACY_LOSS",
+    "REL_EPS",
+]

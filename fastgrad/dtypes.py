@@ -64,6 +64,50 @@ def storage_view(a: np.ndarray) -> np.ndarray:
     return a
 
 
+#: The one dtype vocabulary: every spelling fastgrad accepts for a float dtype (the CLI, the
+#: benchmarks, ``compare`` and ``logits_dtype=`` parse through :func:`parse_dtype`).
+DTYPE_ALIASES = {
+    "float16": FLOAT16,
+    "fp16": FLOAT16,
+    "half": FLOAT16,
+    "f16": FLOAT16,
+    "bfloat16": BFLOAT16,
+    "bf16": BFLOAT16,
+    "float32": FLOAT32,
+    "fp32": FLOAT32,
+    "float": FLOAT32,
+    "f32": FLOAT32,
+    "single": FLOAT32,
+    "float64": FLOAT64,
+    "fp64": FLOAT64,
+    "double": FLOAT64,
+    "f64": FLOAT64,
+}
+
+
+def parse_dtype(dtype) -> np.dtype:
+    """Any dtype spelling (``"bf16"``, ``"float16"``, ``np.float32``, ``torch.bfloat16``,
+    ``ml_dtypes.bfloat16``, ``"int64"`` ...) -> a NumPy dtype.  AclnnError 161002 when unknown."""
+    from .errors import invalid
+
+    if isinstance(dtype, str):
+        key = dtype.strip().lower()
+        if key.startswith("torch."):
+            key = key[6:]
+        if key in DTYPE_ALIASES:
+            return DTYPE_ALIASES[key]
+        try:
+            return np.dtype(key)
+        except TypeError:
+            raise invalid("dtype", "a dtype name (float16|bfloat16|float32|float64|int32|...)", repr(dtype)) from None
+    if type(dtype).__module__ == "torch":  # a torch.dtype
+        return parse_dtype(str(dtype))
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise invalid("dtype", "a dtype", repr(dtype)) from None
+
+
 def promote(*dtypes) -> np.dtype:
     """Type promotion of floating dtypes as the device does it (fp32 > fp16/bf16; fp16+bf16 -> fp32)."""
     ds = {np.dtype(d) for d in dtypes}
@@ -80,6 +124,7 @@ def promote(*dtypes) -> np.dtype:
 # conversions where Numba targets a host that has them (with NumPy's NaN payloads restored),
 # the integer emulation elsewhere; both are bit-exact with NumPy.
 # ----------------------------------------------------------------------------------------
+
 
 @njit
 def _f32_to_f16_sw(x):
@@ -158,9 +203,9 @@ def _host_has_f16c() -> bool:
         import llvmlite.binding as llvm
         from numba.core import config
 
-        if config.CPU_NAME not in (None, "host"):
+        if config.CPU_NAME not in (None, "host"):  # type: ignore[attr-defined]
             return False
-        feats = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+        feats = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()  # type: ignore[attr-defined]
         return "+f16c" in feats.split(",")
     except Exception:  # pragma: no cover - be conservative
         return False
@@ -178,6 +223,7 @@ def _f16_bits_to_f32_hw(typingctx, h):
 
     def codegen(context, builder, signature, args):
         return builder.fpext(builder.bitcast(args[0], llvmir.HalfType()), llvmir.FloatType())
+
     return sig, codegen
 
 
@@ -188,6 +234,7 @@ def _f32_to_f16_bits_hw(typingctx, x):
 
     def codegen(context, builder, signature, args):
         return builder.bitcast(builder.fptrunc(args[0], llvmir.HalfType()), llvmir.IntType(16))
+
     return sig, codegen
 
 
@@ -197,9 +244,11 @@ def _f16_to_f32_hw(h):
     v = _f16_bits_to_f32_hw(h)
     h32 = np.uint32(h)
     if np.uint32(h32 & np.uint32(0x7FFF)) > np.uint32(0x7C00):
-        v = np.uint32(np.uint32(np.uint32(h32 & np.uint32(0x8000)) << np.uint32(16))
-                      | np.uint32(0x7F800000)
-                      | np.uint32(np.uint32(h32 & np.uint32(0x3FF)) << np.uint32(13))).view(np.float32)
+        v = np.uint32(
+            np.uint32(np.uint32(h32 & np.uint32(0x8000)) << np.uint32(16))
+            | np.uint32(0x7F800000)
+            | np.uint32(np.uint32(h32 & np.uint32(0x3FF)) << np.uint32(13))
+        ).view(np.float32)
     return v
 
 
@@ -225,18 +274,22 @@ def load_f32(x, code):
 @overload(load_f32)
 def _load_f32_ol(x, code):
     if isinstance(x, types.Float):
+
         def impl(x, code):
             return np.float32(x)
     elif HW_F16:
+
         def impl(x, code):
             if code == 1:
                 return bf16_to_f32(x)
             return _f16_to_f32_hw(x)
     else:
+
         def impl(x, code):
             if code == 1:
                 return bf16_to_f32(x)
             return _f16_to_f32_sw(x)
+
     return impl
 
 
@@ -248,18 +301,22 @@ def store_as(v, code, like):
 @overload(store_as)
 def _store_as_ol(v, code, like):
     if isinstance(like.dtype, types.Float):
+
         def impl(v, code, like):
             return np.float32(v)
     elif HW_F16:
+
         def impl(v, code, like):
             if code == 1:
                 return f32_to_bf16(v)
             return _f32_to_f16_hw(v)
     else:
+
         def impl(v, code, like):
             if code == 1:
                 return f32_to_bf16(v)
             return _f32_to_f16_sw(v)
+
     return impl
 
 
@@ -322,10 +379,10 @@ def to_float32(a: np.ndarray) -> np.ndarray:
     """Widen a bf16/fp16/fp32 array to a new C-contiguous fp32 array (exact)."""
     dt = a.dtype
     if dt == FLOAT32:
-        return np.ascontiguousarray(a)
+        return np.asarray(a, order="C")  # keeps 0-d arrays 0-d
     if dt not in (BFLOAT16, FLOAT16):
-        return np.ascontiguousarray(a, dtype=np.float32)
-    src = np.ascontiguousarray(a).view(np.uint16).reshape(-1)
+        return np.asarray(a, dtype=np.float32, order="C")
+    src = np.asarray(a, order="C").view(np.uint16).reshape(-1)
     out = np.empty(a.shape, np.float32)
     if src.size:
         _widen(src, code_of(dt), out.reshape(-1))
@@ -354,6 +411,7 @@ def from_float32(a: np.ndarray, dtype, out: np.ndarray | None = None) -> np.ndar
 # Element conversions for values that only feed / come out of fp32 arithmetic
 # ----------------------------------------------------------------------------------------
 
+
 def load_f32_arith(x, code):
     """Like :func:`fastgrad.dtypes.load_f32`, for a value that is only used as an operand of
     fp32 arithmetic (never copied to an output as is).
@@ -369,13 +427,16 @@ def load_f32_arith(x, code):
 @overload(load_f32_arith)
 def _load_f32_arith_ol(x, code):
     if isinstance(x, types.Float) or not HW_F16:
+
         def impl(x, code):
             return load_f32(x, code)
     else:
+
         def impl(x, code):
             if code == 1:
                 return bf16_to_f32(x)
             return _f16_bits_to_f32_hw(x)
+
     return impl
 
 
@@ -393,16 +454,20 @@ def store_arith(v, code, like):
 @overload(store_arith)
 def _store_arith_ol(v, code, like):
     if isinstance(like.dtype, types.Float):
+
         def impl(v, code, like):
             return store_as(v, code, like)
     elif not HW_F16:
+
         def impl(v, code, like):
             if code == 1:
                 return f32_to_bf16(v)
             return store_as(v, code, like)
     else:
+
         def impl(v, code, like):
             if code == 1:
                 return f32_to_bf16(v)
             return _f32_to_f16_bits_hw(np.float32(v))
+
     return impl

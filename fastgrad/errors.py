@@ -25,33 +25,79 @@ _NAMES = {
 class AclnnError(Exception):
     """An error with an aclnn status code.
 
+    Catch it as ``fastgrad.AclnnError`` (every error fastgrad raises), or the way Python code
+    catches bad arguments: constructing ``AclnnError(status, ...)`` gives an instance of the
+    status code's subclass —
+
+    ============  ===========================  ====================================
+    status        class                        also a
+    ============  ===========================  ====================================
+    161001        :class:`AclnnNullptrError`   ``TypeError`` (a required argument is None)
+    161002        :class:`AclnnParamError`     ``ValueError`` (a dtype, shape, value or
+                                               attribute out of range)
+    361001        :class:`AclnnRuntimeError`   ``RuntimeError`` (backend unavailable/failed)
+    other         :class:`AclnnError`          (a code the device returned)
+    ============  ===========================  ====================================
+
     Attributes
     ----------
     status : int
-        The aclnn status code (161001, 161002, 361001, or a code returned by the device).
+        The aclnn status code.
     param : str or None
-        The offending parameter's name, when there is one.
+        The offending parameter's name, when there is one (the first, when several are wrong).
+    reasons : tuple of str
+        Every reason found (a declaration check collects them all).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __new__(cls, status: int, message: str = "", param: str | None = None, reasons=()):
+        if cls is AclnnError:
+            cls = _BY_STATUS.get(int(status), AclnnError)
+        return super().__new__(cls)
+
+    def __init__(self, status: int, message: str = "", param: str | None = None, reasons=()):
         self.status = int(status)
         self.param = param
+        self.reasons = tuple(reasons) or (message,)
+        self.message = message
+        super().__init__(status, message, param, self.reasons)
+
+    def __str__(self) -> str:
         name = _NAMES.get(self.status, "ACLNN_ERR")
-        super().__init__(f"[{self.status} {name}] {message}")
+        return f"[{self.status} {name}] {self.message}"
+
+    def __reduce__(self):
+        return (AclnnError, (self.status, self.message, self.param, self.reasons))
+
+
+class AclnnNullptrError(AclnnError, TypeError):
+    """161001 ACLNN_ERR_PARAM_NULLPTR: a required input is None."""
+
+
+class AclnnParamError(AclnnError, ValueError):
+    """161002 ACLNN_ERR_PARAM_INVALID: a dtype, shape, value or attribute is out of range."""
+
+
+class AclnnRuntimeError(AclnnError, RuntimeError):
+    """361001 ACLNN_ERR_RUNTIME_ERROR: the backend is unavailable or the runtime failed."""
+
+
+_BY_STATUS = {
+    ACLNN_ERR_PARAM_NULLPTR: AclnnNullptrError,
+    ACLNN_ERR_PARAM_INVALID: AclnnParamError,
+    ACLNN_ERR_RUNTIME_ERROR: AclnnRuntimeError,
+}
 
 
 def null_error(param: str, op: str | None = None) -> AclnnError:
     """161001: required input ``param`` is None."""
     where = f"{op}: " if op else ""
-    return AclnnError(ACLNN_ERR_PARAM_NULLPTR,
-                      f"{where}{param} is required but None was given", param)
+    return AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{where}{param} is required but None was given", param)
 
 
 def invalid(param: str, expected: str, got, op: str | None = None) -> AclnnError:
     """161002: ``param`` is out of range; the message says what was expected and given."""
     where = f"{op}: " if op else ""
-    return AclnnError(ACLNN_ERR_PARAM_INVALID,
-                      f"{where}{param}: expected {expected}, got {got}", param)
+    return AclnnError(ACLNN_ERR_PARAM_INVALID, f"{where}{param}: expected {expected}, got {got}", param)
 
 
 def runtime_error(message: str, param: str | None = None) -> AclnnError:

@@ -70,10 +70,20 @@ class LinearCETiling:
         ``"memory_saving"`` (logits recomputed per tile), ``"high_performance"`` (softmax given)
         or ``"forward"`` (the online max/sum companion op).
     workspace_bytes : int
-        Peak scratch memory fastgrad allocates for the op (fp32 copies of the inputs' tiles,
-        the logits tile, the fp32 accumulators), independent of BT×V.
+        Peak scratch memory fastgrad allocates for the op: ``fixed_bytes + tile_bytes``,
+        independent of BT×V.
     budget_bytes : int
-        The budget the plan was made for.
+        The budget the plan was made for (it bounds ``tile_bytes``).
+    fixed_bytes : int
+        Output-sized fp32 buffers (``[BT, H]`` grad_input accumulator, fp32 input copy).
+    tile_bytes : int
+        Per-tile scratch (logits/g tile, fp32 weight tile, grad_weight tile, products).
+    filter_eps, filter_rows, filter_cols : float or None, int, int
+        Gradient filtering (memory-saving mode): blocks of ``filter_rows × filter_cols`` whose
+        every ``|softmax - onehot|`` is below ``filter_eps`` are skipped in the gradient GEMMs.
+    blocks_total, blocks_skipped : int
+        Filled in the plan a call returns (``return_plan=True``): how many blocks were seen and
+        skipped.
     """
 
     BT: int
@@ -84,6 +94,13 @@ class LinearCETiling:
     mode: str
     workspace_bytes: int
     budget_bytes: int
+    fixed_bytes: int = 0
+    tile_bytes: int = 0
+    filter_eps: float | None = None
+    filter_rows: int = 0
+    filter_cols: int = 0
+    blocks_total: int = 0
+    blocks_skipped: int = 0
 
     @property
     def n_bt_tiles(self) -> int:
@@ -117,26 +134,46 @@ class LinearCETiling:
                 yield b0, b1, v0, v1
 
 
-def _workspace(mode: str, BT: int, H: int, bt: int, vt: int, widen: bool) -> int:
-    f = 4
-    fixed = 0
-    if mode != "forward":
-        fixed += BT * H * f                  # grad_input fp32 accumulator
-    if widen:
-        fixed += BT * H * f                  # fp32 copy of input (exact widening)
-    per_tile = bt * vt * f                   # logits / g tile
-    if widen:
-        per_tile += vt * H * f               # fp32 weight tile
-    if mode != "forward":
-        per_tile += vt * H * f + bt * H * f  # grad_weight tile accumulator, g·W product
-        if bt < BT:
-            per_tile += vt * H * f           # gᵀ·X product of one row tile (several row tiles)
-    return fixed + per_tile
+def _fixed_bytes(mode: str, BT: int, H: int, widen: bool) -> int:
+    """Output-sized fp32 buffers: the grad_input accumulator and the fp32 copy of input."""
+    return 4 * BT * H * ((mode != "forward") + bool(widen))
 
 
-def plan_linear_cross_entropy(BT: int, V: int, H: int, *, mode: str = "memory_saving",
-                              widen: bool = True, budget_bytes: int | None = None) -> LinearCETiling:
+#: Gradient-filtering block: rows × vocabulary columns (two and a quarter of the device's base block).
+FILTER_ROWS = 256
+FILTER_COLS = 64
+
+
+def _tile_bytes(mode: str, BT: int, H: int, bt: int, vt: int, widen: bool, filtered: bool = False) -> int:
+    """Scratch of one tile — the one formula both the tile search and the report use."""
+    per_col = 4 * bt  # logits / g tile
+    if widen:
+        per_col += 4 * H  # fp32 weight tile
+    extra = 0
+    if mode != "forward":
+        per_col += 4 * H  # grad_weight tile accumulator
+        extra += 4 * bt * H  # g·W product of one tile
+        if bt < BT or filtered:
+            per_col += 4 * H  # gᵀ·X product of one row tile
+        if filtered:
+            per_col += 8 * H + 4 * min(FILTER_ROWS, bt) + bt // FILTER_COLS + 1  # gathered W, gᵀX, g; flags
+            extra += 4 * min(FILTER_ROWS, bt) * H
+    return per_col * vt + extra
+
+
+def plan_linear_cross_entropy(
+    BT: int,
+    V: int,
+    H: int,
+    *,
+    mode: str = "memory_saving",
+    widen: bool = True,
+    budget_bytes: int | None = None,
+    filter_eps: float | None = None,
+) -> LinearCETiling:
     """Choose the tile plan for the fused linear cross-entropy ops from shapes and a budget.
+
+    The op_host tiling: from shapes and the budget only, never from the thread count.
 
     Parameters
     ----------
@@ -146,32 +183,50 @@ def plan_linear_cross_entropy(BT: int, V: int, H: int, *, mode: str = "memory_sa
     widen : bool
         True when the inputs are 16-bit and need fp32 copies for BLAS (counted in the workspace).
     budget_bytes : int, optional
-        Scratch budget for the per-tile buffers; default :func:`workspace_budget`.  The fixed
-        ``[BT, H]`` fp32 buffers (grad_input accumulator, fp32 input copy) are output-sized and
-        outside the budget.  Tiles shrink down to one 128 × 256 base block to fit.
+        Budget for the per-tile scratch (``tile_bytes``); default :func:`workspace_budget`.  The
+        fixed ``[BT, H]`` fp32 buffers (grad_input accumulator, fp32 input copy) are
+        output-sized and outside the budget (``fixed_bytes``).  Tiles shrink down to one
+        128 × 256 base block to fit; ``tile_bytes <= budget_bytes`` unless even that block does
+        not fit.
+    filter_eps : float, optional
+        Gradient filtering threshold (memory-saving mode only); its buffers are counted.
     """
+    filtered = filter_eps is not None and mode == "memory_saving"
     budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
     BT, V, H = int(BT), int(V), int(H)
-    avail = budget  # the fixed [BT, H] buffers are output-sized and outside the budget
-
-    bt = min(BT, MAX_BT_TILE) if BT > 0 else 1
+    bt = max(1, min(BT, MAX_BT_TILE))
     if bt < BT:
         bt = _round_down(bt, BASE_BT)
     while True:
-        per_col = 4 * bt + (4 * H if widen else 0) + (4 * H if mode != "forward" else 0)
-        extra_rows = 4 * bt * H if mode != "forward" else 0
-        vt = (avail - extra_rows) // per_col if per_col else V
-        if vt >= BASE_V or vt >= V or bt <= BASE_BT:
+        fixed_part = _tile_bytes(mode, BT, H, bt, 0, widen, filtered)
+        per_col = _tile_bytes(mode, BT, H, bt, 1, widen, filtered) - fixed_part
+        vt = (budget - fixed_part) // per_col if per_col else V
+        if vt >= min(BASE_V, max(V, 1)) or bt <= BASE_BT:
             break
         bt = max(BASE_BT, _round_down(bt // 2, BASE_BT))
-    vt = max(vt, 1)
     if vt >= V:
-        vt = V
+        vt = max(V, 1)
     else:
         vt = max(BASE_V, _round_down(vt, BASE_V))
     vt = max(1, min(vt, MAX_V_TILE, max(V, 1)))
-    if vt < V and vt > BASE_V:
-        vt = _round_down(vt, BASE_V)
-    ws = _workspace(mode, BT, H, min(bt, max(BT, 1)), vt, widen)
-    return LinearCETiling(BT=BT, V=V, H=H, bt_tile=max(1, min(bt, max(BT, 1))), v_tile=max(1, vt),
-                          mode=mode, workspace_bytes=ws, budget_bytes=budget)
+    fixed = _fixed_bytes(mode, BT, H, widen)
+    tile = _tile_bytes(mode, BT, H, bt, vt, widen, filtered)
+    return LinearCETiling(
+        BT=BT,
+        V=V,
+        H=H,
+        bt_tile=bt,
+        v_tile=vt,
+        mode=mode,
+        workspace_bytes=fixed + tile,
+        budget_bytes=budget,
+        fixed_bytes=fixed,
+        tile_bytes=tile,
+        filter_eps=float(filter_eps) if filtered and filter_eps is not None else None,
+        filter_rows=FILTER_ROWS if filtered else 0,
+        filter_cols=FILTER_COLS if filtered else 0,
+    )
+
+
+#: The plan type kernels take (the op_host → op_kernel contract).
+LinearCrossEntropyPlan = LinearCETiling

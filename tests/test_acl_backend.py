@@ -241,7 +241,8 @@ def test_runtime_discovery_order(monkeypatch, tmp_path):
     dirs, exclusive = acl_runtime.search_dirs()
     assert not exclusive
     assert dirs == [str(tmp_path / "home" / "lib64"), str(tmp_path / "tk" / "lib64"),
-                    acl_runtime.DEFAULT_TOOLKIT_LIB, str(tmp_path / "a"), str(tmp_path / "b")]
+                    "/usr/local/Ascend/cann/lib64", "/usr/local/Ascend/ascend-toolkit/latest/lib64",
+                    str(tmp_path / "a"), str(tmp_path / "b")]
     monkeypatch.setenv(acl_runtime.ENV_LIB_DIR, str(tmp_path / "x"))
     assert acl_runtime.search_dirs() == ([str(tmp_path / "x")], True)
 
@@ -437,16 +438,22 @@ def test_scaled_masked_softmax_broadcast_mask_and_double_scale(fake, rng, dtype)
     assert one["attrs"] == {"scale": 0.1, "fixTriuMask": False}   # a C double: 0.1 exactly
 
 
-def test_scaled_masked_softmax_null_mask_fix_triu(fake, rng):
+def test_scaled_masked_softmax_null_mask_is_161001_as_on_the_device(fake, rng):
+    """op_api aclnn_scaled_masked_softmax_backward.cpp:47-52,155: CheckNotNull(mask) ->
+    ACLNN_ERR_PARAM_NULLPTR, even with fixTriuMask; strict mode rejects it the same way."""
     shape = (1, 2, 3, 3)
     gy, y = rand(rng, shape, F32), rand(rng, shape, F32, 0, 1)
-    out = np.zeros(shape, F32)
-    dispatch("scaled_masked_softmax_backward", "acl")(grad_output=gy, y=y, mask=None, scale=2.0,
-                                                      fix_triu_mask=True, out=out)
-    assert_close(out, sms_expected(gy, y, None, 2.0, True), F32)
-    one, ts = check_protocol(fake, "aclnnScaledMaskedSoftmaxBackward")
-    assert ts["mask"] is None and one["tensors"]["mask"] == 0
-    assert one["attrs"] == {"scale": 2.0, "fixTriuMask": True}
+    out = np.full(shape, 7.0, F32)
+    with pytest.raises(fg.AclnnError) as ei:
+        dispatch("scaled_masked_softmax_backward", "acl")(grad_output=gy, y=y, mask=None, scale=2.0,
+                                                          fix_triu_mask=True, out=out)
+    assert ei.value.status == 161001 and "mask" in str(ei.value)
+    assert (out == 7.0).all()
+    rec = [r for r in fake.log() if r["fn"].endswith("GetWorkspaceSize")][0]
+    assert rec["tensors"]["mask"] == 0 and rec["ret"] == 161001
+    with fg.strict(), pytest.raises(fg.AclnnError) as ei2:
+        fg.scaled_masked_softmax_backward(gy, y, None, scale=2.0)
+    assert ei2.value.status == 161001
 
 
 def ce_expected(g, logp, target, weight, reduction, ignore, ls):
@@ -584,8 +591,8 @@ def test_fused_cross_entropy_loss_with_max_sum(fake, rng, with_logits):
 
 
 def test_fused_cross_entropy_label_smoothing_is_applied_by_the_op_layer(fake, rng):
-    """The backend computes the unsmoothed loss (device labelSmoothing = 0, its only value);
-    the op layer's extension smooths it from the softmax, on this backend as on the CPU."""
+    """The device gets labelSmoothing = 0 (its only value); the extension smooths the loss on
+    the host from the device's softmax, exactly as the cpu backend does."""
     BT, V, ls = 4, 6, 0.3
     logits = rand(rng, (BT, V), F32)
     m = logits.max(1)
@@ -595,7 +602,11 @@ def test_fused_cross_entropy_label_smoothing_is_applied_by_the_op_layer(fake, rn
     dispatch("fused_cross_entropy_loss_with_max_sum", "acl")(
         logits_max=m, sum_exp_logits=s, predicted_logits=p, label_smoothing=ls,
         vocab_parallel_logits=logits, out=(loss, sm))
-    assert_close(loss, np.log(s.astype(F64)) - p, F32)
+    loss_cpu, sm_cpu = np.zeros(BT, F32), np.zeros((BT, V), F32)
+    dispatch("fused_cross_entropy_loss_with_max_sum", "cpu")(
+        logits_max=m, sum_exp_logits=s, predicted_logits=p, label_smoothing=ls,
+        vocab_parallel_logits=logits, out=(loss_cpu, sm_cpu))
+    assert_close(loss, loss_cpu, F32)
     one, _ = check_protocol(fake, "aclnnFusedCrossEntropyLossWithMaxSum", n_outputs=2)
     assert one["attrs"] == {"labelSmoothing": 0.0}
     try:
@@ -934,3 +945,257 @@ def test_fake_does_not_leak_into_later_probes(libdir, monkeypatch):
         assert reason is not None and "libascendcl.so" in reason
     finally:
         acl_runtime._reset_for_tests()
+
+
+# --------------------------------------------------------------------------- issue 11: the ABI table
+def test_prototypes_come_from_the_one_header():
+    """Every bound function is declared in the vendored header, and the ctypes prototypes are
+    exactly those the header's C types map to (the fake is compiled against the same file)."""
+    from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int64, c_uint64, c_void_p
+
+    P = acl_runtime.PROTOTYPES
+    for op in acl_runtime.OPS:
+        assert op in P and op + "GetWorkspaceSize" in P
+        assert P[op][1] == [c_void_p, c_uint64, c_void_p, c_void_p]
+    ce = P["aclnnCrossEntropyLossGradGetWorkspaceSize"][1]
+    assert ce[6:10] == [c_char_p, c_int64, c_double, c_double]   # double labelSmoothing, lseSquareScale
+    assert [t for t in P["aclnnSmoothL1LossBackwardGetWorkspaceSize"][1][3:5]] == [c_int64, c_float]
+    assert P["aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize"][1][3:5] == [c_double, c_bool]
+    assert P["aclnnEmbeddingDenseBackwardGetWorkspaceSize"][1][2:5] == [c_uint64, c_uint64, c_bool]
+    assert P["aclnnFusedLinearCrossEntropyLossGradGetWorkspaceSize"][1][5] is c_float
+    assert P["aclnnFusedCrossEntropyLossWithMaxSumGetWorkspaceSize"][1][3] is c_float
+    assert P["aclFinalizeReference"][1] == [POINTER(c_uint64)]
+    # the runtime binds exactly these
+    rt_src = open(acl_runtime.__file__).read()
+    assert "c_float]" not in rt_src.split("PROTOTYPE_HEADER")[0]   # no hand-written table left
+
+
+def test_a_fake_disagreeing_with_the_header_does_not_compile(tmp_path):
+    """The mechanism that ties the fake to the binding: a definition with the old ``float``
+    prototype of aclnnCrossEntropyLossGradGetWorkspaceSize is a compile error against the header."""
+    src = tmp_path / "bad.c"
+    src.write_text('#include "aclnn_prototypes.h"\n'
+                   "aclnnStatus aclnnCrossEntropyLossGradGetWorkspaceSize(const aclTensor *a, const aclTensor *b,\n"
+                   "  const aclTensor *c, const aclTensor *d, const aclTensor *e, const aclTensor *f, char *r,\n"
+                   "  int64_t i, float ls, float z, const aclTensor *o, uint64_t *w, aclOpExecutor **x)\n"
+                   "{ return 0; }\n")
+    r = subprocess.run([fakeacl.compiler(), "-c", "-I" + fakeacl.PROTO_DIR, str(src), "-o", str(tmp_path / "bad.o")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "conflicting types" in r.stderr
+    good = tmp_path / "good.c"
+    good.write_text(src.read_text().replace("float ls, float z", "double ls, double z"))
+    r = subprocess.run([fakeacl.compiler(), "-c", "-I" + fakeacl.PROTO_DIR, str(good), "-o", str(tmp_path / "g.o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_non_trivial_label_smoothing_and_zloss_scale_arrive_exactly(fake, rng):
+    """0.1 and 0.3 are not representable in float: through a float prototype they would arrive
+    as float32(0.1) (or, ABI-mismatched, as garbage such as 6.95e-310); the fake records the C
+    double it received."""
+    N, C = 3, 5
+    logp = np.log(rng.dirichlet(np.ones(C), N)).astype(F32)
+    target = np.array([0, 4, 2], np.int64)
+    out = np.zeros((N, C), F32)
+    dispatch("cross_entropy_loss_grad", "acl")(
+        grad_loss=np.asarray(0.5, F32), log_prob=logp, target=target, weight=None, reduction="mean",
+        ignore_index=-100, label_smoothing=0.1, grad_zloss=None, lse_for_zloss=None,
+        lse_square_scale_for_zloss=0.3, out=out)
+    one, _ = check_protocol(fake, "aclnnCrossEntropyLossGrad", n_outputs=1)
+    assert one["attrs"]["labelSmoothing"] == 0.1 and one["attrs"]["lseSquareScaleForZloss"] == 0.3
+    assert one["attrs"]["labelSmoothing"] != float(np.float32(0.1))
+    assert_close(out, ce_expected(np.asarray(0.5), logp, target, None, "mean", -100, 0.1), F32)
+
+
+def test_version_reported_and_prototype_variants_chosen_by_it(fake, monkeypatch):
+    rt = acl_runtime.runtime()
+    assert rt.version() == "8.5.0" and rt.version_tuple() == (8, 5, 0)
+    assert acl_runtime.parse_version("8.2.RC1") == (8, 2, 1)
+    from ctypes import c_double, c_float, c_int
+    variants = {"aclnnX": [((8, 0), (8, 3), (c_int, [c_float])), ((8, 3), None, (c_int, [c_double]))]}
+    assert acl_runtime.select_prototype("aclnnX", (8, 2, 1), variants)[1] == [c_float]
+    assert acl_runtime.select_prototype("aclnnX", (8, 5, 0), variants)[1] == [c_double]
+    for v in (None, (7, 0)):
+        with pytest.raises(fg.AclnnError) as ei:
+            acl_runtime.select_prototype("aclnnX", v, variants)
+        assert ei.value.status == 361001 and "refusing to guess" in str(ei.value)
+
+
+def test_unknown_version_refuses_a_versioned_prototype(libdir, monkeypatch):
+    from ctypes import c_double, c_int
+    monkeypatch.setitem(acl_runtime.PROTOTYPE_VARIANTS, "aclnnSmoothL1LossBackwardGetWorkspaceSize",
+                        [((8, 0), None, acl_runtime.PROTOTYPES["aclnnSmoothL1LossBackwardGetWorkspaceSize"])])
+    with acl_env(libdir, FAKE_ACL_VERSION="none"):
+        assert acl_runtime.runtime().version() is None
+        out = np.zeros(2, F32)
+        with pytest.raises(fg.AclnnError) as ei:
+            dispatch("smooth_l1_loss_backward", "acl")(grad_out=np.ones(2, F32), input=np.ones(2, F32),
+                                                       target=np.zeros(2, F32), reduction="none", beta=1.0, out=out)
+        assert ei.value.status == 361001 and "reports no version" in str(ei.value)
+    assert c_double and c_int
+
+
+# --------------------------------------------------------------------------- issue 11: teardown
+def _sl1_once():
+    out = np.zeros(3, F32)
+    dispatch("smooth_l1_loss_backward", "acl")(grad_out=np.ones(3, F32), input=np.zeros(3, F32),
+                                               target=np.ones(3, F32), reduction="none", beta=1.0, out=out)
+    return out
+
+
+def test_teardown_under_torch_npu_drops_only_our_reference(libdir, monkeypatch):
+    """torch_npu initialised acl and owns the device: fastgrad's teardown gives back the
+    reference its (REPEAT_INITIALIZE) aclInit took, with aclFinalizeReference, and neither
+    resets the device nor finalizes."""
+    import types
+    fk = fakeacl.Fake(libdir)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    with acl_env(libdir):
+        acl_runtime._reset_for_tests()
+        assert fk.lib.aclInit(None) == 0                     # torch_npu's
+        fin, resets = fk.counter("finalize"), fk.counter("reset_device")
+        assert acl.unavailable_reason() is None
+        assert fk.refcount() == 2 and acl_runtime._runtime.acl_refcounted
+        np.testing.assert_array_equal(_sl1_once(), [-1, -1, -1])
+        fk.clear_log()
+        acl_runtime._reset_for_tests()
+        names = [r["fn"] for r in fk.log()]
+        assert "aclFinalizeReference" in names and "aclFinalize" not in names
+        assert "aclrtResetDevice" not in names and fk.counter("reset_device") == resets
+        assert names.index("aclrtSynchronizeStream") < names.index("aclrtDestroyStream")
+        assert fk.counter("finalize") == fin and fk.refcount() == 1   # torch_npu's reference intact
+        assert fk.lib.aclFinalize() == 0                     # torch_npu's own shutdown
+
+
+def test_teardown_without_finalize_reference_leaves_a_foreign_init_alone(libdir, monkeypatch):
+    """Older CANN (no aclFinalizeReference): aclFinalize only when fastgrad initialised acl."""
+    fk = fakeacl.Fake(libdir)
+    real_has = acl_runtime.Runtime.has
+    monkeypatch.setattr(acl_runtime.Runtime, "has",
+                        lambda self, name: False if name == "aclFinalizeReference" else real_has(self, name))
+    with acl_env(libdir):
+        # fastgrad owns acl: finalized at teardown, device reset
+        fin, resets = fk.counter("finalize"), fk.counter("reset_device")
+        assert acl.unavailable_reason() is None and acl_runtime._runtime.owns_acl
+        _sl1_once()
+        acl_runtime._reset_for_tests()
+        assert fk.counter("finalize") == fin + 1 and fk.counter("reset_device") == resets + 1
+        # someone else owns acl: nothing finalized, nothing reset
+        assert fk.lib.aclInit(None) == 0
+        fin, resets = fk.counter("finalize"), fk.counter("reset_device")
+        assert acl.unavailable_reason() is None and not acl_runtime._runtime.owns_acl
+        _sl1_once()
+        acl_runtime._reset_for_tests()
+        assert fk.counter("finalize") == fin and fk.counter("reset_device") == resets
+        assert fk.lib.aclFinalize() == 0
+
+
+# --------------------------------------------------------------------------- issue 11: sync before free
+def test_launch_failure_synchronises_before_freeing(fake, rng):
+    """Stage two fails after queuing work (an asynchronous error): the stream is synchronised
+    before any aclrtFree (the fake flags a free with pending work as a violation)."""
+    x = rand(rng, (3, 4), F32)
+    fake.fail("aclnnSmoothL1LossBackward", 561103, 1)
+    with pytest.raises(fg.AclnnError) as ei:
+        dispatch("smooth_l1_loss_backward", "acl")(grad_out=x, input=x, target=x, reduction="mean", beta=1.0,
+                                                   out=np.zeros((3, 4), F32))
+    assert ei.value.status == 561103
+    names = [r["fn"] for r in fake.log()]
+    i2 = names.index("aclnnSmoothL1LossBackward")
+    assert "aclrtSynchronizeStream" in names[i2:]
+    assert names.index("aclrtSynchronizeStream", i2) < names.index("aclrtFree", i2)
+
+
+# --------------------------------------------------------------------------- issue 11: torch_npu zero-copy
+def _dev_alloc(rt, a):
+    from ctypes import byref, c_void_p
+    p = c_void_p()
+    rt.check(rt.fn("aclrtMalloc")(byref(p), a.nbytes, 0), "aclrtMalloc")
+    rt.check(rt.fn("aclrtMemcpy")(p.value, a.nbytes, a.ctypes.data, a.nbytes, 1), "aclrtMemcpy")
+    return p.value
+
+
+def test_device_array_producer_stream_synced_and_device_checked(fake):
+    rt = acl_runtime.runtime()
+    rt.ensure_device()
+    from ctypes import byref, c_void_p
+    s = c_void_p()
+    rt.check(rt.fn("aclrtCreateStream")(byref(s)), "aclrtCreateStream")   # "torch_npu's current stream"
+    ptrs = [_dev_alloc(rt, np.ones(4, F32)) for _ in range(4)]
+    try:
+        A = [acl.DeviceArray(p, (4,), (1,), 0, F32, 4, device_index=0, stream=s.value) for p in ptrs]
+        fake.clear_log()
+        dispatch("smooth_l1_loss_backward", "acl")(grad_out=A[0], input=A[1], target=A[2], reduction="none",
+                                                   beta=1.0, out=A[3])
+        log = fake.log()
+        names = [r["fn"] for r in log]
+        first_sync = names.index("aclrtSynchronizeStream")
+        assert log[first_sync]["stream"] == s.value
+        assert first_sync < names.index("aclnnSmoothL1LossBackwardGetWorkspaceSize")
+        wrong = acl.DeviceArray(ptrs[1], (4,), (1,), 0, F32, 4, device_index=1)
+        with pytest.raises(fg.AclnnError) as ei:
+            dispatch("smooth_l1_loss_backward", "acl")(grad_out=A[0], input=wrong, target=A[2], reduction="none",
+                                                       beta=1.0, out=A[3])
+        assert ei.value.status == 161002 and "NPU 1" in str(ei.value) and "device 0" in str(ei.value)
+    finally:
+        for p in ptrs:
+            rt.fn("aclrtFree")(p)
+        rt.fn("aclrtDestroyStream")(s.value)
+
+
+def test_torch_npu_private_format_is_refused(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import types
+
+    class FakeDev:
+        type, index = "npu", 0
+
+    class T:  # the attributes device_array_from_torch reads from a torch_npu tensor
+        device, dtype, shape = FakeDev(), torch.float16, (4, 16)
+
+        def stride(self):
+            return (16, 1)
+
+        def storage_offset(self):
+            return 0
+
+        def element_size(self):
+            return 2
+
+        def untyped_storage(self):
+            return types.SimpleNamespace(data_ptr=lambda: 4096, nbytes=lambda: 128)
+
+    tn = types.ModuleType("torch_npu")
+    tn.get_npu_format = lambda t: 29                      # ACL_FORMAT_FRACTAL_NZ
+    tn.npu = types.SimpleNamespace(current_stream=lambda d: types.SimpleNamespace(npu_stream=0xABC))
+    monkeypatch.setitem(sys.modules, "torch_npu", tn)
+    with pytest.raises(fg.AclnnError) as ei:
+        acl.device_array_from_torch(T())
+    assert ei.value.status == 161002 and "29" in str(ei.value) and "npu_format_cast" in str(ei.value)
+    tn.get_npu_format = lambda t: 2                       # ND
+    d = acl.device_array_from_torch(T())
+    assert d.device_index == 0 and d.stream == 0xABC and d.ptr == 4096 and d.storage_elems == 64
+
+
+# --------------------------------------------------------------------------- issue 11: discovery
+def test_split_op_library_is_loaded_instead_of_deprecated_libopapi(libdir, tmp_path):
+    d = tmp_path / "lib64"
+    d.mkdir()
+    for name in ("libascendcl.so", "libnnopbase.so"):
+        os.symlink(os.path.join(libdir, name), d / name)
+    os.symlink(os.path.join(libdir, "libopapi.so"), d / "libopapi_nn.so")
+    (d / "libopapi.so").write_text("not a library: must never be opened")
+    with acl_env(str(d)):
+        assert acl.unavailable_reason() is None
+        paths = acl_runtime._runtime.paths
+        assert "libopapi_nn.so" in paths and "libopapi.so" not in paths
+        np.testing.assert_array_equal(_sl1_once(), [-1, -1, -1])
+
+
+def test_fastgrad_logits_dtype_fp32_is_not_a_device_option(fake):
+    out = (np.zeros(2, F32), np.zeros(2, F32), np.zeros(2, F32), np.zeros(1, np.uint8), np.zeros(2, np.int32), None)
+    with pytest.raises(fg.AclnnError) as ei:
+        dispatch("fused_linear_online_max_sum", "acl")(
+            input=np.ones((2, 4), F16), weight=np.ones((3, 4), F16), target=np.zeros(2, np.int32),
+            vocab_start_index=0, vocab_end_index=3, return_logits=False, logits_dtype=F32, out=out)
+    assert ei.value.status == 161002 and "logits_dtype" in str(ei.value)

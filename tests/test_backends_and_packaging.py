@@ -64,15 +64,15 @@ def test_read_only_install_compiles_without_a_writable_package_dir(tmp_path):
     blocker.write_text("")
     env = dict(os.environ, PYTHONPATH=str(dst), NUMBA_CACHE_DIR=str(blocker / "numba"),
                HOME=str(blocker / "home"), XDG_CACHE_HOME=str(blocker / "xdg"), PYTHONDONTWRITEBYTECODE="1")
-    code = textwrap.dedent("""
+    code = f"DST = {str(dst)!r}\n" + textwrap.dedent("""
         import numpy as np, ml_dtypes, fastgrad as fg
         from fastgrad import _jit
-        assert fg.__file__.startswith(%r), fg.__file__
+        assert fg.__file__.startswith(DST), fg.__file__
         x = np.ones((3, 4), ml_dtypes.bfloat16); w = np.ones((5, 4), ml_dtypes.bfloat16)
         r = fg.fused_linear_online_max_sum(x, w, np.array([0, 1, 9]), 0, 5)
         assert float(r.logits_max_local[0]) == 4.0
         print("cache", _jit.CACHE)
-    """ % str(dst))
+    """)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     p2 = subprocess.run([sys.executable, "-c", code], env=dict(env, FASTGRAD_NUMBA_CACHE="0"),

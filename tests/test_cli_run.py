@@ -58,5 +58,42 @@ def test_main_job_loads_npy_and_safetensors(tmp_path):
 def test_human_report_mentions_every_metric(capsys):
     assert cli_run.main(["--bt", "16", "--hidden", "8", "--vocab", "300", "--no-progress"]) == 0
     text = capsys.readouterr().out
-    for word in ("phase times", "GFLOP/s", "of BLAS", "peak RSS", "never held", "golden"):
+    for word in ("phase", "GFLOP/s", "of BLAS", "peak RSS", "VmHWM", "never held", "golden",
+                 "estimated from the plan", "Ascend single benchmark"):
         assert word in text
+    assert "mean loss" in text and len(text.split("mean loss")[1].split()[0].split(".")[1]) >= 6
+
+
+def test_memory_report_is_the_process_peak():
+    args = ("--bt", "64", "--hidden", "32", "--vocab", "2000", "--json")
+    _run(*args)             # a cold Numba cache compiles in the job (LLVM's memory is not the job's)
+    r = json.loads(_run(*args))
+    m = r["memory"]
+    phases = set(r["phases_s"])
+    assert set(m["phase_peak_rss_bytes"]) == phases == set(m["process_peak_rss_bytes_after_phase"])
+    after = [m["process_peak_rss_bytes_after_phase"][k] for k in r["phases_s"]]
+    assert after == sorted(after)                        # the high-water mark never goes down: it is never reset
+    assert m["process_peak_rss_bytes"] >= max(m["phase_peak_rss_bytes"].values()) * 0.95
+    assert m["estimate"]["total_bytes"] >= m["process_peak_rss_bytes"] * 0.9, (r["phases_s"], m)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and exec-inherited ru_maxrss are Linux's")
+def test_process_peak_is_the_jobs_own_not_its_parents():
+    """Linux carries ru_maxrss across execve: a job started from a 700 MB process must still
+    report its own peak (the tiny job peaks near 160 MB)."""
+    parent = (
+        "import subprocess, sys, numpy as np\n"
+        "ballast = np.ones(700 * 2**20 // 8)\n"
+        "p = subprocess.run([sys.executable, '-m', 'fastgrad', '--bt', '16', '--hidden', '8', '--vocab', '300',"
+        " '--json'], capture_output=True, text=True)\n"
+        "assert p.returncode == 0, p.stderr\n"
+        "print(p.stdout)\n")
+    p = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    m = json.loads(p.stdout)["memory"]
+    assert m["process_peak_rss_bytes"] < 500 * 2**20, m["process_peak_rss_bytes"]
+
+
+def test_high_performance_wording():
+    out = _run("--bt", "16", "--hidden", "8", "--vocab", "300", "--mode", "high-performance", "--no-progress")
+    assert "never held" not in out and "held a shard's [BT, V] logits" in out

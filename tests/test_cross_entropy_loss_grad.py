@@ -7,8 +7,6 @@ backward ops in float64 on the same (rounded) log_prob, and the reference backen
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
 
 import fastgrad as fg
 
@@ -16,7 +14,12 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 DTYPES = [F32, F16, BF16]
-TORCH_DT = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+
+
+def torch_dt(dtype):
+    """The torch dtype of a NumPy dtype (torch is optional: skips the test without it)."""
+    torch = pytest.importorskip("torch")
+    return {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[np.dtype(dtype)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -26,7 +29,8 @@ TORCH_DT = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 def make_case(rng, n, c, dtype=F32, n_ignored=1, ignore_index=-100, weighted=True, red="mean"):
     """logits (float64), log_prob in ``dtype``, targets (some ignored), weight, grad_loss."""
     logits = rng.standard_normal((n, c)) * 2.0
-    lp64 = torch.log_softmax(torch.from_numpy(logits), -1).numpy()
+    lp64 = logits - logits.max(-1, keepdims=True)
+    lp64 = lp64 - np.log(np.exp(lp64).sum(-1, keepdims=True))
     lp = lp64.astype(dtype)
     t = rng.integers(0, c, n).astype(np.int64)
     if n_ignored and n:
@@ -39,11 +43,12 @@ def make_case(rng, n, c, dtype=F32, n_ignored=1, ignore_index=-100, weighted=Tru
 def torch_ops_oracle(g, lp, t, w, red, ignore_index=-100, ls=0.0):
     """float64 PyTorch: NLL(+smoothing) backward w.r.t. log_prob via autograd, then
     ``_log_softmax_backward_data`` (uses exp(log_prob) as is, like the op)."""
+    torch = pytest.importorskip("torch")
     lp_t = torch.tensor(np.asarray(lp, np.float64), requires_grad=True)
     tt = torch.from_numpy(np.asarray(t, np.int64))
     wt = None if w is None else torch.tensor(np.asarray(w, np.float64))
     gg = torch.tensor(np.asarray(g, np.float64))
-    nll = F.nll_loss(lp_t, tt, weight=wt, ignore_index=ignore_index, reduction=red)
+    nll = torch.nn.functional.nll_loss(lp_t, tt, weight=wt, ignore_index=ignore_index, reduction=red)
     loss = (1 - ls) * nll
     if ls:
         c = lp_t.shape[1]
@@ -61,10 +66,12 @@ def torch_ops_oracle(g, lp, t, w, red, ignore_index=-100, ls=0.0):
 
 
 def torch_autograd_oracle(g, logits, t, w, red, ignore_index=-100, ls=0.0):
+    torch = pytest.importorskip("torch")
     x = torch.tensor(logits, requires_grad=True)
     wt = None if w is None else torch.tensor(np.asarray(w, np.float64))
-    loss = F.cross_entropy(x, torch.from_numpy(t), weight=wt, ignore_index=ignore_index,
-                           reduction=red, label_smoothing=ls)
+    loss = torch.nn.functional.cross_entropy(x, torch.from_numpy(t), weight=wt,
+                                             ignore_index=ignore_index, reduction=red,
+                                             label_smoothing=ls)
     (gx,) = torch.autograd.grad(loss, x, torch.tensor(np.asarray(g, np.float64)))
     return gx.numpy()
 
@@ -148,7 +155,10 @@ def test_lowprec_within_one_ulp_of_float64(rng, dtype, red, ls):
     with fg.use_backend("reference"):
         gold = cegrad(g, lp, t, weight=w, reduction=red, label_smoothing=ls)
     assert gold.dtype == dtype
-    assert_close_ulps(gold, ref, dtype, n_ulp=0.51)  # rounded once from float64
+    if dtype == F32 and ls == 0.0:  # device order: c, p·c and p·c - c each rounded to fp32
+        assert_close_ulps(gold, ref, dtype, n_ulp=1.0, abs_floor=tiny)
+    else:
+        assert_close_ulps(gold, ref, dtype, n_ulp=0.51)  # (16-bit: fp32, then the dtype)
     if dtype != F32:  # after one rounding, kernel and golden agree bit for bit almost everywhere
         assert np.mean(np.asarray(out) == np.asarray(gold)) > 0.9
 
@@ -187,6 +197,7 @@ def test_zloss_matches_autograd(rng, red, with_gz):
     n, c, zs = 8, 19, 1e-2
     logits, lp, t, w, g = make_case(rng, n, c, F32, n_ignored=2, red=red)
     gzl = (rng.standard_normal(g.shape).astype(np.float32)) if with_gz else None
+    torch = pytest.importorskip("torch")
     lse = torch.logsumexp(torch.from_numpy(logits), -1).numpy().astype(np.float32)
     out = cegrad(g, lp, t, weight=w, reduction=red, grad_zloss=gzl, lse_for_zloss=lse,
                  lse_square_scale_for_zloss=zs)
@@ -238,12 +249,14 @@ def test_zero_probability_and_nan_propagate(rng):
     assert np.isnan(out[1, 1]) and np.isfinite(out[1, [0, 2]]).all()
 
 
-def test_ignored_rows_zero_and_not_read(rng):
+def test_ignored_rows_zero_and_nan_propagates(rng):
     _, lp, t, w, g = make_case(rng, 5, 9, F32, n_ignored=0)
-    t[2] = -100
-    lp[2] = np.nan          # an ignored row's log_prob plays no part
+    t[[1, 2]] = -100
+    lp[2, 3] = np.nan       # the device computes exp(log_prob)·0 on ignored rows: NaN stays NaN
     out = cegrad(g, lp, t, weight=w)
-    assert np.array_equal(out[2], np.zeros(9, np.float32)) and np.isfinite(out).all()
+    assert np.array_equal(out[1], np.zeros(9, np.float32))
+    assert np.isnan(out[2, 3]) and np.array_equal(np.delete(out[2], 3), np.zeros(8, np.float32))
+    assert np.isfinite(np.delete(out, [1, 2], axis=0)).all()
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,11 +267,12 @@ def test_ignored_rows_zero_and_not_read(rng):
 def test_torch_in_torch_out(rng, dtype):
     _, lp, t, w, g = make_case(rng, 6, 10, dtype)
     expect = cegrad(g, lp, t, weight=w, label_smoothing=0.1)
+    torch = pytest.importorskip("torch")
     tl = torch.from_numpy(lp.view(np.int16)).view(torch.bfloat16) if dtype == BF16 else torch.from_numpy(lp)
     tg = torch.from_numpy(g.reshape(1).view(np.int16)).view(torch.bfloat16).reshape(()) if dtype == BF16 \
         else torch.from_numpy(g)
     out = cegrad(tg, tl, torch.from_numpy(t), weight=torch.from_numpy(w), label_smoothing=0.1)
-    assert isinstance(out, torch.Tensor) and out.dtype == TORCH_DT[dtype]
+    assert isinstance(out, torch.Tensor) and out.dtype == torch_dt(dtype)
     got = out.view(torch.int16).numpy().view(BF16) if dtype == BF16 else out.numpy()
     assert np.array_equal(got.view(np.uint8), np.asarray(expect).view(np.uint8))
 
@@ -277,6 +291,7 @@ def test_inputs_not_modified_and_out_param(rng):
     r = cegrad(g, lp, t, weight=w, label_smoothing=0.2, out=view)
     assert r is view and np.array_equal(np.asarray(view, np.float32), np.asarray(expect, np.float32))
     assert np.all(np.asarray(big[:, 1::2], np.float32) == 0)
+    torch = pytest.importorskip("torch")
     tout = torch.empty((8, 33), dtype=torch.bfloat16)
     r = cegrad(torch.from_numpy(g.reshape(1).view(np.int16)).view(torch.bfloat16).reshape(()),
                torch.from_numpy(lp.view(np.int16)).view(torch.bfloat16), torch.from_numpy(t),
@@ -293,6 +308,7 @@ def test_noncontiguous_inputs(rng):
     g2 = np.repeat(g, 2)[::2]
     out = cegrad(g2, lp_t, t2, weight=w2, reduction="none")
     assert np.array_equal(out, expect)
+    torch = pytest.importorskip("torch")
     out2 = cegrad(torch.from_numpy(g2), torch.from_numpy(lp_t), torch.from_numpy(t2),
                   weight=torch.from_numpy(w2), reduction="none")
     assert np.array_equal(out2.numpy(), expect)

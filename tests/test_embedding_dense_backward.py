@@ -3,7 +3,6 @@
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 
 import fastgrad as fg
 
@@ -11,12 +10,20 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 DTYPES = [F32, F16, BF16]
-TORCH_DT = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+
+
+def torch_dt(dtype):
+    """The torch dtype of a NumPy dtype (torch is optional: skips the test without it)."""
+    torch = pytest.importorskip("torch")
+    return {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[np.dtype(dtype)]
+
+
 INDEX_DTYPES = [np.int64, np.int32, np.int16, np.int8, np.uint8, np.float32, np.float16, np.float64]
 
 
 def _torch64(grad, idx, nw, padding_idx, scale):
     """PyTorch's aten op in float64 (the index dtype cast to int64 with truncation)."""
+    torch = pytest.importorskip("torch")
     g = torch.from_numpy(np.ascontiguousarray(grad.astype(np.float64)))
     i = torch.from_numpy(np.trunc(np.asarray(idx, np.float64)).astype(np.int64))
     return torch.ops.aten.embedding_dense_backward(g, i, nw, padding_idx, scale).numpy()
@@ -108,6 +115,7 @@ def test_bf16_accumulates_in_fp32():
     with fg.use_backend("reference"):
         np.testing.assert_array_equal(fg.embedding_dense_backward(grad, idx, 3).astype(np.float32)[0], 4096)
     # PyTorch's CPU kernel accumulates in bf16 and stalls at 256 (documented deviation)
+    torch = pytest.importorskip("torch")
     tor = torch.ops.aten.embedding_dense_backward(torch.ones(4096, 2, dtype=torch.bfloat16),
                                                   torch.zeros(4096, dtype=torch.int64), 3, -1, False)
     assert tor[0, 0].item() == 256
@@ -175,8 +183,11 @@ def test_padding_idx_out_of_range_is_no_op(rng):
 def test_empty(dtype):
     out = fg.embedding_dense_backward(np.zeros((0, 4), dtype), np.zeros(0, np.int64), 5)
     assert out.shape == (5, 4) and out.dtype == dtype and (out.astype(np.float32) == 0).all()
-    out = fg.embedding_dense_backward(np.zeros((3, 0), dtype), np.array([9, 9, 9]), 5)  # D == 0
+    out = fg.embedding_dense_backward(np.zeros((3, 0), dtype), np.array([1, 2, 4]), 5)  # D == 0
     assert out.shape == (5, 0)
+    with pytest.raises(fg.AclnnError) as e:       # D == 0 does not excuse an out-of-range index
+        fg.embedding_dense_backward(np.zeros((3, 0), dtype), np.array([9, 9, 9]), 5)
+    assert e.value.status == 161002 and e.value.param == "indices"
     out = fg.embedding_dense_backward(np.zeros((0, 4), dtype), np.zeros(0, np.int64), 0)
     assert out.shape == (0, 4)
     sentinel = np.full((5, 4), 7, dtype)
@@ -225,11 +236,12 @@ def test_out(rng, dtype):
 def test_torch_in_torch_out(rng, dtype):
     grad, idx = _case(rng, 25, 8, 10, dtype)
     expect = fg.embedding_dense_backward(grad, idx, 10, 1, False)
-    G = torch.from_numpy(grad.astype(np.float32)).to(TORCH_DT[dtype])
+    torch = pytest.importorskip("torch")
+    G = torch.from_numpy(grad.astype(np.float32)).to(torch_dt(dtype))
     res = fg.embedding_dense_backward(G, torch.from_numpy(idx), 10, 1, False)
-    assert isinstance(res, torch.Tensor) and res.dtype == TORCH_DT[dtype] and res.shape == (10, 8)
+    assert isinstance(res, torch.Tensor) and res.dtype == torch_dt(dtype) and res.shape == (10, 8)
     np.testing.assert_array_equal(res.float().numpy(), expect.astype(np.float32))
-    out = torch.empty(10, 8, dtype=TORCH_DT[dtype])
+    out = torch.empty(10, 8, dtype=torch_dt(dtype))
     assert fg.embedding_dense_backward(G, torch.from_numpy(idx), 10, 1, False, out=out) is out
     np.testing.assert_array_equal(out.float().numpy(), expect.astype(np.float32))
     if dtype == F32:  # PyTorch's own fp32 op, also in index order
@@ -349,7 +361,8 @@ def test_strict_rank_limits():
 # Property: random sizes, repeats, padding and scaling, bit-exact with the device order
 # ----------------------------------------------------------------------------------------
 
-from hypothesis import given, settings, HealthCheck, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

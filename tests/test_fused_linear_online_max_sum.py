@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
+from flce_helpers import BF16, DTYPES, F16, F32, make_problem
 
 import fastgrad as fg
 from fastgrad import tiling
-from flce_helpers import BF16, DTYPES, F16, F32, make_problem
 
 torch = pytest.importorskip("torch")
 

@@ -164,6 +164,7 @@ def _check(world, outdir):
                   if api == "module" else None)
         loss1, gh1, gw1 = _step(h, w, t, go, red, ls, api, module=module)
         gw_parts = []
+        gh_rank0 = None
         for rank in range(world):
             loss, gh, gw = torch.load(outdir / f"{name}_rank{rank}.pt")
             where = f"{name} rank {rank}/{world}"
@@ -183,10 +184,10 @@ def _check(world, outdir):
                 bound = (world + 1) * rel * (G @ W) + rel * gh1.double().abs()
                 bad = (gh.double() - gh1.double()).abs() > bound
                 assert not bad.any(), f"{where}: grad_hidden off by {(gh - gh1).abs().max()}"
-            if rank:   # every rank gets the same all-reduced grad_hidden
-                assert torch.equal(gh, gh_rank0), where
-            else:
+            if gh_rank0 is None:
                 gh_rank0 = gh
+            else:   # every rank gets the same all-reduced grad_hidden
+                assert torch.equal(gh, gh_rank0), where
             gw_parts.append(gw)
         gw = torch.cat(gw_parts)
         if dtype == torch.float64:

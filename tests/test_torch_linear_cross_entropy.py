@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tracemalloc
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -166,7 +165,7 @@ def test_16bit_matches_device_golden_and_pytorch(dtype, reduction, label_smoothi
     h, w, t = _inputs(129, 48, 100, dtype, seed=3, ignore_every=7)
     go = _upstream(reduction, t.shape)
     kw = dict(reduction=reduction, label_smoothing=label_smoothing)
-    loss, gh, gw = _run(h, w, t, go, **kw)
+    loss, gh, gw = _run(h, w, t, go, precision="device", **kw)
     assert gh.dtype == dtype and gw.dtype == dtype and loss.dtype == torch.float32
     # (1) the device semantics, tight
     dl, dgh, dgw = _device_golden(h, w, t, go, **kw)
@@ -340,21 +339,22 @@ def test_strict_mode_rejects_what_the_device_rejects():
         assert e.value.status == 161002
 
 
-@pytest.mark.parametrize("case,exc,match", [
-    ("weight_dtype", TypeError, "weight dtype"),
-    ("hidden_int", TypeError, "hidden dtype"),
-    ("target_float", TypeError, "target must hold"),
-    ("target_shape", ValueError, "target must have shape"),
-    ("H_mismatch", ValueError, "H == weight.shape"),
-    ("weight_1d", ValueError, "weight must be 2-D"),
-    ("target_oob", IndexError, "Target 5 is out of bounds"),
-    ("target_negative", IndexError, "Target -3 is out of bounds"),
-    ("reduction", ValueError, "reduction"),
-    ("label_smoothing", ValueError, "label_smoothing"),
-    ("numpy_input", TypeError, "torch.Tensor"),
-    ("shard_without_group", ValueError, "process_group"),
+@pytest.mark.parametrize("case,param,match", [
+    ("weight_dtype", "weight", "hidden's dtype"),
+    ("hidden_int", "hidden", "dtype bfloat16"),
+    ("target_float", "target", "int64 or int32"),
+    ("target_shape", "target", "hidden.shape"),
+    ("H_mismatch", "hidden", "H == weight.shape"),
+    ("weight_1d", "weight", "2-D"),
+    ("target_oob", "target", "Target 5 is out of bounds"),
+    ("target_negative", "target", "Target -3 is out of bounds"),
+    ("reduction", "reduction", "reduction"),
+    ("label_smoothing", "label_smoothing", "label_smoothing"),
+    ("numpy_input", "hidden", "torch.Tensor"),
+    ("shard_without_group", "vocab_start_index", "process_group"),
 ])
-def test_errors(case, exc, match):
+def test_errors(case, param, match):
+    """Every bad argument: AclnnError 161002 (a ValueError) naming the parameter."""
     h, w, t = _inputs(4, 3, 5, torch.float32)
     kw = {}
     if case == "weight_dtype":
@@ -381,27 +381,31 @@ def test_errors(case, exc, match):
         h = h.numpy()
     elif case == "shard_without_group":
         kw["vocab_start_index"] = 2
-    with pytest.raises(exc, match=match):
+    with pytest.raises(fg.AclnnError, match=match) as e:
         ft.linear_cross_entropy(h, w, t, **kw)
+    assert e.value.status == 161002 and e.value.param == param
+    assert isinstance(e.value, ValueError)
 
 
-def test_never_materializes_logits():
-    """numpy scratch (traced by tracemalloc) stays far below one fp32 [BT, V] matrix."""
-    BT, H, V = 256, 32, 16384
+@pytest.mark.parametrize("fused", [True, False])
+def test_never_materializes_logits(fused):
+    """numpy scratch (traced by tracemalloc) stays far below one fp32 [BT, V] matrix: the row
+    block's logits (the budget) plus the fp32 [V, H] grad_weight accumulator and [BT, H]."""
+    BT, H, V = 1024, 32, 16384
     h, w, t = _inputs(BT, H, V, torch.bfloat16, seed=11)
     h.requires_grad_()
     w.requires_grad_()
-    logits_bytes = 4 * BT * V                                   # 16 MiB
+    logits_bytes = 4 * BT * V                                   # 64 MiB
     tiling.set_workspace_budget(2 * 2**20)
     try:
-        ft.linear_cross_entropy(h[:8], w[:300], t[:8].clamp(max=299)).backward()  # warm-up
+        ft.linear_cross_entropy(h[:8], w[:300], t[:8].clamp(max=299), fused=fused).backward()
         tracemalloc.start()
-        ft.linear_cross_entropy(h, w, t).backward()
+        ft.linear_cross_entropy(h, w, t, fused=fused).backward()
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     finally:
         tiling.set_workspace_budget(None)
-    assert peak < logits_bytes / 4, f"peak {peak / 2**20:.1f} MiB"
+    assert peak < logits_bytes / 6, f"peak {peak / 2**20:.1f} MiB"
 
 
 def test_import_without_torch():

@@ -11,8 +11,10 @@ Selection, highest priority first: :func:`use_backend` (context manager), :func:
 the ``FASTGRAD_BACKEND`` environment variable, then ``"cpu"``.  An explicitly requested backend
 that is unavailable raises ``AclnnError`` 361001; ``"auto"`` falls back silently.
 
-Implementations register with :func:`implements`; a backend module is imported lazily the
-first time the backend is probed or used.
+Each backend module holds its implementation table, ``IMPLS`` (op name → function, or
+``"module:function"`` resolved lazily), and says whether its functions take the op_host plan
+(``TAKES_PLAN``).  The registry pulls the table the first time the backend is used: kernels and
+goldens never import the registry, and nothing registers itself by being imported.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import contextlib
 import contextvars
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..errors import runtime_error
 
@@ -30,15 +32,29 @@ from ..errors import runtime_error
 @dataclass
 class Backend:
     name: str
-    module: str | None                 # module imported to register implementations
-    probe: Callable[[], str | None]    # returns None when available, else the reason
+    module: str | None  # module imported to register implementations
+    probe: Callable[[], str | None]  # returns None when available, else the reason
     impls: dict = field(default_factory=dict)
     _loaded: bool = False
 
+    takes_plan: bool = False
+
     def load(self):
         if not self._loaded and self.module:
-            importlib.import_module(self.module)
+            mod = importlib.import_module(self.module)
+            for op, fn in getattr(mod, "IMPLS", {}).items():
+                self.impls.setdefault(op, fn)
+            self.takes_plan = bool(getattr(mod, "TAKES_PLAN", False))
         self._loaded = True
+
+    def implementation(self, op: str) -> Callable | None:
+        self.load()
+        fn = self.impls.get(op)
+        if isinstance(fn, str):
+            mod, _, attr = fn.partition(":")
+            fn = getattr(importlib.import_module(mod), attr)
+            self.impls[op] = fn
+        return fn
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -63,11 +79,14 @@ def register_backend(name: str, module: str | None, probe: Callable[[], str | No
 
 
 def implements(backend: str, op: str):
-    """Decorator: register ``fn`` as ``backend``'s implementation of ``op``."""
+    """Decorator: add ``fn`` to ``backend``'s table (for third-party backends; fastgrad's own
+    backends declare ``IMPLS`` tables instead)."""
+
     def deco(fn):
         b = _BACKENDS.get(backend) or register_backend(backend, None)
         b.impls[op] = fn
         return fn
+
     return deco
 
 
@@ -85,8 +104,11 @@ def _acl_module_exists() -> bool:
 
 register_backend("cpu", "fastgrad.backends.cpu")
 register_backend("reference", "fastgrad.backends.reference")
-register_backend("acl", __name__ + ".acl",
-                 _acl_probe if _acl_module_exists() else (lambda: "the acl backend is not built into this fastgrad"))
+register_backend(
+    "acl",
+    __name__ + ".acl",
+    _acl_probe if _acl_module_exists() else (lambda: "the acl backend is not built into this fastgrad"),
+)
 
 PSEUDO = ("auto",)
 
@@ -151,9 +173,14 @@ def use_backend(name: str):
 def dispatch(op: str, backend: str | None = None) -> Callable:
     """The implementation of ``op`` on the selected (or given) backend."""
     name = _resolve(backend) if backend else get_backend()
-    b = _BACKENDS[name]
-    b.load()
-    fn = b.impls.get(op)
+    fn = _BACKENDS[name].implementation(op)
     if fn is None:
         raise runtime_error(f"backend {name!r} does not implement {op}", "backend")
     return fn
+
+
+def backend_takes_plan(name: str) -> bool:
+    """Whether backend ``name``'s implementations take the op_host plan (and a progress hook)."""
+    b = _BACKENDS[_resolve(name)]
+    b.load()
+    return b.takes_plan

@@ -12,7 +12,9 @@ Each op follows the seed samples' sequence exactly::
     aclnnXxx(workspace, workspaceSize, executor, stream)
     aclrtSynchronizeStream(stream)
     aclrtMemcpy(D2H) into each output
-    aclDestroyTensor + aclrtFree for everything                    (on every path, errors included)
+    aclDestroyTensor + aclrtFree for everything                    (on every path, errors included;
+                                                                    after a stream sync when stage
+                                                                    two was reached)
 
 A non-zero status from any call raises ``AclnnError`` with that status and the runtime's
 ``aclGetRecentErrMsg()``.  Device, context and stream are set up once per process (see
@@ -44,14 +46,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_RUNTIME_ERROR, AclnnError
 from . import acl_runtime as _rt
-from . import implements
-from ..errors import AclnnError, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_RUNTIME_ERROR
 
 BACKEND = "acl"
 
 #: Reduction strings -> the aclnn integers (smooth_l1_loss_backward's int64 reduction).
-REDUCTION_INT = {"none": 0, "mean": 1, "sum": 2}
+from ..enums import REDUCTION_CODES as REDUCTION_INT  # noqa: E402
+
 _U64 = (1 << 64) - 1
 
 
@@ -79,6 +81,10 @@ class DeviceArray:
     offset: int
     dtype: np.dtype
     storage_elems: int
+    #: the device the memory lives on (checked against the one fastgrad opened), None = unknown
+    device_index: int | None = None
+    #: the stream that produced the data (torch_npu's current stream): synchronised before use
+    stream: int | None = None
 
     @property
     def ndim(self) -> int:
@@ -96,23 +102,61 @@ def device_array_from_torch(t) -> DeviceArray:
     """Describe a torch_npu tensor (``t.device.type == "npu"``) as a :class:`DeviceArray`.
 
     No data moves: the aclTensor is later built on ``t.untyped_storage().data_ptr()`` with
-    ``t.stride()`` and ``t.storage_offset()``.
+    ``t.stride()`` and ``t.storage_offset()``.  The tensor's device index and torch_npu's
+    current stream on that device are recorded: the backend refuses a tensor on another device
+    than the one it opened, and synchronises that stream before its own op reads the memory.
+    A tensor in a private format (FRACTAL_NZ, NC1HWC0, ...: ``torch_npu.get_npu_format``) is
+    refused (161002), as its memory is not the row-major view its shape and strides describe.
     """
     global _TORCH_TO_NUMPY
-    import torch
     import ml_dtypes
+    import torch
 
     if _TORCH_TO_NUMPY is None:
-        _TORCH_TO_NUMPY = {torch.float32: np.float32, torch.float16: np.float16,
-                           torch.bfloat16: ml_dtypes.bfloat16, torch.float64: np.float64,
-                           torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16,
-                           torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+        _TORCH_TO_NUMPY = {
+            torch.float32: np.float32,
+            torch.float16: np.float16,
+            torch.bfloat16: ml_dtypes.bfloat16,
+            torch.float64: np.float64,
+            torch.int8: np.int8,
+            torch.uint8: np.uint8,
+            torch.int16: np.int16,
+            torch.int32: np.int32,
+            torch.int64: np.int64,
+            torch.bool: np.bool_,
+        }
     if t.device.type != "npu":
         raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"expected an NPU tensor, got device {t.device}")
+    import torch_npu
+
+    fmt = getattr(torch_npu, "get_npu_format", None)
+    if fmt is not None:
+        f = int(fmt(t))
+        if f not in _rt.BASE_FORMATS:
+            raise AclnnError(
+                ACLNN_ERR_PARAM_INVALID,
+                f"an NPU tensor in the private format {f} (acl_base.h aclFormat; e.g. 29 = "
+                "FRACTAL_NZ) cannot be passed as ND: convert it first with "
+                "torch_npu.npu_format_cast(t, 2)",
+            )
+    index = t.device.index
+    stream = None
+    npu = getattr(torch_npu, "npu", None)
+    if npu is not None and hasattr(npu, "current_stream"):
+        s = npu.current_stream(t.device)
+        raw = getattr(s, "npu_stream", None)
+        stream = int(raw) if raw is not None else None
     st = t.untyped_storage()
-    return DeviceArray(ptr=int(st.data_ptr()), shape=tuple(t.shape), strides=tuple(t.stride()),
-                       offset=int(t.storage_offset()), dtype=np.dtype(_TORCH_TO_NUMPY[t.dtype]),
-                       storage_elems=int(st.nbytes()) // t.element_size())
+    return DeviceArray(
+        ptr=int(st.data_ptr()),
+        shape=tuple(t.shape),
+        strides=tuple(t.stride()),
+        offset=int(t.storage_offset()),
+        dtype=np.dtype(_TORCH_TO_NUMPY[t.dtype]),
+        storage_elems=int(st.nbytes()) // t.element_size(),
+        device_index=None if index is None else int(index),
+        stream=stream,
+    )
 
 
 def torch_npu_available() -> bool:
@@ -144,7 +188,7 @@ def strided_layout(a: np.ndarray):
     strides, span = [], item
     for d, (n, s) in enumerate(zip(a.shape, a.strides)):
         if n == 1:
-            strides.append(cont[d])       # irrelevant for a size-1 dim; keep it canonical
+            strides.append(cont[d])  # irrelevant for a size-1 dim; keep it canonical
             continue
         if s <= 0 or s % item:
             c = np.ascontiguousarray(a)
@@ -167,35 +211,61 @@ class Call:
 
     def __init__(self, rt: _rt.Runtime, op: str):
         self.rt, self.op = rt, op
-        self.device_ptrs: list[int] = []      # aclrtMalloc'd, freed in close()
-        self.tensors: list[int] = []          # aclCreateTensor'd, destroyed in close()
-        self.copy_back: list[tuple] = []      # (host ndarray, device ptr, nbytes)
+        self.device_ptrs: list[int] = []  # aclrtMalloc'd, freed in close()
+        self.tensors: list[int] = []  # aclCreateTensor'd, destroyed in close()
+        self.copy_back: list[tuple] = []  # (host ndarray, device ptr, nbytes)
         self.executor: int | None = None
         self.executor_consumed = False
         self.workspace_size: int | None = None
+        self.launched = False  # stage two was called: work may be on the stream
+        self.synced = False  # ... and the stream was synchronised since
+        self.foreign_streams: list[int] = []  # producers' streams (torch_npu), synced before launch
 
     # device memory
     def malloc(self, nbytes: int) -> int:
         p = c_void_p()
         self.rt.check(self.rt.fn("aclrtMalloc")(byref(p), int(nbytes), _rt.ACL_MEM_MALLOC_HUGE_FIRST), "aclrtMalloc")
-        self.device_ptrs.append(p.value)
-        return p.value
+        ptr = int(p.value or 0)
+        self.device_ptrs.append(ptr)
+        return ptr
 
     def _create(self, shape, dtype, strides, offset, storage, data) -> int:
         try:
             acl_dtype = _rt.ACL_DTYPE[np.dtype(dtype)]
         except KeyError:
-            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{self.op}: dtype {np.dtype(dtype)} has no aclDataType") from None
-        t = self.rt.fn("aclCreateTensor")(_i64(shape), len(shape), acl_dtype, _i64(strides), int(offset),
-                                          _rt.ACL_FORMAT_ND, _i64(storage), len(storage), data)
+            raise AclnnError(
+                ACLNN_ERR_PARAM_INVALID, f"{self.op}: dtype {np.dtype(dtype)} has no aclDataType"
+            ) from None
+        t = self.rt.fn("aclCreateTensor")(
+            _i64(shape),
+            len(shape),
+            acl_dtype,
+            _i64(strides),
+            int(offset),
+            _rt.ACL_FORMAT_ND,
+            _i64(storage),
+            len(storage),
+            data,
+        )
         if not t:
             msg = self.rt.recent_error()
-            raise AclnnError(ACLNN_ERR_RUNTIME_ERROR, "aclCreateTensor returned nullptr" + (f": {msg}" if msg else ""),
-                             "aclCreateTensor")
+            raise AclnnError(
+                ACLNN_ERR_RUNTIME_ERROR,
+                "aclCreateTensor returned nullptr" + (f": {msg}" if msg else ""),
+                "aclCreateTensor",
+            )
         self.tensors.append(t)
         return t
 
     def _device_tensor(self, a: DeviceArray) -> int:
+        if a.device_index is not None and self.rt.device is not None and int(a.device_index) != int(self.rt.device):
+            raise AclnnError(
+                ACLNN_ERR_PARAM_INVALID,
+                f"{self.op}: an operand is on NPU {a.device_index} but the acl backend opened "
+                f"device {self.rt.device} (set {_rt.ENV_DEVICE}={a.device_index})",
+            )
+        if a.stream and a.stream != self.rt.stream and a.stream not in self.foreign_streams:
+            self.foreign_streams.append(a.stream)
         return self._create(a.shape, a.dtype, a.strides, a.offset, [a.storage_elems], a.ptr or None)
 
     def input(self, a) -> int | None:
@@ -210,8 +280,10 @@ class Call:
         src, strides, storage = strided_layout(a)
         nbytes = int(math.prod(storage)) * a.itemsize
         dev = self.malloc(nbytes)
-        self.rt.check(self.rt.fn("aclrtMemcpy")(dev, nbytes, src.ctypes.data, nbytes, _rt.ACL_MEMCPY_HOST_TO_DEVICE),
-                      "aclrtMemcpy")
+        self.rt.check(
+            self.rt.fn("aclrtMemcpy")(dev, nbytes, src.ctypes.data, nbytes, _rt.ACL_MEMCPY_HOST_TO_DEVICE),
+            "aclrtMemcpy",
+        )
         return self._create(a.shape, a.dtype, strides, 0, storage, dev)
 
     def output(self, a) -> int | None:
@@ -226,8 +298,9 @@ class Call:
             return self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), None)
         nbytes = a.nbytes
         dev = self.malloc(nbytes)
-        self.rt.check(self.rt.fn("aclrtMemcpy")(dev, nbytes, a.ctypes.data, nbytes, _rt.ACL_MEMCPY_HOST_TO_DEVICE),
-                      "aclrtMemcpy")
+        self.rt.check(
+            self.rt.fn("aclrtMemcpy")(dev, nbytes, a.ctypes.data, nbytes, _rt.ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy"
+        )
         t = self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), dev)
         self.copy_back.append((a, dev, nbytes))
         return t
@@ -238,21 +311,34 @@ class Call:
         ws = c_uint64(0)
         executor = c_void_p()
         stage_one = f"{self.op}GetWorkspaceSize"
+        for s in self.foreign_streams:  # the producers' pending writes (torch_npu) land first
+            rt.check(rt.fn("aclrtSynchronizeStream")(s), "aclrtSynchronizeStream")
         rt.check(rt.fn(stage_one)(*args, byref(ws), byref(executor)), stage_one)
         self.executor = executor.value
         self.workspace_size = int(ws.value)
         workspace = self.malloc(self.workspace_size) if self.workspace_size > 0 else None
         self.executor_consumed = True  # stage two takes ownership, whatever it returns
+        self.launched = True  # ... and may have queued work, whatever it returns
         rt.check(rt.fn(self.op)(workspace, self.workspace_size, self.executor, rt.stream), self.op)
         rt.check(rt.fn("aclrtSynchronizeStream")(rt.stream), "aclrtSynchronizeStream")
+        self.synced = True
         for host, dev, nbytes in self.copy_back:
-            rt.check(rt.fn("aclrtMemcpy")(host.ctypes.data, nbytes, dev, nbytes, _rt.ACL_MEMCPY_DEVICE_TO_HOST),
-                     "aclrtMemcpy")
+            rt.check(
+                rt.fn("aclrtMemcpy")(host.ctypes.data, nbytes, dev, nbytes, _rt.ACL_MEMCPY_DEVICE_TO_HOST),
+                "aclrtMemcpy",
+            )
 
     def close(self) -> list[str]:
         """Destroy every tensor, free every allocation; returns the failures (never raises)."""
         errors = []
         rt = self.rt
+        if self.launched and not self.synced:
+            # acl_rt.h: memory a queued task may still use must not be freed before the stream
+            # is synchronised -- so on an error path after the launch, synchronise first.
+            ret = rt.sync()
+            self.synced = True
+            if ret:
+                errors.append(f"aclrtSynchronizeStream (before freeing) returned {ret}")
         if self.executor and not self.executor_consumed and rt.has("aclDestroyAclOpExecutor"):
             ret = rt.fn("aclDestroyAclOpExecutor")(self.executor)
             if ret:
@@ -289,44 +375,90 @@ def op_call(op: str):
         finally:
             errors = call.close()
             if errors and not failed:
-                raise AclnnError(ACLNN_ERR_RUNTIME_ERROR, f"{op}: releasing device resources failed: "
-                                 + "; ".join(errors))
+                raise AclnnError(
+                    ACLNN_ERR_RUNTIME_ERROR, f"{op}: releasing device resources failed: " + "; ".join(errors)
+                )
 
 
 # --- the seven ops (same keyword signatures as the "cpu" backend) -----------------------------
-@implements(BACKEND, "fused_linear_online_max_sum")
-def fused_linear_online_max_sum(*, input, weight, target, vocab_start_index, vocab_end_index,
-                                return_logits=False, out):
+def fused_linear_online_max_sum(
+    *, input, weight, target, vocab_start_index, vocab_end_index, return_logits=False, logits_dtype=None, out
+):
     """aclnnFusedLinearOnlineMaxSum. ``out`` = (logits_max_local, sum_exp_logits_local,
-    predicted_logits_local, target_mask, masked_target, vocab_parallel_logits or None)."""
+    predicted_logits_local, target_mask, masked_target, vocab_parallel_logits or None).
+
+    The device has no choice of logits precision: its matmul writes the logits in the input
+    dtype and the vector unit reads them back from there (op_kernel/fused_linear_online_max_sum.cpp:
+    38,41 instantiate ``mmT = DTYPE_INPUT``; fused_linear_online_max_sum.h:753-757 casts the mmT
+    logits to fp32).  ``logits_dtype=float32`` (fp32 statistics) is a CPU extension: 161002 here.
+    """
+    if logits_dtype is not None and np.dtype(logits_dtype) != np.dtype(input.dtype):
+        raise AclnnError(
+            ACLNN_ERR_PARAM_INVALID,
+            f"fused_linear_online_max_sum: logits_dtype={np.dtype(logits_dtype).name} is not "
+            f"available on the device, whose logits are the input dtype ({np.dtype(input.dtype).name}); "
+            "use the cpu backend for fp32 statistics",
+        )
     lmax, sumexp, pred, mask, masked, logits = out
     with op_call("aclnnFusedLinearOnlineMaxSum") as c:
-        c.run(c.input(input), c.input(weight), c.input(target), int(vocab_start_index), int(vocab_end_index),
-              c.output(lmax), c.output(sumexp), c.output(pred), c.output(mask), c.output(masked),
-              c.output(logits))
+        c.run(
+            c.input(input),
+            c.input(weight),
+            c.input(target),
+            int(vocab_start_index),
+            int(vocab_end_index),
+            c.output(lmax),
+            c.output(sumexp),
+            c.output(pred),
+            c.output(mask),
+            c.output(masked),
+            c.output(logits),
+        )
 
 
-@implements(BACKEND, "fused_cross_entropy_loss_with_max_sum")
-def fused_cross_entropy_loss_with_max_sum(*, logits_max, sum_exp_logits, predicted_logits,
-                                          label_smoothing=0.0, vocab_parallel_logits=None, out):
+def fused_cross_entropy_loss_with_max_sum(
+    *, logits_max, sum_exp_logits, predicted_logits, label_smoothing=0.0, vocab_parallel_logits=None, out
+):
     """aclnnFusedCrossEntropyLossWithMaxSum (inputOptional/weightOptional = nullptr).
     ``out`` = (loss, softmax or None).
 
-    Backend contract (as the "cpu" backend): the *unsmoothed* loss and the softmax; the op
-    layer applies label smoothing (a fastgrad extension) afterwards from the softmax.  So
-    ``labelSmoothing`` is passed to the device as 0.0, the only value it accepts (strict mode
-    rejects label_smoothing != 0 in the op layer, as the device would).
+    The device accepts only ``labelSmoothing = 0`` (its first stage rejects anything else), so
+    it always receives 0.0; label smoothing (a fastgrad extension, rejected in strict mode by the
+    op layer as the device would) is applied afterwards on the host from the device's softmax,
+    with the same formula as the "cpu" backend (``fastgrad.vocab_parallel.smoothed_loss``).
     """
     loss, softmax = out
     with op_call("aclnnFusedCrossEntropyLossWithMaxSum") as c:
-        c.run(c.input(logits_max), c.input(sum_exp_logits), c.input(predicted_logits), 0.0,
-              None, None, c.input(vocab_parallel_logits), c.output(loss), c.output(softmax))
+        c.run(
+            c.input(logits_max),
+            c.input(sum_exp_logits),
+            c.input(predicted_logits),
+            0.0,
+            None,
+            None,
+            c.input(vocab_parallel_logits),
+            c.output(loss),
+            c.output(softmax),
+        )
+    if label_smoothing != 0.0 and softmax is not None and isinstance(loss, np.ndarray):
+        from ..vocab_parallel import smoothed_loss
+
+        loss[...] = smoothed_loss(loss, softmax, label_smoothing)
 
 
-@implements(BACKEND, "fused_linear_cross_entropy_loss_grad")
-def fused_linear_cross_entropy_loss_grad(*, grad, input, weight, target_mask, masked_target,
-                                         label_smoothing=0.0, logits_max=None, sum_exp_logits=None,
-                                         softmax=None, out):
+def fused_linear_cross_entropy_loss_grad(
+    *,
+    grad,
+    input,
+    weight,
+    target_mask,
+    masked_target,
+    label_smoothing=0.0,
+    logits_max=None,
+    sum_exp_logits=None,
+    softmax=None,
+    out,
+):
     """aclnnFusedLinearCrossEntropyLossGrad. ``out`` = (grad_input, grad_weight).
 
     The device overwrites ``softmaxOptional``; host inputs are copied, so the caller's softmax
@@ -334,31 +466,59 @@ def fused_linear_cross_entropy_loss_grad(*, grad, input, weight, target_mask, ma
     """
     grad_input, grad_weight = out
     with op_call("aclnnFusedLinearCrossEntropyLossGrad") as c:
-        c.run(c.input(grad), c.input(input), c.input(weight), c.input(target_mask), c.input(masked_target),
-              float(label_smoothing), c.input(logits_max), c.input(sum_exp_logits), c.input(softmax),
-              c.output(grad_input), c.output(grad_weight))
+        c.run(
+            c.input(grad),
+            c.input(input),
+            c.input(weight),
+            c.input(target_mask),
+            c.input(masked_target),
+            float(label_smoothing),
+            c.input(logits_max),
+            c.input(sum_exp_logits),
+            c.input(softmax),
+            c.output(grad_input),
+            c.output(grad_weight),
+        )
 
 
-@implements(BACKEND, "cross_entropy_loss_grad")
-def cross_entropy_loss_grad(*, grad_loss, log_prob, target, weight=None, reduction="mean",
-                            ignore_index=-100, label_smoothing=0.0, grad_zloss=None, lse_for_zloss=None,
-                            lse_square_scale_for_zloss=0.0, out):
+def cross_entropy_loss_grad(
+    *,
+    grad_loss,
+    log_prob,
+    target,
+    weight=None,
+    reduction="mean",
+    ignore_index=-100,
+    label_smoothing=0.0,
+    grad_zloss=None,
+    lse_for_zloss=None,
+    lse_square_scale_for_zloss=0.0,
+    out,
+):
     """aclnnCrossEntropyLossGrad (reduction passed as the C string "none"/"mean"/"sum")."""
     red = reduction if isinstance(reduction, str) else {v: k for k, v in REDUCTION_INT.items()}[int(reduction)]
     with op_call("aclnnCrossEntropyLossGrad") as c:
-        c.run(c.input(grad_loss), c.input(log_prob), c.input(target), c.input(weight), c.input(grad_zloss),
-              c.input(lse_for_zloss), red.encode("ascii"), int(ignore_index), float(label_smoothing),
-              float(lse_square_scale_for_zloss), c.output(out))
+        c.run(
+            c.input(grad_loss),
+            c.input(log_prob),
+            c.input(target),
+            c.input(weight),
+            c.input(grad_zloss),
+            c.input(lse_for_zloss),
+            red.encode("ascii"),
+            int(ignore_index),
+            float(label_smoothing),
+            float(lse_square_scale_for_zloss),
+            c.output(out),
+        )
 
 
-@implements(BACKEND, "scaled_masked_softmax_backward")
 def scaled_masked_softmax_backward(*, grad_output, y, mask=None, scale=1.0, fix_triu_mask=False, out):
     """aclnnScaledMaskedSoftmaxBackward (scale as C double, fixTriuMask as C bool)."""
     with op_call("aclnnScaledMaskedSoftmaxBackward") as c:
         c.run(c.input(grad_output), c.input(y), c.input(mask), float(scale), bool(fix_triu_mask), c.output(out))
 
 
-@implements(BACKEND, "smooth_l1_loss_backward")
 def smooth_l1_loss_backward(*, grad_out, input, target, reduction="mean", beta=1.0, out):
     """aclnnSmoothL1LossBackward (reduction as int64: none=0, mean=1, sum=2; beta as C float)."""
     red = REDUCTION_INT[reduction] if isinstance(reduction, str) else int(reduction)
@@ -366,10 +526,28 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction="mean", beta=1
         c.run(c.input(grad_out), c.input(input), c.input(target), red, float(beta), c.output(out))
 
 
-@implements(BACKEND, "embedding_dense_backward")
 def embedding_dense_backward(*, grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False, out):
     """aclnnEmbeddingDenseBackward (numWeights, paddingIdx as uint64: a negative padding_idx is
     passed as its two's complement, which the device reads as "no padding row")."""
     with op_call("aclnnEmbeddingDenseBackward") as c:
-        c.run(c.input(grad), c.input(indices), int(num_weights) & _U64, int(padding_idx) & _U64,
-              bool(scale_grad_by_freq), c.output(out))
+        c.run(
+            c.input(grad),
+            c.input(indices),
+            int(num_weights) & _U64,
+            int(padding_idx) & _U64,
+            bool(scale_grad_by_freq),
+            c.output(out),
+        )
+
+
+#: The backend's implementation table (pulled by the registry; see backends/__init__.py).
+TAKES_PLAN = False
+IMPLS = {
+    "fused_linear_online_max_sum": fused_linear_online_max_sum,
+    "fused_cross_entropy_loss_with_max_sum": fused_cross_entropy_loss_with_max_sum,
+    "fused_linear_cross_entropy_loss_grad": fused_linear_cross_entropy_loss_grad,
+    "cross_entropy_loss_grad": cross_entropy_loss_grad,
+    "scaled_masked_softmax_backward": scaled_masked_softmax_backward,
+    "smooth_l1_loss_backward": smooth_l1_loss_backward,
+    "embedding_dense_backward": embedding_dense_backward,
+}

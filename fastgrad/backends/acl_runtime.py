@@ -6,22 +6,28 @@ Discovery (first hit wins, per library):
 
 1. ``FASTGRAD_ACL_LIB_DIR`` — when set, the *only* place looked at (the tests point it at a
    fake runtime; a user can point it at a custom toolkit);
-2. ``$ASCEND_HOME_PATH/lib64``, ``$ASCEND_TOOLKIT_HOME/lib64``,
-   ``/usr/local/Ascend/ascend-toolkit/latest/lib64``, then every ``LD_LIBRARY_PATH`` entry;
+2. ``$ASCEND_HOME_PATH/lib64``, ``$ASCEND_TOOLKIT_HOME/lib64``, ``/usr/local/Ascend/cann/lib64``
+   (CANN >= 8.5), ``/usr/local/Ascend/ascend-toolkit/latest/lib64``, then every
+   ``LD_LIBRARY_PATH`` entry;
 3. the dynamic loader's own search (``dlopen("libascendcl.so")``: ld.so.cache, rpath).
 
-``libascendcl.so`` (aclInit, aclrt*) and ``libopapi.so`` (the aclnn ops) are required;
-``libnnopbase.so`` (aclCreateTensor, aclDestroyTensor) is loaded when present (otherwise the
-symbols are taken from whichever loaded library exports them, as libopapi links it), and
-so are the per-domain op libraries newer toolkits ship (``libopapi_nn.so``, ...).  Every
-library is opened ``RTLD_GLOBAL``; a symbol is looked up in each library in load order.
+``libascendcl.so`` (aclInit, aclrt*) is required, and an op library: the per-domain
+``libopapi_nn.so`` (+ ``libopapi_math.so``) of current toolkits, or, only when none of those
+exists, the deprecated all-in-one ``libopapi.so`` (never both: they export the same symbols).
+``libnnopbase.so`` (aclCreateTensor, aclDestroyTensor) is loaded when present.  Every library
+is opened ``RTLD_GLOBAL``; a symbol is looked up in each library in load order.
+
+Every C prototype comes from ONE table, the vendored header ``aclnn_prototypes.h`` (parsed
+here; the tests' fake runtime is compiled against the same file).
 
 Device set-up happens once per process, lazily and under a lock: ``aclInit`` (at the first
 probe; ``ACL_ERROR_REPEAT_INITIALIZE`` is accepted when someone — torch_npu — initialised
 first, and then fastgrad leaves ``aclFinalize`` to them), ``aclrtSetDevice``
 (``FASTGRAD_ACL_DEVICE``, default 0), ``aclrtCreateStream``, ``aclrtGetCurrentContext``.  Other
-threads bind that context with ``aclrtSetCurrentContext`` on first use.  ``atexit`` destroys the
-stream, resets the device and finalizes.  Op calls are serialized by a process-wide lock.
+threads bind that context with ``aclrtSetCurrentContext`` on first use.  ``atexit`` synchronises
+and destroys the stream and releases only what fastgrad took (see :meth:`Runtime.finalize`:
+``aclFinalizeReference`` when exported; no reset/finalize of a runtime torch_npu owns).  Op
+calls are serialized by a process-wide lock.
 """
 
 from __future__ import annotations
@@ -29,23 +35,45 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
+import sys
 import threading
-from ctypes import (POINTER, byref, c_bool, c_char_p, c_double, c_float, c_int, c_int32, c_int64,
-                    c_size_t, c_uint32, c_uint64, c_void_p)
+from ctypes import (
+    POINTER,
+    byref,
+    c_bool,
+    c_char_p,
+    c_double,
+    c_float,
+    c_int,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
 
 import ml_dtypes
 import numpy as np
 
-from ..errors import AclnnError, ACLNN_ERR_RUNTIME_ERROR
+from ..errors import ACLNN_ERR_RUNTIME_ERROR, AclnnError
 
 ENV_LIB_DIR = "FASTGRAD_ACL_LIB_DIR"
 ENV_DEVICE = "FASTGRAD_ACL_DEVICE"
-DEFAULT_TOOLKIT_LIB = "/usr/local/Ascend/ascend-toolkit/latest/lib64"
+#: Default install locations, newest layout first: CANN >= 8.5 installs under
+#: /usr/local/Ascend/cann (set_env.sh there), older toolkits under ascend-toolkit/latest.
+DEFAULT_TOOLKIT_LIBS = ("/usr/local/Ascend/cann/lib64", "/usr/local/Ascend/ascend-toolkit/latest/lib64")
+DEFAULT_TOOLKIT_LIB = DEFAULT_TOOLKIT_LIBS[-1]
 
-REQUIRED_LIBS = ("libascendcl.so", "libopapi.so")
-OPTIONAL_LIBS = ("libnnopbase.so", "libopapi_nn.so", "libopapi_math.so",
-                 "libaclnn_ops_train.so", "libaclnn_ops_infer.so", "libaclnn_math.so")
-LOAD_ORDER = ("libascendcl.so", "libnnopbase.so", "libopapi.so") + OPTIONAL_LIBS[1:]
+#: The per-domain op libraries of current toolkits (the seven ops live in ops-nn ->
+#: libopapi_nn.so).  ``libopapi.so`` is the deprecated all-in-one library: it is loaded only
+#: when none of these is found, never together with them (both export the same aclnn symbols).
+OPAPI_SPLIT_LIBS = ("libopapi_nn.so", "libopapi_math.so")
+OPAPI_LEGACY_LIB = "libopapi.so"
+REQUIRED_LIBS = ("libascendcl.so",)
+OPTIONAL_LIBS = ("libnnopbase.so",)
+LOAD_ORDER = ("libascendcl.so", "libnnopbase.so") + OPAPI_SPLIT_LIBS + (OPAPI_LEGACY_LIB,)
 
 # --- enums (acl/acl_base.h, acl/acl_rt.h) -------------------------------------------------
 ACL_SUCCESS = 0
@@ -57,76 +85,183 @@ ACL_MEMCPY_DEVICE_TO_HOST = 2
 
 #: aclDataType of each NumPy dtype the ops take (acl_base.h values).
 ACL_DTYPE = {
-    np.dtype(np.float32): 0,         # ACL_FLOAT
-    np.dtype(np.float16): 1,         # ACL_FLOAT16
-    np.dtype(np.int8): 2,            # ACL_INT8
-    np.dtype(np.int32): 3,           # ACL_INT32
-    np.dtype(np.uint8): 4,           # ACL_UINT8
-    np.dtype(np.int16): 6,           # ACL_INT16
-    np.dtype(np.uint16): 7,          # ACL_UINT16
-    np.dtype(np.uint32): 8,          # ACL_UINT32
-    np.dtype(np.int64): 9,           # ACL_INT64
-    np.dtype(np.uint64): 10,         # ACL_UINT64
-    np.dtype(np.float64): 11,        # ACL_DOUBLE
-    np.dtype(np.bool_): 12,          # ACL_BOOL
+    np.dtype(np.float32): 0,  # ACL_FLOAT
+    np.dtype(np.float16): 1,  # ACL_FLOAT16
+    np.dtype(np.int8): 2,  # ACL_INT8
+    np.dtype(np.int32): 3,  # ACL_INT32
+    np.dtype(np.uint8): 4,  # ACL_UINT8
+    np.dtype(np.int16): 6,  # ACL_INT16
+    np.dtype(np.uint16): 7,  # ACL_UINT16
+    np.dtype(np.uint32): 8,  # ACL_UINT32
+    np.dtype(np.int64): 9,  # ACL_INT64
+    np.dtype(np.uint64): 10,  # ACL_UINT64
+    np.dtype(np.float64): 11,  # ACL_DOUBLE
+    np.dtype(np.bool_): 12,  # ACL_BOOL
     np.dtype(ml_dtypes.bfloat16): 27,  # ACL_BF16
 }
 
-# --- runtime prototypes: name -> (restype, argtypes) ---------------------------------------
-_P = c_void_p
-RUNTIME_PROTOS = {
-    "aclInit": (c_int, [c_char_p]),
-    "aclFinalize": (c_int, []),
-    "aclGetRecentErrMsg": (c_char_p, []),
-    "aclrtGetDeviceCount": (c_int, [POINTER(c_uint32)]),
-    "aclrtSetDevice": (c_int, [c_int32]),
-    "aclrtResetDevice": (c_int, [c_int32]),
-    "aclrtGetCurrentContext": (c_int, [POINTER(c_void_p)]),
-    "aclrtSetCurrentContext": (c_int, [c_void_p]),
-    "aclrtCreateStream": (c_int, [POINTER(c_void_p)]),
-    "aclrtDestroyStream": (c_int, [c_void_p]),
-    "aclrtSynchronizeStream": (c_int, [c_void_p]),
-    "aclrtMalloc": (c_int, [POINTER(c_void_p), c_size_t, c_int]),
-    "aclrtFree": (c_int, [c_void_p]),
-    "aclrtMemcpy": (c_int, [c_void_p, c_size_t, c_void_p, c_size_t, c_int]),
-    # aclnn/acl_meta.h (libnnopbase)
-    "aclCreateTensor": (c_void_p, [POINTER(c_int64), c_uint64, c_int, POINTER(c_int64), c_int64, c_int,
-                                   POINTER(c_int64), c_uint64, c_void_p]),
-    "aclDestroyTensor": (c_int, [c_void_p]),
-    "aclDestroyAclOpExecutor": (c_int, [c_void_p]),
-}
-#: Symbols without which the backend cannot run at all.
-REQUIRED_SYMBOLS = ("aclInit", "aclrtGetDeviceCount", "aclrtSetDevice", "aclrtCreateStream",
-                    "aclrtSynchronizeStream", "aclrtMalloc", "aclrtFree", "aclrtMemcpy",
-                    "aclCreateTensor", "aclDestroyTensor")
+# --- prototypes: ONE table, the vendored header ---------------------------------------------
+#: The C header every prototype is taken from (vendored text of the CANN headers; see its
+#: comments for the file and line of each).  The tests' fake runtime is compiled against the
+#: same file, so a prototype that disagrees with it fails the fake's build.
+PROTOTYPE_HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aclnn_prototypes.h")
 
-#: The aclnn first-stage prototypes, *without* the trailing ``uint64_t *workspaceSize,
-#: aclOpExecutor **executor`` (added for every op).  Tensor arguments are ``c_void_p``.
-#: Sources: seeds 000-004 and the ops-nn docs of the two companion ops.
-OP_PROTOS = {
-    # (input, weight, target, int64 vocabStartIndex, int64 vocabEndIndex, logitsMaxLocalOut,
-    #  sumExpLogitsLocalOut, predictedLogitsLocalOut, targetMaskOut, maskedTargetOut,
-    #  vocabParallelLogitsOutOptional)
-    "aclnnFusedLinearOnlineMaxSum": [_P, _P, _P, c_int64, c_int64, _P, _P, _P, _P, _P, _P],
-    # (logitsMax, sumExpLogits, predictedLogits, float labelSmoothing, inputOptional, weightOptional,
-    #  vocabParallelLogitsOptional, lossOut, softMaxOutOptional)
-    "aclnnFusedCrossEntropyLossWithMaxSum": [_P, _P, _P, c_float, _P, _P, _P, _P, _P],
-    # (grad, input, weight, targetMask, maskedTarget, float labelSmoothing, logitsMaxOptional,
-    #  sumExpLogitsOptional, softmaxOptional, inputGradOut, weightGradOut)
-    "aclnnFusedLinearCrossEntropyLossGrad": [_P, _P, _P, _P, _P, c_float, _P, _P, _P, _P, _P],
-    # (gradLoss, logProb, target, weightOptional, gradZlossOptional, lseForZlossOptional,
-    #  const char *reduction, int64 ignoreIndex, float labelSmoothing, float lseSquareScaleForZloss, xGradOut)
-    "aclnnCrossEntropyLossGrad": [_P, _P, _P, _P, _P, _P, c_char_p, c_int64, c_float, c_float, _P],
-    # (gradOutput, y, mask, double scale, bool fixTriuMask, out)
-    "aclnnScaledMaskedSoftmaxBackward": [_P, _P, _P, c_double, c_bool, _P],
-    # (gradOut, self, target, int64 reduction, float beta, gradInput)
-    "aclnnSmoothL1LossBackward": [_P, _P, _P, c_int64, c_float, _P],
-    # (grad, indices, uint64 numWeights, uint64 paddingIdx, bool scaleGradByFreq, out)
-    "aclnnEmbeddingDenseBackward": [_P, _P, c_uint64, c_uint64, c_bool, _P],
+#: C type (normalised spelling) -> ctypes type.  Anything else is an error: a new type must be
+#: mapped here deliberately.
+C_TYPES = {
+    "aclError": c_int,
+    "aclnnStatus": c_int,
+    "aclDataType": c_int,
+    "aclFormat": c_int,
+    "aclrtMemMallocPolicy": c_int,
+    "aclrtMemcpyKind": c_int,
+    "int32_t": c_int32,
+    "int64_t": c_int64,
+    "uint32_t": c_uint32,
+    "uint64_t": c_uint64,
+    "size_t": c_size_t,
+    "float": c_float,
+    "double": c_double,
+    "bool": c_bool,
+    "aclrtStream": c_void_p,
+    "aclrtContext": c_void_p,
+    "void*": c_void_p,
+    "aclTensor*": c_void_p,
+    "aclOpExecutor*": c_void_p,
+    "char*": c_char_p,
+    "void**": POINTER(c_void_p),
+    "aclOpExecutor**": POINTER(c_void_p),
+    "aclrtStream*": POINTER(c_void_p),
+    "aclrtContext*": POINTER(c_void_p),
+    "int64_t*": POINTER(c_int64),
+    "uint64_t*": POINTER(c_uint64),
+    "uint32_t*": POINTER(c_uint32),
 }
-#: The second stage, identical for every op: (void *workspace, uint64 workspaceSize,
-#: aclOpExecutor *executor, aclrtStream stream).
-RUN_PROTO = (c_int, [c_void_p, c_uint64, c_void_p, c_void_p])
+
+
+def _norm_type(decl: str) -> tuple[str, str | None]:
+    """``"const aclTensor *out"`` -> (``"aclTensor*"``, ``"out"``); ``"void"`` -> (``"void"``, None)."""
+    decl = re.sub(r"\bconst\b", " ", decl)
+    decl = decl.replace("*", " * ")
+    toks = decl.split()
+    if toks == ["void"]:
+        return "void", None
+    stars = toks.count("*")
+    words = [t for t in toks if t != "*"]
+    if len(words) == 1:  # unnamed parameter or a return type
+        return words[0] + "*" * stars, None
+    return words[0] + "*" * stars, words[-1]
+
+
+def parse_prototypes(text: str) -> dict:
+    """Every function declaration of the header: ``name -> (ret_c, [(c_type, param_name), ...])``."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    text = re.sub(r"^\s*#[^\n]*", " ", text, flags=re.M)
+    protos = {}
+    for m in re.finditer(r"([A-Za-z_][\w\s\*]*?)\b(acl\w+)\s*\(([^()]*)\)\s*;", text):
+        ret, name, params = m.group(1), m.group(2), m.group(3)
+        if "typedef" in ret:
+            continue
+        ret_c, _ = _norm_type(ret)
+        args = []
+        for p in params.split(","):
+            c, n = _norm_type(p)
+            if c != "void":
+                args.append((c, n))
+        protos[name] = (ret_c, args)
+    return protos
+
+
+def _ctype(c: str, where: str):
+    if c not in C_TYPES:
+        raise KeyError(f"{where}: C type {c!r} has no ctypes mapping")
+    return C_TYPES[c]
+
+
+def load_prototypes(path: str = PROTOTYPE_HEADER) -> dict:
+    """``name -> (restype, [argtypes])`` for every declaration of the vendored header."""
+    with open(path, encoding="utf-8") as f:
+        parsed = parse_prototypes(f.read())
+    out = {}
+    for name, (ret, args) in parsed.items():
+        restype = None if ret == "void" else _ctype(ret, name)
+        out[name] = (restype, [_ctype(c, f"{name}({n})") for c, n in args])
+    return out
+
+
+#: C declarations (parsed) and the ctypes prototypes built from them.
+C_PROTOTYPES = parse_prototypes(open(PROTOTYPE_HEADER, encoding="utf-8").read())
+PROTOTYPES = load_prototypes()
+
+#: The seven aclnn ops bound by the backend (each has ``<op>GetWorkspaceSize`` and ``<op>``).
+OPS = (
+    "aclnnFusedLinearOnlineMaxSum",
+    "aclnnFusedCrossEntropyLossWithMaxSum",
+    "aclnnFusedLinearCrossEntropyLossGrad",
+    "aclnnCrossEntropyLossGrad",
+    "aclnnScaledMaskedSoftmaxBackward",
+    "aclnnSmoothL1LossBackward",
+    "aclnnEmbeddingDenseBackward",
+)
+
+#: Prototypes that differ between CANN releases: ``name -> [(min_version, max_version_exclusive,
+#: (restype, argtypes)), ...]`` (versions as tuples of ints, None = unbounded).  When a name is
+#: listed, the variant is chosen by the version the runtime reports (``aclsysGetVersionStr``);
+#: when the runtime reports none, or no variant covers it, the call is refused (361001) rather
+#: than guessed.  Empty today: every revision of the ops-nn headers and docs in the public
+#: history declares the prototypes of ``aclnn_prototypes.h`` (e.g. aclnnCrossEntropyLossGrad's
+#: ``double labelSmoothing`` in all revisions of docs/aclnnCrossEntropyLossGrad.md).
+PROTOTYPE_VARIANTS: dict = {}
+
+#: Symbols without which the backend cannot run at all.
+REQUIRED_SYMBOLS = (
+    "aclInit",
+    "aclrtGetDeviceCount",
+    "aclrtSetDevice",
+    "aclrtCreateStream",
+    "aclrtSynchronizeStream",
+    "aclrtMalloc",
+    "aclrtFree",
+    "aclrtMemcpy",
+    "aclCreateTensor",
+    "aclDestroyTensor",
+)
+
+#: aclFormat values torch_npu reports for layouts the backend may describe as ND (acl_base.h:
+#: NCHW 0, NHWC 1, ND 2, NCDHW 30).  Anything else (NC1HWC0 3, FRACTAL_Z 4, FRACTAL_NZ 29, ...)
+#: is a private format whose memory is not the row-major view its shape suggests.
+BASE_FORMATS = {0: "NCHW", 1: "NHWC", 2: "ND", 30: "NCDHW"}
+
+
+def parse_version(s: str | None) -> tuple | None:
+    """``"8.2.RC1"`` -> (8, 2, 1); ``"8.0.0.alpha003"`` -> (8, 0, 0, 3); None/garbage -> None."""
+    if not s:
+        return None
+    nums = re.findall(r"\d+", s)
+    return tuple(int(n) for n in nums) if nums else None
+
+
+def select_prototype(name: str, version: tuple | None, variants: dict | None = None):
+    """The ctypes prototype of ``name`` for the runtime ``version`` (see PROTOTYPE_VARIANTS)."""
+    variants = PROTOTYPE_VARIANTS if variants is None else variants
+    if name in variants:
+        if version is None:
+            raise AclnnError(
+                ACLNN_ERR_RUNTIME_ERROR,
+                f"{name}: its C prototype differs between CANN releases and the runtime "
+                "reports no version (aclsysGetVersionStr); refusing to guess the ABI",
+            )
+        for lo, hi, proto in variants[name]:
+            if (lo is None or version >= tuple(lo)) and (hi is None or version < tuple(hi)):
+                return proto
+        raise AclnnError(
+            ACLNN_ERR_RUNTIME_ERROR,
+            f"{name}: no known C prototype for CANN {'.'.join(map(str, version))}; refusing to guess the ABI",
+        )
+    if name not in PROTOTYPES:  # pragma: no cover - programming error
+        raise KeyError(f"no prototype for {name} in {PROTOTYPE_HEADER}")
+    return PROTOTYPES[name]
 
 
 class Unavailable(Exception):
@@ -143,7 +278,7 @@ def search_dirs() -> tuple[list[str], bool]:
         v = os.environ.get(var)
         if v:
             dirs.append(os.path.join(v, "lib64"))
-    dirs.append(DEFAULT_TOOLKIT_LIB)
+    dirs += list(DEFAULT_TOOLKIT_LIBS)
     dirs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
     seen, out = set(), []
     for d in dirs:
@@ -165,19 +300,21 @@ class Runtime:
     """The loaded CANN libraries, their prototyped functions, and the device state."""
 
     def __init__(self, libs: dict[str, ctypes.CDLL], paths: dict[str, str]):
-        self.libs = libs              # load order preserved
+        self.libs = libs  # load order preserved
         self.paths = paths
         self._fns: dict[str, object] = {}
         self.lock = threading.RLock()  # serializes set-up and op calls
         self._tls = threading.local()
-        self.acl_initialized = False   # aclInit done (by us or by someone else)
-        self.owns_acl = False          # we called aclInit successfully -> we aclFinalize
-        self.device = None
-        self.stream = None
-        self.context = None
+        self.acl_initialized = False  # aclInit done (by us or by someone else)
+        self.owns_acl = False  # we called aclInit successfully -> we aclFinalize
+        self.device: int | None = None
+        self.stream: int | None = None
+        self.context: int | None = None
         self._ctx_generation = 0
         self._atexit = False
         self.finalized = False
+        self.acl_refcounted = False  # our aclInit took a reference (success or REPEAT) -> drop it
+        self._version: str | None | bool = False  # False: not queried yet
 
     # --- symbols ---------------------------------------------------------------------
     def find_symbol(self, name: str):
@@ -198,21 +335,36 @@ class Runtime:
             return f
         f = self.find_symbol(name)
         if f is None:
-            raise AclnnError(ACLNN_ERR_RUNTIME_ERROR,
-                             f"symbol {name} not found in {', '.join(self.paths.values())} "
-                             "(CANN toolkit too old for this op?)")
-        if name in RUNTIME_PROTOS:
-            f.restype, f.argtypes = RUNTIME_PROTOS[name][0], list(RUNTIME_PROTOS[name][1])
-        elif name.endswith("GetWorkspaceSize") and name[:-len("GetWorkspaceSize")] in OP_PROTOS:
-            f.restype = c_int
-            f.argtypes = list(OP_PROTOS[name[:-len("GetWorkspaceSize")]]) + [POINTER(c_uint64),
-                                                                              POINTER(c_void_p)]
-        elif name in OP_PROTOS:
-            f.restype, f.argtypes = RUN_PROTO[0], list(RUN_PROTO[1])
-        else:  # pragma: no cover - programming error
-            raise KeyError(f"no prototype for {name}")
+            raise AclnnError(
+                ACLNN_ERR_RUNTIME_ERROR,
+                f"symbol {name} not found in {', '.join(self.paths.values())} (CANN toolkit too old for this op?)",
+            )
+        f.restype, argtypes = select_prototype(name, self.version_tuple())
+        f.argtypes = list(argtypes)
         self._fns[name] = f
         return f
+
+    # --- version -----------------------------------------------------------------------
+    def version(self) -> str | None:
+        """The CANN version the runtime reports (``aclsysGetVersionStr("runtime")``), or None
+        when the toolkit predates that call or cannot tell (no ASCEND_HOME_PATH, ...)."""
+        if not isinstance(self._version, bool):
+            return self._version
+        v = None
+        if self.find_symbol("aclsysGetVersionStr") is not None:
+            buf = ctypes.create_string_buffer(256)  # ACL_PKG_VERSION_MAX_SIZE is 128
+            try:
+                f = self.find_symbol("aclsysGetVersionStr")
+                f.restype, f.argtypes = PROTOTYPES["aclsysGetVersionStr"][0], list(PROTOTYPES["aclsysGetVersionStr"][1])
+                if f(b"runtime", buf) == ACL_SUCCESS and buf.value:
+                    v = buf.value.decode("utf-8", "replace").strip()
+            except Exception:  # never fail because of a version query
+                v = None
+        self._version = v
+        return v
+
+    def version_tuple(self) -> tuple | None:
+        return parse_version(self.version())
 
     # --- errors ----------------------------------------------------------------------
     def recent_error(self) -> str:
@@ -234,11 +386,18 @@ class Runtime:
             if self.acl_initialized:
                 return
             ret = self.fn("aclInit")(None)
-            if ret == ACL_ERROR_REPEAT_INITIALIZE:      # someone (torch_npu) initialised already
+            if ret == ACL_ERROR_REPEAT_INITIALIZE:
+                # someone (torch_npu) initialised already.  Recent CANN counts this call as a
+                # reference (aclInitImpl: aclInitRefCount++ before returning REPEAT_INITIALIZE),
+                # which aclFinalizeReference gives back at exit; older CANN has no count and no
+                # aclFinalizeReference, and then there is nothing of ours to undo.
                 self.acl_initialized = True
+                self.acl_refcounted = self.has("aclFinalizeReference")
+                self._register_atexit()
                 return
             self.check(ret, "aclInit")
             self.acl_initialized = self.owns_acl = True
+            self.acl_refcounted = self.has("aclFinalizeReference")
             self._register_atexit()
 
     def device_count(self) -> int:
@@ -276,20 +435,49 @@ class Runtime:
             self.check(self.fn("aclrtSetCurrentContext")(self.context), "aclrtSetCurrentContext")
             self._tls.generation = self._ctx_generation
 
+    @staticmethod
+    def torch_npu_loaded() -> bool:
+        """True when torch_npu is imported in this process: it then owns the device's lifetime."""
+        return "torch_npu" in sys.modules
+
+    def sync(self, stream=None) -> int:
+        """aclrtSynchronizeStream(stream or ours); returns the status (never raises)."""
+        s = self.stream if stream is None else stream
+        if s is None:
+            return ACL_SUCCESS
+        try:
+            return int(self.fn("aclrtSynchronizeStream")(s))
+        except Exception:  # pragma: no cover
+            return -1
+
     def finalize(self) -> None:
-        """Destroy the stream, reset the device, and aclFinalize if we initialised (at exit)."""
+        """Release what fastgrad took, and only that (at exit; never raises).
+
+        * our stream: synchronised, then destroyed;
+        * the device: ``aclrtResetDevice`` only when fastgrad initialised acl itself and torch_npu
+          is not loaded (torch_npu resets its own devices at its shutdown, which may run after
+          this atexit hook);
+        * acl: ``aclFinalizeReference`` when exported (reference-counted CANN: drops exactly the
+          reference our aclInit took, REPEAT_INITIALIZE included), else ``aclFinalize`` only when
+          fastgrad initialised acl and torch_npu is not loaded.
+        """
         with self.lock:
             if self.finalized:
                 return
             self.finalized = True
+            foreign = self.torch_npu_loaded()
             try:
                 if self.stream is not None:
+                    self.sync()
                     self.fn("aclrtDestroyStream")(self.stream)
                     self.stream = None
                 if self.device is not None:
-                    self.fn("aclrtResetDevice")(self.device)
+                    if self.owns_acl and not foreign:
+                        self.fn("aclrtResetDevice")(self.device)
                     self.device = None
-                if self.owns_acl:
+                if self.acl_refcounted:
+                    self.fn("aclFinalizeReference")(None)
+                elif self.owns_acl and not foreign:
                     self.fn("aclFinalize")()
             except Exception:  # pragma: no cover - never raise at interpreter exit
                 pass
@@ -301,32 +489,54 @@ def load() -> Runtime:
     paths: dict[str, str] = {}
     for name in REQUIRED_LIBS + OPTIONAL_LIBS:
         p = find_library(name, dirs)
-        if p is None and not exclusive and name in REQUIRED_LIBS + ("libnnopbase.so",):
+        if p is None and not exclusive:
             p = name  # let the dynamic loader search (ld.so.cache, rpath)
         if p is not None:
             paths[name] = p
+    # op libraries: the split ones when any is installed, else the deprecated libopapi.so
+    found = {n: find_library(n, dirs) for n in OPAPI_SPLIT_LIBS}
+    split = {n: p for n, p in found.items() if p is not None}
+    if split:
+        paths.update(split)
+    else:
+        p = find_library(OPAPI_LEGACY_LIB, dirs)
+        if p is not None:
+            paths[OPAPI_LEGACY_LIB] = p
+        elif not exclusive:  # loader search: the split library first
+            paths[OPAPI_SPLIT_LIBS[0]] = OPAPI_SPLIT_LIBS[0]
+            paths[OPAPI_LEGACY_LIB] = OPAPI_LEGACY_LIB
+    where = ", ".join(dirs) + ("" if exclusive else ", the dynamic loader's path")
+    for name in REQUIRED_LIBS:
+        if name not in paths:
+            raise Unavailable(f"{name} not found (searched {where})")
     mode = getattr(os, "RTLD_GLOBAL", 0) | getattr(os, "RTLD_NOW", 0)
     libs: dict[str, ctypes.CDLL] = {}
     for name in LOAD_ORDER:
         p = paths.get(name)
         if p is None:
             continue
+        if name == OPAPI_LEGACY_LIB and any(n in libs for n in OPAPI_SPLIT_LIBS):
+            paths.pop(name)  # never both
+            continue
         try:
             libs[name] = ctypes.CDLL(p, mode=mode)
         except OSError as e:
-            if name in REQUIRED_LIBS:
-                where = ", ".join(dirs) + ("" if exclusive else ", the dynamic loader's path")
-                raise Unavailable(f"{name} not found or not loadable (searched {where}; "
-                                  f"set {ENV_LIB_DIR} or ASCEND_HOME_PATH): {e}") from None
             paths.pop(name)
-    for name in REQUIRED_LIBS:
-        if name not in libs:
-            raise Unavailable(f"{name} not found (searched {', '.join(dirs)})")
+            if name in REQUIRED_LIBS:
+                raise Unavailable(
+                    f"{name} not found or not loadable (searched {where}; set {ENV_LIB_DIR} or ASCEND_HOME_PATH): {e}"
+                ) from None
+    if not any(n in libs for n in OPAPI_SPLIT_LIBS + (OPAPI_LEGACY_LIB,)):
+        raise Unavailable(
+            f"no aclnn op library found ({' or '.join(OPAPI_SPLIT_LIBS + (OPAPI_LEGACY_LIB,))}; searched {where})"
+        )
     rt = Runtime(libs, {n: paths[n] for n in libs})
     missing = [s for s in REQUIRED_SYMBOLS if rt.find_symbol(s) is None]
     if missing:
-        raise Unavailable(f"the CANN libraries in {os.path.dirname(paths['libascendcl.so']) or 'the loader path'} "
-                          f"lack {', '.join(missing)}")
+        raise Unavailable(
+            f"the CANN libraries in {os.path.dirname(paths['libascendcl.so']) or 'the loader path'} "
+            f"lack {', '.join(missing)}"
+        )
     return rt
 
 

@@ -1,3 +1,22 @@
-"""The ``"cpu"`` backend: Numba kernels. Importing it registers every kernel module."""
+"""The ``"cpu"`` backend: the Numba kernels (:mod:`fastgrad.kernels`).
 
-from .. import kernels  # noqa: F401
+``IMPLS`` maps each op to its kernel entry point (imported on first use).  The kernels of ops
+with an op_host plan (the fused linear cross-entropy family) take ``plan=`` and ``progress=``.
+"""
+
+TAKES_PLAN = True
+
+_K = "fastgrad.kernels."
+
+IMPLS = {
+    "fused_linear_online_max_sum": _K + "fused_linear_online_max_sum:fused_linear_online_max_sum",
+    "fused_cross_entropy_loss_with_max_sum": _K
+    + "fused_cross_entropy_loss_with_max_sum:fused_cross_entropy_loss_with_max_sum",
+    "fused_linear_cross_entropy_loss_grad": _K
+    + "fused_linear_cross_entropy_loss_grad:fused_linear_cross_entropy_loss_grad",
+    "cross_entropy_loss_grad": _K + "cross_entropy_loss_grad:cross_entropy_loss_grad_cpu",
+    "scaled_masked_softmax_backward": _K + "scaled_masked_softmax_backward:scaled_masked_softmax_backward_cpu",
+    "smooth_l1_loss_backward": _K + "smooth_l1_loss_backward:smooth_l1_loss_backward",
+    "embedding_dense_backward": _K + "embedding_dense_backward:embedding_dense_backward",
+    "linear_cross_entropy": "fastgrad.kernels.linear_cross_entropy:linear_cross_entropy_cpu",
+}

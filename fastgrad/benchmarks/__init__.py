@@ -9,8 +9,23 @@ bandwidth and GEMM bounds), :mod:`.timing` (warm-up + repeated timing, threads, 
 """
 
 from .cases import ALIASES, Case, Runner, all_cases, find_case, select
-from .runner import SCHEMA, run, run_one
 from .report import format_compare, format_markdown, format_table, load, plot, save
+from .runner import SCHEMA, run, run_one
 
-__all__ = ["ALIASES", "Case", "Runner", "all_cases", "find_case", "select", "SCHEMA", "run",
-           "run_one", "format_compare", "format_markdown", "format_table", "load", "plot", "save"]
+__all__ = [
+    "ALIASES",
+    "Case",
+    "Runner",
+    "all_cases",
+    "find_case",
+    "select",
+    "SCHEMA",
+    "run",
+    "run_one",
+    "format_compare",
+    "format_markdown",
+    "format_table",
+    "load",
+    "plot",
+    "save",
+]

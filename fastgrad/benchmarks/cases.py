@@ -19,10 +19,12 @@ second).
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -56,9 +58,9 @@ class Runner:
     """One way to compute a case: ``make(inputs)`` returns the zero-argument callable timed."""
 
     name: str
-    kind: str                                   # "fastgrad" | "baseline" | "bound"
-    make: Callable[[dict], Callable[[], Any]]
-    mode: str = ""                              # appended to the case's mode (e.g. "out=")
+    kind: str  # "fastgrad" | "baseline" | "bound"
+    make: Callable[[dict], Callable[[], Any]] | None  # None: a bound, computed by the runner
+    mode: str = ""  # appended to the case's mode (e.g. "out=")
     needs_torch: bool = False
 
 
@@ -72,10 +74,10 @@ class Case:
     runners: list
     flops: float = 0.0
     bytes: float = 0.0
-    bound: str = "copy"                         # "copy" | "gemm"
-    gemm: list = field(default_factory=list)    # [(M, K, N), ...] for bound="gemm"
-    memory: bool = False                        # peak RSS measured in a spawned subprocess
-    needs_torch: bool = False                   # the case itself is a torch workload
+    bound: str = "copy"  # "copy" | "gemm"
+    gemm: list = field(default_factory=list)  # [(M, K, N), ...] for bound="gemm"
+    memory: bool = False  # peak RSS measured in a spawned subprocess
+    needs_torch: bool = False  # the case itself is a torch workload
     note: str = ""
 
     @property
@@ -88,6 +90,7 @@ class Case:
 
 
 # ---------------------------------------------------------------------------- helpers ----
+
 
 def _torch():
     import torch
@@ -131,33 +134,42 @@ def _flce_inputs(BT, H, V, dtype, seed, softmax=False, chunk=16384, stats=True) 
     s = np.zeros(BT, np.float32)
     sm = np.empty((BT, V), np.float32) if softmax else None
     for v0 in range(0, V if stats else 0, chunk):
-        lg = xf @ w[v0:v0 + chunk].astype(np.float32).T
+        lg = xf @ w[v0 : v0 + chunk].astype(np.float32).T
         if sm is not None:
-            sm[:, v0:v0 + lg.shape[1]] = lg
+            sm[:, v0 : v0 + lg.shape[1]] = lg
         mc = lg.max(axis=1)
         mn = np.maximum(m, mc)
         s = s * np.exp(m - mn) + np.exp(lg - mn[:, None]).sum(axis=1, dtype=np.float32)
         m = mn
         del lg
-    inp = {"input": x, "weight": w, "target": target,
-           "target_mask": np.packbits(bits, bitorder="little"), "masked_target": masked_target,
-           "grad": np.full(BT, 1.0 / BT, np.float32), "logits_max": m, "sum_exp_logits": s,
-           "torch_target": np.where(bits, -100, target).astype(np.int64)}
+    inp = {
+        "input": x,
+        "weight": w,
+        "target": target,
+        "target_mask": np.packbits(bits, bitorder="little"),
+        "masked_target": masked_target,
+        "grad": np.full(BT, 1.0 / BT, np.float32),
+        "logits_max": m,
+        "sum_exp_logits": s,
+        "torch_target": np.where(bits, -100, target).astype(np.int64),
+    }
     if sm is not None:
         for r0 in range(0, BT, 256):
-            blk = sm[r0:r0 + 256]
-            blk -= m[r0:r0 + 256, None]
+            blk = sm[r0 : r0 + 256]
+            blk -= m[r0 : r0 + 256, None]
             np.exp(blk, out=blk)
-            blk /= s[r0:r0 + 256, None]
+            blk /= s[r0 : r0 + 256, None]
         inp["softmax"] = sm
     return inp
 
 
 # ------------------------------------------------------------------------ FLCE family ----
 
+
 def _torch_flce(dtype_name):
     """PyTorch eager autograd with materialized logits: cross_entropy(x @ w.T, t, 'none')
     weighted by grad, backward -> (grad_input, grad_weight)."""
+
     def make(inp):
         torch = _torch()
         F = torch.nn.functional
@@ -175,7 +187,9 @@ def _torch_flce(dtype_name):
             loss = F.cross_entropy(xx @ ww.T, t, reduction="none", ignore_index=-100)
             (loss * g).sum().backward()
             return xx.grad, ww.grad
+
         return run
+
     return make
 
 
@@ -184,20 +198,33 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
 
     s = _DT[dtype].itemsize
     shape = {"BT": BT, "H": H, "V": V}
-    io_bytes = float(2 * (BT * H + V * H) * s + BT * 16)       # read x, w; write gi, gw
+    io_bytes = float(2 * (BT * H + V * H) * s + BT * 16)  # read x, w; write gi, gw
 
     def ms(inp):
         def run():
             return fg.fused_linear_cross_entropy_loss_grad(
-                inp["grad"], inp["input"], inp["weight"], inp["target_mask"], inp["masked_target"],
-                logits_max=inp["logits_max"], sum_exp_logits=inp["sum_exp_logits"])
+                inp["grad"],
+                inp["input"],
+                inp["weight"],
+                inp["target_mask"],
+                inp["masked_target"],
+                logits_max=inp["logits_max"],
+                sum_exp_logits=inp["sum_exp_logits"],
+            )
+
         return run
 
     def hp(inp):
         def run():
             return fg.fused_linear_cross_entropy_loss_grad(
-                inp["grad"], inp["input"], inp["weight"], inp["target_mask"], inp["masked_target"],
-                softmax=inp["softmax"])
+                inp["grad"],
+                inp["input"],
+                inp["weight"],
+                inp["target_mask"],
+                inp["masked_target"],
+                softmax=inp["softmax"],
+            )
+
         return run
 
     def fwd(inp):
@@ -205,6 +232,7 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
 
         def run():
             return fg.fused_linear_online_max_sum(inp["input"], inp["weight"], inp["target"], 0, V_)
+
         return run
 
     def torch_fwd(inp):
@@ -218,38 +246,207 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
             m = lg.amax(dim=1)
             se = torch.exp(lg - m[:, None]).sum(dim=1)
             return m, se, lg.gather(1, t)[:, 0] - m
+
         return run
 
     g3 = [(BT, H, V), (BT, V, H), (V, BT, H)]
     gemm_flops = 2.0 * BT * H * V
     cases = [
-        Case("fused_linear_cross_entropy_loss_grad", "memory-saving", dtype, shape,
-             lambda: _flce_inputs(BT, H, V, dtype, 0),
-             [Runner("fastgrad", "fastgrad", ms),
-              Runner("torch-fp32", "baseline", _torch_flce("float32"), needs_torch=True),
-              Runner(f"torch-{_SHORT[dtype]}", "baseline", _torch_flce(dtype), needs_torch=True),
-              Runner("bound", "bound", None)],
-             flops=3 * gemm_flops, bytes=io_bytes, bound="gemm", gemm=g3, memory=True,
-             note="bound: the 3 fp32 GEMMs [BT,H]x[H,V], [BT,V]x[V,H], [V,BT]x[BT,H]"),
-        Case("fused_linear_cross_entropy_loss_grad", "high-performance", dtype, shape,
-             lambda: _flce_inputs(BT, H, V, dtype, 0, softmax=True),
-             [Runner("fastgrad", "fastgrad", hp), Runner("bound", "bound", None)],
-             flops=2 * gemm_flops, bytes=io_bytes + 4.0 * BT * V, bound="gemm", gemm=g3[1:],
-             memory=True, note="bound: the 2 fp32 GEMMs [BT,V]x[V,H], [V,BT]x[BT,H]"),
-        Case("fused_linear_online_max_sum", "forward", dtype, shape,
-             lambda: _flce_inputs(BT, H, V, dtype, 0),
-             [Runner("fastgrad", "fastgrad", fwd),
-              Runner("torch-fp32", "baseline", torch_fwd, needs_torch=True),
-              Runner("bound", "bound", None)],
-             flops=gemm_flops, bytes=float((BT * H + V * H) * s + BT * 28), bound="gemm", gemm=g3[:1],
-             memory=True, note="bound: the fp32 GEMM [BT,H]x[H,V]"),
+        Case(
+            "fused_linear_cross_entropy_loss_grad",
+            "memory-saving",
+            dtype,
+            shape,
+            lambda: _flce_inputs(BT, H, V, dtype, 0),
+            [
+                Runner("fastgrad", "fastgrad", ms),
+                Runner("torch-fp32", "baseline", _torch_flce("float32"), needs_torch=True),
+                Runner(f"torch-{_SHORT[dtype]}", "baseline", _torch_flce(dtype), needs_torch=True),
+                Runner("bound", "bound", None),
+            ],
+            flops=3 * gemm_flops,
+            bytes=io_bytes,
+            bound="gemm",
+            gemm=g3,
+            memory=True,
+            note="bound: the 3 fp32 GEMMs [BT,H]x[H,V], [BT,V]x[V,H], [V,BT]x[BT,H]",
+        ),
+        Case(
+            "fused_linear_cross_entropy_loss_grad",
+            "high-performance",
+            dtype,
+            shape,
+            lambda: _flce_inputs(BT, H, V, dtype, 0, softmax=True),
+            [Runner("fastgrad", "fastgrad", hp), Runner("bound", "bound", None)],
+            flops=2 * gemm_flops,
+            bytes=io_bytes + 4.0 * BT * V,
+            bound="gemm",
+            gemm=g3[1:],
+            memory=True,
+            note="bound: the 2 fp32 GEMMs [BT,V]x[V,H], [V,BT]x[BT,H]",
+        ),
+        Case(
+            "fused_linear_online_max_sum",
+            "forward",
+            dtype,
+            shape,
+            lambda: _flce_inputs(BT, H, V, dtype, 0),
+            [
+                Runner("fastgrad", "fastgrad", fwd),
+                Runner("torch-fp32", "baseline", torch_fwd, needs_torch=True),
+                Runner("bound", "bound", None),
+            ],
+            flops=gemm_flops,
+            bytes=float((BT * H + V * H) * s + BT * 28),
+            bound="gemm",
+            gemm=g3[:1],
+            memory=True,
+            note="bound: the fp32 GEMM [BT,H]x[H,V]",
+        ),
     ]
+    return cases
+
+
+#: The sparsity sweep of the gradient-filtering cases: target mean softmax entropies (nats);
+#: None is the uniform case (every probability 1/V, nothing negligible).
+SPARSITY_ENTROPIES = (0.5, 2.0, 4.0, None)
+
+
+def _sparse_flce_inputs(BT, H, V, dtype, entropy, seed=0) -> dict:
+    """LLM-like sparsity, reproducibly: each hidden state is a mix of a few candidate tokens'
+    embeddings (candidates drawn Zipf-like, so frequent tokens have low ids as in BPE
+    vocabularies) plus noise, scaled by a strength chosen by bisection so that the softmax has
+    the given mean entropy on a sample of rows.  ``entropy=None``: the uniform case."""
+    dt = _DT[dtype]
+    rng = _rng("sparse", BT, H, V, dtype, entropy, seed)
+    w = _normal(rng, (V, H), F32, 1.0 / math.sqrt(H))
+    k = 4
+    ranks = np.minimum((rng.zipf(1.2, size=(BT, k)) - 1), V - 1)
+    mix = rng.dirichlet(np.ones(k), size=BT).astype(np.float32)
+    base = np.einsum("bk,bkh->bh", mix, w[ranks]) * np.float32(math.sqrt(H))
+    noise = rng.standard_normal((BT, H), dtype=np.float32) * np.float32(0.5)
+    target = ranks[np.arange(BT), rng.integers(0, k, BT)].astype(np.int64)
+    sample = slice(0, min(BT, 64))
+
+    def mean_entropy(alpha):
+        xs = (alpha * base[sample] + noise[sample]).astype(dt).astype(np.float32)
+        lg = xs @ w.T
+        lg -= lg.max(axis=1, keepdims=True)
+        p = np.exp(lg)
+        p /= p.sum(axis=1, keepdims=True)
+        return float(-(p * np.log(np.maximum(p, 1e-38))).sum(axis=1).mean())
+
+    if entropy is None:
+        alpha, x = 0.0, np.zeros((BT, H), np.float32)
+    else:
+        lo, hi = 0.0, 64.0
+        for _ in range(30):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if mean_entropy(mid) > entropy else (lo, mid)
+        alpha = 0.5 * (lo + hi)
+        x = alpha * base + noise
+    x, wd = x.astype(dt), w.astype(dt)
+    import fastgrad as fg
+
+    f = fg.fused_linear_online_max_sum(x, wd, target, 0, V, logits_dtype=np.float32)
+    return {
+        "input": x,
+        "weight": wd,
+        "target": target,
+        "target_mask": f.target_mask,
+        "masked_target": f.masked_target,
+        "grad": np.full(BT, 1.0 / BT, np.float32),
+        "logits_max": f.logits_max_local,
+        "sum_exp_logits": f.sum_exp_logits_local,
+        "mean_entropy": mean_entropy(alpha) if entropy is not None else math.log(V),
+    }
+
+
+def _sparse_flce_cases(BT, H, V, dtype) -> list:
+    """Issue 14: the filtered memory-saving grad (filter_eps="auto") against the dense grad and
+    the three-GEMM bound over the entropy sweep; the filtered row's note gives the measured mean
+    entropy, the fraction of blocks skipped and the error against the dense result."""
+    import fastgrad as fg
+
+    def call(inp, eps, plan=False):
+        return fg.fused_linear_cross_entropy_loss_grad(
+            inp["grad"],
+            inp["input"],
+            inp["weight"],
+            inp["target_mask"],
+            inp["masked_target"],
+            logits_max=inp["logits_max"],
+            sum_exp_logits=inp["sum_exp_logits"],
+            filter_eps=eps,
+            return_plan=plan,
+        )
+
+    def filtered(inp):
+        last = {}
+
+        def run():
+            last["r"] = call(inp, "auto", plan=True)
+            return last["r"]
+
+        def metrics():
+            gi, gw, pl = last["r"]
+            di, dw = call(inp, None)
+            err = max(
+                float(np.max(np.abs(gi.astype(np.float32) - di.astype(np.float32)), initial=0)),
+                float(np.max(np.abs(gw.astype(np.float32) - dw.astype(np.float32)), initial=0)),
+            )
+            scale = (
+                max(
+                    float(np.max(np.abs(di.astype(np.float32)), initial=0)),
+                    float(np.max(np.abs(dw.astype(np.float32)), initial=0)),
+                )
+                or 1.0
+            )
+            frac = pl.blocks_skipped / max(pl.blocks_total, 1)
+            return {
+                "mean_entropy": inp["mean_entropy"],
+                "blocks_skipped_fraction": frac,
+                "max_abs_err_vs_dense": err,
+                "max_rel_err_vs_dense": err / scale,
+                "note": f"entropy {inp['mean_entropy']:.2f} nats, {frac:.1%} of blocks skipped, "
+                f"max err vs dense {err / scale:.2g} of max",
+            }
+
+        run.metrics = metrics  # type: ignore[attr-defined]
+        return run
+
+    def dense(inp):
+        return lambda: call(inp, None)
+
+    cases = []
+    for e in SPARSITY_ENTROPIES:
+        label = "uniform" if e is None else f"entropy={e:g}"
+        cases.append(
+            Case(
+                "fused_linear_cross_entropy_loss_grad",
+                f"memory-saving filter_eps=auto {label}",
+                dtype,
+                {"BT": BT, "H": H, "V": V},
+                functools.partial(_sparse_flce_inputs, BT, H, V, dtype, e),
+                [
+                    Runner("fastgrad", "fastgrad", filtered),
+                    Runner("fastgrad-dense", "baseline", dense),
+                    Runner("bound", "bound", None),
+                ],
+                flops=3 * 2.0 * BT * H * V,
+                bound="gemm",
+                gemm=[(BT, H, V), (BT, V, H), (V, BT, H)],
+                memory=True,
+                note="gradient filtering (CCE's filter_eps); baseline = the same op dense",
+            )
+        )
     return cases
 
 
 def _train_step_case(BT, H, V) -> Case:
     """Issue 4: one LM-head loss + backward, fastgrad.torch.linear_cross_entropy vs
     F.cross_entropy on materialized logits (fp32 and bf16)."""
+
     def inputs():
         inp = _flce_inputs(BT, H, V, "bfloat16", 1, stats=False)
         return {"hidden": inp["input"], "weight": inp["weight"], "target": inp["target"]}
@@ -266,6 +463,7 @@ def _train_step_case(BT, H, V) -> Case:
             loss = linear_cross_entropy(hh, ww, t)
             loss.backward()
             return loss, hh.grad, ww.grad
+
         del torch
         return run
 
@@ -283,31 +481,49 @@ def _train_step_case(BT, H, V) -> Case:
                 loss = F.cross_entropy(hh @ ww.T, t)
                 loss.backward()
                 return loss, hh.grad, ww.grad
+
             return run
+
         return make
 
-    return Case("linear_cross_entropy", "train-step", "bfloat16", {"BT": BT, "H": H, "V": V}, inputs,
-                [Runner("fastgrad", "fastgrad", fastgrad_step, needs_torch=True),
-                 Runner("torch-fp32", "baseline", torch_step("float32"), needs_torch=True),
-                 Runner("torch-bf16", "baseline", torch_step("bfloat16"), needs_torch=True),
-                 Runner("bound", "bound", None)],
-                flops=3 * 2.0 * BT * H * V, bytes=float(2 * 2 * (BT * H + V * H)), bound="gemm",
-                gemm=[(BT, H, V), (BT, V, H), (V, BT, H)], memory=True, needs_torch=True,
-                note="fastgrad.torch.linear_cross_entropy forward+backward; flops = the 3 GEMMs "
-                     "of one materialized step; bound: those GEMMs in fp32")
+    return Case(
+        "linear_cross_entropy",
+        "train-step",
+        "bfloat16",
+        {"BT": BT, "H": H, "V": V},
+        inputs,
+        [
+            Runner("fastgrad", "fastgrad", fastgrad_step, needs_torch=True),
+            Runner("torch-fp32", "baseline", torch_step("float32"), needs_torch=True),
+            Runner("torch-bf16", "baseline", torch_step("bfloat16"), needs_torch=True),
+            Runner("bound", "bound", None),
+        ],
+        flops=3 * 2.0 * BT * H * V,
+        bytes=float(2 * 2 * (BT * H + V * H)),
+        bound="gemm",
+        gemm=[(BT, H, V), (BT, V, H), (V, BT, H)],
+        memory=True,
+        needs_torch=True,
+        note="fastgrad.torch.linear_cross_entropy forward+backward; flops = the 3 GEMMs "
+        "of one materialized step; bound: those GEMMs in fp32",
+    )
 
 
 # ------------------------------------------------------------- bandwidth-bound family ----
 
+
 def _with_out(call, out_shape_dtype):
     """A fastgrad runner factory with a preallocated ``out=`` (allocated once, outside timing)."""
+
     def make(inp):
         shape, dtype = out_shape_dtype(inp)
         out = np.empty(shape, dtype)
 
         def run():
             return call(inp, out)
+
         return run
+
     return make
 
 
@@ -315,7 +531,9 @@ def _alloc(call):
     def make(inp):
         def run():
             return call(inp, None)
+
         return run
+
     return make
 
 
@@ -331,14 +549,22 @@ def _fce_case(BT, V, dtype) -> Case:
         m = lf.max(axis=1)
         se = np.exp(lf - m[:, None]).sum(axis=1, dtype=np.float32)
         pred = lf[np.arange(BT), rng.integers(0, V, BT)] - m
-        return {"logits_max": m, "sum_exp_logits": se, "predicted_logits": pred.astype(np.float32),
-                "vocab_parallel_logits": lg}
+        return {
+            "logits_max": m,
+            "sum_exp_logits": se,
+            "predicted_logits": pred.astype(np.float32),
+            "vocab_parallel_logits": lg,
+        }
 
     def fastgrad_run(inp):
         def run():
             return fg.fused_cross_entropy_loss_with_max_sum(
-                inp["logits_max"], inp["sum_exp_logits"], inp["predicted_logits"],
-                vocab_parallel_logits=inp["vocab_parallel_logits"])
+                inp["logits_max"],
+                inp["sum_exp_logits"],
+                inp["predicted_logits"],
+                vocab_parallel_logits=inp["vocab_parallel_logits"],
+            )
+
         return run
 
     def torch_run(inp):
@@ -348,12 +574,18 @@ def _fce_case(BT, V, dtype) -> Case:
 
         def run():
             return torch.log(se) - p, torch.exp(lg.float() - m[:, None]) * (1.0 / se)[:, None]
+
         return run
 
-    return Case("fused_cross_entropy_loss_with_max_sum", "softmax", dtype, {"BT": BT, "V": V}, inputs,
-                [Runner("fastgrad", "fastgrad", fastgrad_run),
-                 Runner("torch", "baseline", torch_run, needs_torch=True)],
-                bytes=float(BT * V * (dt.itemsize + 4) + BT * 16))
+    return Case(
+        "fused_cross_entropy_loss_with_max_sum",
+        "softmax",
+        dtype,
+        {"BT": BT, "V": V},
+        inputs,
+        [Runner("fastgrad", "fastgrad", fastgrad_run), Runner("torch", "baseline", torch_run, needs_torch=True)],
+        bytes=float(BT * V * (dt.itemsize + 4) + BT * 16),
+    )
 
 
 def _ce_case(N, C, dtype) -> Case:
@@ -366,12 +598,14 @@ def _ce_case(N, C, dtype) -> Case:
         x = rng.standard_normal((N, C), dtype=np.float32)
         x -= x.max(axis=1, keepdims=True)
         x -= np.log(np.exp(x).sum(axis=1, keepdims=True))
-        return {"grad_loss": np.array(1.0, dt), "log_prob": x.astype(dt),
-                "target": rng.integers(0, C, N, dtype=np.int64)}
+        return {
+            "grad_loss": np.array(1.0, dt),
+            "log_prob": x.astype(dt),
+            "target": rng.integers(0, C, N, dtype=np.int64),
+        }
 
     def call(inp, out):
-        return fg.cross_entropy_loss_grad(inp["grad_loss"], inp["log_prob"], inp["target"],
-                                          reduction="mean", out=out)
+        return fg.cross_entropy_loss_grad(inp["grad_loss"], inp["log_prob"], inp["target"], reduction="mean", out=out)
 
     def torch_run(inp):
         torch = _torch()
@@ -382,14 +616,23 @@ def _ce_case(N, C, dtype) -> Case:
         def run():
             gn = aten.nll_loss_backward(g, lp, t, None, 1, -100, total)
             return aten._log_softmax_backward_data(gn, lp, 1, lp.dtype)
+
         return run
 
-    return Case("cross_entropy_loss_grad", "mean", dtype, {"N": N, "C": C}, inputs,
-                [Runner("fastgrad", "fastgrad", _alloc(call)),
-                 Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (i["log_prob"].shape, dt)), "out="),
-                 Runner("torch", "baseline", torch_run, needs_torch=True)],
-                bytes=float(2 * N * C * dt.itemsize + N * 8),
-                note="torch: aten.nll_loss_backward + aten._log_softmax_backward_data")
+    return Case(
+        "cross_entropy_loss_grad",
+        "mean",
+        dtype,
+        {"N": N, "C": C},
+        inputs,
+        [
+            Runner("fastgrad", "fastgrad", _alloc(call)),
+            Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (i["log_prob"].shape, dt)), "out="),
+            Runner("torch", "baseline", torch_run, needs_torch=True),
+        ],
+        bytes=float(2 * N * C * dt.itemsize + N * 8),
+        note="torch: aten.nll_loss_backward + aten._log_softmax_backward_data",
+    )
 
 
 def _softmax_case(B, N, S1, S2, dtype) -> Case:
@@ -408,8 +651,7 @@ def _softmax_case(B, N, S1, S2, dtype) -> Case:
         return {"grad_output": _normal(rng, (B, N, S1, S2), dt), "y": z.astype(dt), "mask": mask}
 
     def call(inp, out):
-        return fg.scaled_masked_softmax_backward(inp["grad_output"], inp["y"], inp["mask"],
-                                                 scale=scale, out=out)
+        return fg.scaled_masked_softmax_backward(inp["grad_output"], inp["y"], inp["mask"], scale=scale, out=out)
 
     def torch_run(inp):
         torch = _torch()
@@ -418,16 +660,24 @@ def _softmax_case(B, N, S1, S2, dtype) -> Case:
         def run():
             gx = torch.ops.aten._softmax_backward_data(go, y, -1, y.dtype)
             return gx.mul_(scale).masked_fill_(mask, 0)
+
         return run
 
     E = B * N * S1 * S2
-    return Case("scaled_masked_softmax_backward", "broadcast-mask", dtype,
-                {"B": B, "N": N, "S1": S1, "S2": S2}, inputs,
-                [Runner("fastgrad", "fastgrad", _alloc(call)),
-                 Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (i["y"].shape, dt)), "out="),
-                 Runner("torch", "baseline", torch_run, needs_torch=True)],
-                bytes=float(3 * E * dt.itemsize + B * S1 * S2),
-                note="torch: aten._softmax_backward_data, * scale, masked_fill")
+    return Case(
+        "scaled_masked_softmax_backward",
+        "broadcast-mask",
+        dtype,
+        {"B": B, "N": N, "S1": S1, "S2": S2},
+        inputs,
+        [
+            Runner("fastgrad", "fastgrad", _alloc(call)),
+            Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (i["y"].shape, dt)), "out="),
+            Runner("torch", "baseline", torch_run, needs_torch=True),
+        ],
+        bytes=float(3 * E * dt.itemsize + B * S1 * S2),
+        note="torch: aten._softmax_backward_data, * scale, masked_fill",
+    )
 
 
 def _smooth_l1_case(n, dtype) -> Case:
@@ -439,12 +689,12 @@ def _smooth_l1_case(n, dtype) -> Case:
 
     def inputs():
         rng = _rng("sl1", n, dtype)
-        return {"grad_out": np.array(1.0, dt), "input": _normal(rng, shape, dt),
-                "target": _normal(rng, shape, dt)}
+        return {"grad_out": np.array(1.0, dt), "input": _normal(rng, shape, dt), "target": _normal(rng, shape, dt)}
 
     def call(inp, out):
-        return fg.smooth_l1_loss_backward(inp["grad_out"], inp["input"], inp["target"],
-                                          reduction="mean", beta=1.0, out=out)
+        return fg.smooth_l1_loss_backward(
+            inp["grad_out"], inp["input"], inp["target"], reduction="mean", beta=1.0, out=out
+        )
 
     def torch_run(inp):
         torch = _torch()
@@ -452,14 +702,23 @@ def _smooth_l1_case(n, dtype) -> Case:
 
         def run():
             return torch.ops.aten.smooth_l1_loss_backward(g, x, t, 1, 1.0)
+
         return run
 
-    return Case("smooth_l1_loss_backward", "mean", dtype, {"n": n}, inputs,
-                [Runner("fastgrad", "fastgrad", _alloc(call)),
-                 Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (shape, dt)), "out="),
-                 Runner("torch", "baseline", torch_run, needs_torch=True)],
-                bytes=float(3 * n * dt.itemsize),
-                note="torch: aten.smooth_l1_loss_backward")
+    return Case(
+        "smooth_l1_loss_backward",
+        "mean",
+        dtype,
+        {"n": n},
+        inputs,
+        [
+            Runner("fastgrad", "fastgrad", _alloc(call)),
+            Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (shape, dt)), "out="),
+            Runner("torch", "baseline", torch_run, needs_torch=True),
+        ],
+        bytes=float(3 * n * dt.itemsize),
+        note="torch: aten.smooth_l1_loss_backward",
+    )
 
 
 def _embedding_case(T, W, Dm, dtype) -> Case:
@@ -480,18 +739,27 @@ def _embedding_case(T, W, Dm, dtype) -> Case:
 
         def run():
             return torch.ops.aten.embedding_dense_backward(g, idx, W, -1, False)
+
         return run
 
-    return Case("embedding_dense_backward", "dense", dtype, {"tokens": T, "num_weights": W, "D": Dm},
-                inputs,
-                [Runner("fastgrad", "fastgrad", _alloc(call)),
-                 Runner("fastgrad", "fastgrad", _with_out(call, lambda i: ((W, Dm), dt)), "out="),
-                 Runner("torch", "baseline", torch_run, needs_torch=True)],
-                bytes=float(T * Dm * dt.itemsize + T * 8 + W * Dm * dt.itemsize),
-                note="bytes: read grad and indices, write the whole [num_weights, D] output")
+    return Case(
+        "embedding_dense_backward",
+        "dense",
+        dtype,
+        {"tokens": T, "num_weights": W, "D": Dm},
+        inputs,
+        [
+            Runner("fastgrad", "fastgrad", _alloc(call)),
+            Runner("fastgrad", "fastgrad", _with_out(call, lambda i: ((W, Dm), dt)), "out="),
+            Runner("torch", "baseline", torch_run, needs_torch=True),
+        ],
+        bytes=float(T * Dm * dt.itemsize + T * 8 + W * Dm * dt.itemsize),
+        note="bytes: read grad and indices, write the whole [num_weights, D] output",
+    )
 
 
 # ------------------------------------------------------------------------------ table ----
+
 
 def all_cases(quick: bool = False) -> list:
     """Every benchmark case (LLM-sized, or small with ``quick``)."""
@@ -508,6 +776,7 @@ def all_cases(quick: bool = False) -> list:
         for dtype in ("float32", "bfloat16"):
             cases.append(_embedding_case(1024, 4096, 256, dtype))
         cases.append(_train_step_case(128, 64, 2048))
+        cases += _sparse_flce_cases(256, 64, 4096, "bfloat16")
         return cases
     for BT, H, V in ((2048, 896, 151936), (1024, 896, 32000)):
         cases += _flce_cases(BT, H, V, "bfloat16", quick)
@@ -516,10 +785,11 @@ def all_cases(quick: bool = False) -> list:
         cases.append(_ce_case(4096, 32000, dtype))
     cases.append(_softmax_case(4, 16, 512, 512, "float16"))
     for dtype in ("float32", "bfloat16"):
-        cases.append(_smooth_l1_case(16 * 2 ** 20, dtype))
+        cases.append(_smooth_l1_case(16 * 2**20, dtype))
     for dtype in ("float32", "bfloat16"):
         cases.append(_embedding_case(8192, 32000, 1024, dtype))
     cases.append(_train_step_case(2048, 896, 151936))
+    cases += _sparse_flce_cases(2048, 896, 151936, "bfloat16")
     return cases
 
 

@@ -31,7 +31,7 @@ def _copy(src, dst):
             dst[i] = src[i]
 
 
-def copy_bandwidth(nbytes: int = 512 * 2 ** 20, repeat: int = 7, budget_s: float = 5.0) -> dict:
+def copy_bandwidth(nbytes: int = 512 * 2**20, repeat: int = 7, budget_s: float = 5.0) -> dict:
     """Measured copy bandwidth (bytes/s, read + write) on the current thread setting.
 
     Returns ``{"gbps": ..., "bytes": nbytes, "numba_gbps": ..., "numpy_gbps": ...}``: the best
@@ -85,8 +85,11 @@ def _simd() -> list:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return sorted(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16",
-                                              "avx512_fp16", "f16c") if f in flags)
+                    return sorted(
+                        f
+                        for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "f16c")
+                        if f in flags
+                    )
     except OSError:
         pass
     return []
@@ -105,7 +108,7 @@ def machine_info() -> dict:
         import psutil
 
         info["cpus_physical"] = psutil.cpu_count(logical=False)
-        info["memory_gib"] = round(psutil.virtual_memory().total / 2 ** 30, 1)
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
     except Exception:  # noqa: BLE001
         pass
     return info
@@ -122,8 +125,13 @@ def versions() -> dict:
 
     from .. import __version__
 
-    v = {"python": platform.python_version(), "fastgrad": __version__, "numpy": np.__version__,
-         "numba": numba.__version__, "ml_dtypes": ml_dtypes.__version__}
+    v = {
+        "python": platform.python_version(),
+        "fastgrad": __version__,
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+    }
     try:
         import torch
 
@@ -133,8 +141,7 @@ def versions() -> dict:
     try:
         from threadpoolctl import threadpool_info
 
-        blas = [f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info()
-                if i.get("user_api") == "blas"]
+        blas = [f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas"]
         v["blas"] = ", ".join(blas) or None
     except Exception:  # noqa: BLE001
         v["blas"] = None

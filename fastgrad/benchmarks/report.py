@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Any
 
 from .runner import SCHEMA
 
@@ -34,13 +35,17 @@ def load(path: str) -> dict:
     """Read a report; raises ValueError when it is not a fastgrad bench report."""
     with open(path) as f:
         rep = json.load(f)
-    if not isinstance(rep, dict) or not str(rep.get("schema", "")).startswith("fastgrad-bench/") \
-            or not isinstance(rep.get("rows"), list):
+    if (
+        not isinstance(rep, dict)
+        or not str(rep.get("schema", "")).startswith("fastgrad-bench/")
+        or not isinstance(rep.get("rows"), list)
+    ):
         raise ValueError(f"{path}: not a fastgrad bench report (schema {SCHEMA!r} expected)")
     return rep
 
 
 # ----------------------------------------------------------------------------- tables ----
+
 
 def _ms(t):
     return "-" if t is None else (f"{t * 1e3:.3g}" if t * 1e3 < 100 else f"{t * 1e3:.0f}")
@@ -52,20 +57,50 @@ def _num(x, fmt="{:.3g}"):
     return fmt.format(x)
 
 
+#: A row above this fraction of its bound is flagged: a bound-limited op cannot beat its bound,
+#: so such a figure is timing noise, cache residency or a bound measured low.
+NOISE_FRACTION = 1.0
+NOISE_MARK = "*"
+NOISE_NOTE = (
+    "* above 100 % of the bound, which is not physically possible for an op limited by it: "
+    "timing noise, data resident in cache, or a bound measured low. Read it as noise."
+)
+
+
 def _pct(x):
-    return "-" if x is None else f"{100 * x:.0f}%"
+    if x is None:
+        return "-"
+    return f"{100 * x:.0f}%" + (NOISE_MARK if x > NOISE_FRACTION else "")
+
+
+def _any_noise(rows) -> bool:
+    return any((r.get("fraction_of_bound") or 0) > NOISE_FRACTION for r in rows if r.get("status") == "ok")
 
 
 def _label(r):
-    return r["backend"] if r["kind"] != "fastgrad" else (
-        f"fastgrad:{r['backend']}" + (f" ({r['variant']})" if r.get("variant") else ""))
+    return (
+        r["backend"]
+        if r["kind"] != "fastgrad"
+        else (f"fastgrad:{r['backend']}" + (f" ({r['variant']})" if r.get("variant") else ""))
+    )
 
 
-def _speedup(r):
+def relative_words(r) -> str:
+    """The row's time against fastgrad:cpu, worded as a speed-up or a slow-down.
+
+    ``fastgrad_speedup`` is ``t_row / t_fastgrad:cpu``: for a baseline row (PyTorch) that is how
+    many times faster fastgrad is; for another fastgrad row (``out=``, another backend) how many
+    times slower that row is than fastgrad:cpu.
+    """
     s = r.get("fastgrad_speedup")
-    if s is None or r["kind"] == "fastgrad" and not r.get("variant") and r["backend"] == "cpu":
+    if s is None or not (s > 0) or r["kind"] == "fastgrad" and not r.get("variant") and r["backend"] == "cpu":
         return "-"
-    return f"{s:.2f}x"
+    if r["kind"] != "fastgrad":
+        return f"fastgrad {s:.2f}x faster" if s >= 1 else f"fastgrad {1 / s:.2f}x slower"
+    return f"{s:.2f}x slower" if s >= 1 else f"{1 / s:.2f}x faster"
+
+
+_speedup = relative_words
 
 
 def _groups(rows):
@@ -79,69 +114,133 @@ def _groups(rows):
     return [(k, out[k]) for k in order]
 
 
-COLUMNS = ("backend", "median ms", "p20-p80 ms", "GFLOP/s", "GB/s", "of bound", "fg speed-up", "peak MiB")
+COLUMNS = ("backend", "median ms", "p20-p80 ms", "GFLOP/s", "GB/s", "of bound", "vs fastgrad:cpu", "peak MiB")
 
 
 def _cells(r):
     if r["status"] != "ok":
         return [_label(r), r["status"], r.get("note", "")[:60], "", "", "", "", ""]
     p = f"{_ms(r['time_p20_s'])}-{_ms(r['time_p80_s'])}" if r.get("reps") else "(derived)"
-    peak = "-" if r.get("peak_rss_mib") is None else (
-        f"{r['peak_rss_mib']:.0f}" + (f" (+{r['peak_rss_delta_mib']:.0f})"
-                                      if r.get("peak_rss_delta_mib") is not None else ""))
-    return [_label(r), _ms(r["time_median_s"]), p, _num(r.get("gflops")), _num(r.get("gbps")),
-            _pct(r.get("fraction_of_bound")), _speedup(r), peak]
+    peak = (
+        "-"
+        if r.get("peak_rss_mib") is None
+        else (
+            f"{r['peak_rss_mib']:.0f}"
+            + (f" (+{r['peak_rss_delta_mib']:.0f})" if r.get("peak_rss_delta_mib") is not None else "")
+        )
+    )
+    return [
+        _label(r),
+        _ms(r["time_median_s"]),
+        p,
+        _num(r.get("gflops")),
+        _num(r.get("gbps")),
+        _pct(r.get("fraction_of_bound")),
+        _speedup(r),
+        peak,
+    ]
 
 
 def format_table(report: dict) -> str:
     """Plain-text table, one block per case and thread count."""
-    lines = [f"fastgrad bench — {report.get('machine_id', '?')}",
-             "versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items() if v)]
+    lines = [
+        f"fastgrad bench — {report.get('machine_id', '?')}",
+        "versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items() if v),
+    ]
     for n, b in report.get("bounds", {}).items():
         lines.append(f"copy bandwidth ({n} threads): {b['copy_gbps']:.1f} GB/s")
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
-    widths = [26, 10, 16, 9, 8, 9, 12, 14]
-    for (case, n), rows in _groups(report["rows"]):
+    widths = [26, 10, 16, 9, 8, 9, 24, 14]
+    for (_case, n), rows in _groups(report["rows"]):
         r0 = rows[0]
         lines.append("")
-        lines.append(f"{r0['op']} [{r0['mode'].split('+')[0]}] {r0['dtype']} {r0['shape_str']}  "
-                     f"threads={n}  bound={r0['bound']}")
+        lines.append(
+            f"{r0['op']} [{r0['mode'].split('+')[0]}] {r0['dtype']} {r0['shape_str']}  threads={n}  bound={r0['bound']}"
+        )
         lines.append("  " + "".join(c.ljust(w) for c, w in zip(COLUMNS, widths)))
         for r in rows:
             lines.append("  " + "".join(str(c).ljust(w) for c, w in zip(_cells(r), widths)))
+    if _any_noise(report["rows"]):
+        lines += ["", NOISE_NOTE]
     return "\n".join(lines)
 
 
 def format_markdown(report: dict) -> str:
     """A Markdown table of every row (for README / bench/results)."""
-    head = ["op", "shape", "dtype", "mode", "backend", "threads", "median ms", "GFLOP/s", "GB/s",
-            "% of bound", "fastgrad speed-up", "peak RSS MiB"]
-    out = [f"Machine: {report.get('machine_id', '?')}  ",
-           "Versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items() if v) + "  "]
+    head = [
+        "op",
+        "shape",
+        "dtype",
+        "mode",
+        "backend",
+        "threads",
+        "median ms",
+        "GFLOP/s",
+        "GB/s",
+        "% of bound",
+        "vs fastgrad:cpu",
+        "peak RSS MiB",
+    ]
+    out = [
+        f"Machine: {report.get('machine_id', '?')}  ",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items() if v) + "  ",
+    ]
     for n, b in report.get("bounds", {}).items():
         out.append(f"Copy bandwidth ({n} threads): {b['copy_gbps']:.1f} GB/s  ")
     out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["rows"]:
         if r["status"] != "ok":
-            cells = [r["op"], r["shape_str"], r["dtype"], r["mode"], _label(r), str(r["threads"]),
-                     r["status"] + ": " + r.get("note", "")[:50], "", "", "", "", ""]
+            cells = [
+                r["op"],
+                r["shape_str"],
+                r["dtype"],
+                r["mode"],
+                _label(r),
+                str(r["threads"]),
+                r["status"] + ": " + r.get("note", "")[:50],
+                "",
+                "",
+                "",
+                "",
+                "",
+            ]
         else:
             c = _cells(r)
-            cells = [r["op"], r["shape_str"], r["dtype"], r["mode"], c[0], str(r["threads"]), c[1],
-                     c[3], c[4], c[5], c[6], c[7]]
+            cells = [
+                r["op"],
+                r["shape_str"],
+                r["dtype"],
+                r["mode"],
+                c[0],
+                str(r["threads"]),
+                c[1],
+                c[3],
+                c[4],
+                c[5],
+                c[6],
+                c[7],
+            ]
         out.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")
+    if _any_noise(report["rows"]):
+        out += ["", "\\" + NOISE_NOTE]
     return "\n".join(out) + "\n"
 
 
-def format_compare(this: dict, other: dict) -> str:
+def format_compare(this: dict, other: dict, this_name: str | None = None, other_name: str | None = None) -> str:
     """Both reports side by side, per case (op, shape, dtype, mode): each row's median time and
-    its ratio to this report's fastgrad:cpu row of the case."""
+    its ratio to this report's fastgrad:cpu row of the case, worded as faster / slower.
+
+    ``this_name`` / ``other_name`` name the two sides (the report files, or "this run"); the
+    machine id of each follows, so two reports from the same machine are still told apart."""
+
     def key(r):
         return (r["op"], r["shape_str"], r["dtype"], r["mode"].split("+")[0])
 
-    a_id, b_id = this.get("machine_id", "this"), other.get("machine_id", "other")
-    groups, order = {}, []
+    a_id = f"{this.get('machine_id', '?')}, from {this_name or 'this run'}"
+    b_id = f"{other.get('machine_id', '?')}, from {other_name or 'another report'}"
+    groups: dict = {}
+    order: list = []
     for tag, rep in (("A", this), ("B", other)):
         for r in rep["rows"]:
             k = key(r)
@@ -152,20 +251,38 @@ def format_compare(this: dict, other: dict) -> str:
     lines = [f"A = {a_id}", f"B = {b_id}", ""]
     for k in order:
         items = groups[k]
-        ref = next((r for t, r in items if t == "A" and r["kind"] == "fastgrad" and r["backend"] == "cpu"
-                    and not r.get("variant") and r.get("time_median_s")), None)
+        ref = next(
+            (
+                r
+                for t, r in items
+                if t == "A"
+                and r["kind"] == "fastgrad"
+                and r["backend"] == "cpu"
+                and not r.get("variant")
+                and r.get("time_median_s")
+            ),
+            None,
+        )
         lines.append(f"{k[0]} [{k[3]}] {k[2]} {k[1]}")
         for tag, r in items:
             t = r.get("time_median_s")
-            ratio = f"{t / ref['time_median_s']:.3g}x A:fastgrad:cpu" if (t and ref) else ""
+            ratio = ""
+            if t and ref and r is not ref:
+                q = t / ref["time_median_s"]
+                ratio = f"{q:.3g}x slower than A:fastgrad:cpu" if q >= 1 else f"{1 / q:.3g}x faster than A:fastgrad:cpu"
             status = "" if r["status"] == "ok" else f"{r['status']}: {r.get('note', '')[:50]}"
-            lines.append(f"  {tag}  {_label(r) + ' mode=' + r['mode']:<48} thr={r['threads']:<3} "
-                         f"{_ms(t):>9} ms  {_pct(r.get('fraction_of_bound')):>6} of bound  {ratio}{status}")
+            lines.append(
+                f"  {tag}  {_label(r) + ' mode=' + r['mode']:<48} thr={r['threads']:<3} "
+                f"{_ms(t):>9} ms  {_pct(r.get('fraction_of_bound')):>6} of bound  {ratio}{status}"
+            )
         lines.append("")
+    if _any_noise(this["rows"]) or _any_noise(other["rows"]):
+        lines.append(NOISE_NOTE)
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ plots ----
+
 
 def plot(report: dict, outdir: str) -> list:
     """One PNG per op: achieved throughput of each row beside the bound. Needs matplotlib
@@ -179,7 +296,7 @@ def plot(report: dict, outdir: str) -> list:
         return []
     os.makedirs(outdir, exist_ok=True)
     files = []
-    by_op = {}
+    by_op: dict = {}
     for r in report["rows"]:
         if r["status"] == "ok" and r.get("time_median_s"):
             by_op.setdefault(r["op"], []).append(r)
@@ -210,13 +327,17 @@ def plot(report: dict, outdir: str) -> list:
                 xs.append(cases.index(c) + (j - (len(labels) - 1) / 2) * width)
                 ys.append(r[metric])
             if xs:
-                kw = {"hatch": "//", "edgecolor": "black", "facecolor": "none"} if lab == "bound" else {}
+                kw: dict[str, Any] = (
+                    {"hatch": "//", "edgecolor": "black", "facecolor": "none"} if lab == "bound" else {}
+                )
                 ax.bar(xs, ys, width, label=lab, **kw)
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels(cases, fontsize=7)
         ax.set_ylabel(f"achieved {unit}")
-        ax.set_title(f"{op} — achieved vs bound ({'fp32 GEMM' if gemm else 'copy bandwidth'})\n"
-                     f"{report.get('machine_id', '')}", fontsize=9)
+        ax.set_title(
+            f"{op} — achieved vs bound ({'fp32 GEMM' if gemm else 'copy bandwidth'})\n{report.get('machine_id', '')}",
+            fontsize=9,
+        )
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(outdir, f"{op}.png")

@@ -30,14 +30,35 @@ def _spec_label(case, runner) -> str:
 def _row_base(case, runner, backend, n, note="") -> dict:
     mode = case.mode + (f"+{runner.mode}" if runner.mode else "")
     return {
-        "op": case.op, "case": case.id, "shape": dict(case.shape), "shape_str": case.shape_str,
-        "dtype": case.dtype, "mode": mode, "backend": backend, "kind": runner.kind,
-        "runner": runner.name, "variant": runner.mode, "threads": n, "status": "ok", "note": note,
-        "time_median_s": None, "time_p20_s": None, "time_p80_s": None, "reps": 0,
-        "warmup_s": None, "flops": case.flops or None, "bytes": case.bytes or None,
-        "gflops": None, "gbps": None, "bound": case.bound, "bound_time_s": None,
-        "fraction_of_bound": None, "fastgrad_speedup": None,
-        "peak_rss_mib": None, "peak_rss_delta_mib": None, "rss_measured": None,
+        "op": case.op,
+        "case": case.id,
+        "shape": dict(case.shape),
+        "shape_str": case.shape_str,
+        "dtype": case.dtype,
+        "mode": mode,
+        "backend": backend,
+        "kind": runner.kind,
+        "runner": runner.name,
+        "variant": runner.mode,
+        "threads": n,
+        "status": "ok",
+        "note": note,
+        "time_median_s": None,
+        "time_p20_s": None,
+        "time_p80_s": None,
+        "reps": 0,
+        "warmup_s": None,
+        "flops": case.flops or None,
+        "bytes": case.bytes or None,
+        "gflops": None,
+        "gbps": None,
+        "bound": case.bound,
+        "bound_time_s": None,
+        "fraction_of_bound": None,
+        "fastgrad_speedup": None,
+        "peak_rss_mib": None,
+        "peak_rss_delta_mib": None,
+        "rss_measured": None,
     }
 
 
@@ -52,6 +73,8 @@ def _callable(case, runner, backend, inp):
     def run():
         with use_backend(backend):
             return fn()
+
+    run.metrics = getattr(fn, "metrics", None)  # type: ignore[attr-defined]
     return run
 
 
@@ -69,8 +92,13 @@ def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> di
             row["peak_rss_mib"] = peak / MIB
             row["peak_rss_delta_mib"] = max(0.0, peak - base) / MIB if ok else None
             row["rss_measured"] = "subprocess" if ok else "subprocess (peak since start)"
-        del fn
         row.update(t.as_dict())
+        metrics = getattr(fn, "metrics", None)
+        if metrics is not None:  # a runner's own figures (e.g. filtering's)
+            extra = metrics()
+            row["note"] = "; ".join(filter(None, [row["note"], extra.pop("note", "")]))
+            row.update(extra)
+        del fn
     except NotImplementedError as e:
         row.update(status="error", note=f"not implemented: {e}")
     except Exception as e:  # noqa: BLE001 - a failing row must not stop the report
@@ -81,6 +109,7 @@ def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> di
 
 
 # --------------------------------------------------------------- spawned memory worker ----
+
 
 def _child_main():
     """Entry point of the spawned subprocess: JSON job list on stdin, JSON rows on stdout.
@@ -97,8 +126,18 @@ def _child_main():
             with threads(spec["threads"]):
                 inp = case.build()
                 for ri, backend in job["rows"]:
-                    rows.append(run_one(case, case.runners[ri], backend, inp, spec["threads"],
-                                        spec["repeat"], spec["budget"], memory=True))
+                    rows.append(
+                        run_one(
+                            case,
+                            case.runners[ri],
+                            backend,
+                            inp,
+                            spec["threads"],
+                            spec["repeat"],
+                            spec["budget"],
+                            memory=True,
+                        )
+                    )
                 inp = None
             results.append({"ok": True, "rows": rows})
         except Exception as e:  # noqa: BLE001
@@ -113,13 +152,23 @@ def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None) -> list:
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    payload = json.dumps({"jobs": [{"case": c.id, "rows": specs} for c, specs in jobs], "quick": quick,
-                          "threads": n, "repeat": repeat, "budget": budget_s})
+    payload = json.dumps(
+        {
+            "jobs": [{"case": c.id, "rows": specs} for c, specs in jobs],
+            "quick": quick,
+            "threads": n,
+            "repeat": repeat,
+            "budget": budget_s,
+        }
+    )
     cmd = [sys.executable, "-c", "from fastgrad.benchmarks.runner import _child_main; _child_main()"]
 
     def failed(note):
-        return [[dict(_row_base(c, c.runners[ri], b, n), status="error", note=note[:300])
-                 for ri, b in specs] for c, specs in jobs]
+        return [
+            [dict(_row_base(c, c.runners[ri], b, n), status="error", note=note[:300]) for ri, b in specs]
+            for c, specs in jobs
+        ]
+
     try:
         p = subprocess.run(cmd, input=payload, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -132,7 +181,7 @@ def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None) -> list:
     for (c, specs), res in zip(jobs, json.loads(out[1])):
         rows = res["rows"]
         if not res["ok"]:
-            for ri, b in specs[len(rows):]:
+            for ri, b in specs[len(rows) :]:
                 rows.append(dict(_row_base(c, c.runners[ri], b, n), status="error", note=res["error"]))
         results.append(rows)
     return results
@@ -140,8 +189,19 @@ def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None) -> list:
 
 # ------------------------------------------------------------------------------ driver ----
 
-def run(cases, backends=("cpu",), thread_counts=(None,), repeat=5, budget_s=30.0, quick=False,
-        use_torch=True, memory=True, progress=None, copy_bytes=None) -> dict:
+
+def run(
+    cases,
+    backends=("cpu",),
+    thread_counts=(None,),
+    repeat=5,
+    budget_s=30.0,
+    quick=False,
+    use_torch=True,
+    memory=True,
+    progress=None,
+    copy_bytes=None,
+) -> dict:
     """Run ``cases`` and return the report dict (see ``docs/benchmarks.md`` for the schema).
 
     ``backends``: fastgrad backends, one row each per fastgrad runner; ``thread_counts``: the
@@ -153,26 +213,29 @@ def run(cases, backends=("cpu",), thread_counts=(None,), repeat=5, budget_s=30.0
     info, vers = machine_info(), versions()
     mid = machine_id(info)
     has_torch = use_torch and torch_module() is not None
-    torch_note = None if has_torch else ("torch disabled (--no-torch)" if not use_torch
-                                         else "torch not installed")
+    torch_note = None if has_torch else ("torch disabled (--no-torch)" if not use_torch else "torch not installed")
     rows, bounds = [], {}
     t_start = time.time()
     if copy_bytes is None:
-        copy_bytes = (64 if quick else 512) * 2 ** 20
+        copy_bytes = (64 if quick else 512) * 2**20
     for n in thread_counts:
         nthr = int(n) if n is not None else default_threads()
         with threads(nthr):
             bw = None
             if any(c.bound == "copy" for c in cases):
                 bw = copy_bandwidth(copy_bytes, repeat=3 if quick else 7)
-                bounds[str(nthr)] = {"copy_gbps": bw["gbps"], "copy_bytes": bw["bytes"],
-                                     "copy_numba_gbps": bw["numba_gbps"], "copy_numpy_gbps": bw["numpy_gbps"]}
+                bounds[str(nthr)] = {
+                    "copy_gbps": bw["gbps"],
+                    "copy_bytes": bw["bytes"],
+                    "copy_numba_gbps": bw["numba_gbps"],
+                    "copy_numpy_gbps": bw["numpy_gbps"],
+                }
             planned = []
             for case in cases:
                 specs, skipped = [], []
                 for ri, r in enumerate(case.runners):
                     if (r.needs_torch or case.needs_torch) and not has_torch:
-                        for b in (backends if r.kind == "fastgrad" else [r.name]):
+                        for b in backends if r.kind == "fastgrad" else [r.name]:
                             sk = _row_base(case, r, b, nthr, note=f"skipped: {torch_note}")
                             sk["status"] = "skipped"
                             skipped.append(sk)
@@ -202,14 +265,18 @@ def run(cases, backends=("cpu",), thread_counts=(None,), repeat=5, budget_s=30.0
                         inp, err = None, f"building inputs failed: {type(e).__name__}: {e}"
                     for ri, b in specs:
                         if inp is None:
-                            case_rows.append(dict(_row_base(case, case.runners[ri], b, nthr),
-                                                  status="error", note=err))
+                            case_rows.append(dict(_row_base(case, case.runners[ri], b, nthr), status="error", note=err))
                         else:
                             case_rows.append(run_one(case, case.runners[ri], b, inp, nthr, repeat, budget_s))
                     inp = None
                 if case.bound == "copy" and bw is not None:
-                    br = _row_base(case, C.Runner("bound", "bound", None), "bound", nthr,
-                                   note="bytes at the measured copy bandwidth")
+                    br = _row_base(
+                        case,
+                        C.Runner("bound", "bound", None),
+                        "bound",
+                        nthr,
+                        note="bytes at the measured copy bandwidth",
+                    )
                     br.update(time_median_s=case.bytes / (bw["gbps"] * 1e9), reps=0)
                     br["time_p20_s"] = br["time_p80_s"] = br["time_median_s"]
                     case_rows.append(br)
@@ -224,10 +291,18 @@ def run(cases, backends=("cpu",), thread_counts=(None,), repeat=5, budget_s=30.0
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "elapsed_s": time.time() - t_start,
-        "machine": info, "machine_id": mid, "versions": vers,
-        "settings": {"quick": quick, "repeat": repeat, "budget_s": budget_s,
-                     "threads": [int(n) if n is not None else default_threads() for n in thread_counts],
-                     "backends": list(backends), "torch": has_torch, "memory_subprocess": memory},
+        "machine": info,
+        "machine_id": mid,
+        "versions": vers,
+        "settings": {
+            "quick": quick,
+            "repeat": repeat,
+            "budget_s": budget_s,
+            "threads": [int(n) if n is not None else default_threads() for n in thread_counts],
+            "backends": list(backends),
+            "torch": has_torch,
+            "memory_subprocess": memory,
+        },
         "bounds": bounds,
         "notes": [torch_note] if torch_note else [],
         "rows": rows,
@@ -237,8 +312,14 @@ def run(cases, backends=("cpu",), thread_counts=(None,), repeat=5, budget_s=30.0
 def _derive(rows: list) -> None:
     """Fill GFLOP/s, GB/s, bound time, fraction of the bound and fastgrad speed-ups."""
     bound = next((r for r in rows if r["backend"] == "bound" and r["time_median_s"]), None)
-    ref = next((r for r in rows if r["kind"] == "fastgrad" and r["backend"] == "cpu"
-                and not r["variant"] and r["time_median_s"]), None)
+    ref = next(
+        (
+            r
+            for r in rows
+            if r["kind"] == "fastgrad" and r["backend"] == "cpu" and not r["variant"] and r["time_median_s"]
+        ),
+        None,
+    )
     for r in rows:
         t = r["time_median_s"]
         if not t:

@@ -33,8 +33,13 @@ class Timing:
     samples: list
 
     def as_dict(self) -> dict:
-        return {"time_median_s": self.median_s, "time_p20_s": self.p20_s, "time_p80_s": self.p80_s,
-                "reps": self.reps, "warmup_s": self.warmup_s}
+        return {
+            "time_median_s": self.median_s,
+            "time_p20_s": self.p20_s,
+            "time_p80_s": self.p80_s,
+            "reps": self.reps,
+            "warmup_s": self.warmup_s,
+        }
 
 
 def time_fn(fn, repeat: int = 5, budget_s: float = 30.0, warmup: int = 1) -> Timing:
@@ -54,8 +59,14 @@ def time_fn(fn, repeat: int = 5, budget_s: float = 30.0, warmup: int = 1) -> Tim
         if spent >= budget_s:
             break
     s = np.asarray(samples)
-    return Timing(float(np.median(s)), float(np.percentile(s, 20)), float(np.percentile(s, 80)),
-                  len(samples), warm, [float(x) for x in samples])
+    return Timing(
+        float(np.median(s)),
+        float(np.percentile(s, 20)),
+        float(np.percentile(s, 80)),
+        len(samples),
+        warm,
+        [float(x) for x in samples],
+    )
 
 
 def torch_module():
@@ -90,10 +101,11 @@ def threads(n: int | None):
 def default_threads() -> int:
     import numba
 
-    return int(numba.config.NUMBA_NUM_THREADS)
+    return int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------ peak memory ----
+
 
 def current_rss() -> int:
     """Resident set size of this process in bytes."""

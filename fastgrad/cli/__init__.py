@@ -4,24 +4,111 @@
 ``fastgrad bench [options]``      benchmark report (``bench.py``)
 ``fastgrad compare [options]``    Ascend accuracy standards on two outputs (``compare.py``)
 ``fastgrad golden OP [options]``  golden outputs through the float64 reference (``golden.py``)
+
+Error convention, for every subcommand: a bad flag, file, shape or value prints **one line** on
+stderr (``fastgrad: --flag: expected ..., got ...``) and exits with status 2, without a
+traceback; ``--debug`` (anywhere on the command line) adds the traceback.  Exit status 1 is
+reserved for a verdict (``--check``, ``compare``), 3 for an internal error, 130 for Ctrl-C.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
 SUBCOMMANDS = ("bench", "compare", "golden", "run")
 
+#: Exit statuses.
+EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class CliError(Exception):
+    """A user error: bad flag, file, shape or value.  Printed as one line, exit status 2.
+
+    ``CliError(flag, expected, given)`` words the message ``flag: expected E, got G``;
+    ``CliError(message)`` takes it as is.
+    """
+
+    def __init__(self, flag: str, expected: str | None = None, given=None, *, hint: str = ""):
+        self.flag = flag
+        if expected is None:
+            msg = flag
+        else:
+            msg = f"{flag}: expected {expected}, got {given}"
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(msg)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line on stderr and exits with status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        message = " ".join(str(message).split())
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} -h`)\n")
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    prog = "fastgrad"
     try:
         if argv and argv[0] in SUBCOMMANDS:
+            prog = f"fastgrad {argv[0]}"
             mod = importlib.import_module(f"{__name__}.{argv[0]}")
             return int(mod.main(argv[1:]) or 0)
         from . import run
 
         return int(run.main(argv) or 0)
-    except SystemExit as e:  # argparse: 0 for --help, 2 for bad usage
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except SystemExit as e:  # argparse: 0 for --help/--version, 2 for bad usage (already printed)
+        if isinstance(e.code, str):
+            print(_one_line(e.code), file=sys.stderr)
+            return EXIT_USAGE
+        return EXIT_OK if e.code is None else int(e.code)
+    except BrokenPipeError:  # `fastgrad --list-tensors CKPT | head`: the reader left, say nothing
+        import os
+
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit statuses
+        from ..errors import AclnnError
+
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        if isinstance(e, CliError):
+            print(f"{prog}: {_one_line(e)}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, AclnnError):
+            print(f"{prog}: {_one_line(e)}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, MemoryError):
+            print(
+                f"{prog}: out of memory{': ' + _one_line(e) if str(e) else ''} "
+                "(try a smaller --workspace-mb, more --shards or a smaller shape)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        if isinstance(e, OSError):
+            where = f" {e.filename!r}" if getattr(e, "filename", None) else ""
+            print(f"{prog}: cannot use{where}: {e.strerror or _one_line(e)}", file=sys.stderr)
+            return EXIT_USAGE
+        print(
+            f"{prog}: internal error: {type(e).__name__}: {_one_line(e)}"
+            + ("" if debug else " (run with --debug for the traceback)"),
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL

@@ -22,20 +22,26 @@ import argparse
 import json
 import sys
 
+from . import OneLineParser
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="fastgrad compare",
         description="Compare an output against golden data with the Ascend operator accuracy "
-                    "standards (single / double benchmark, legacy double-thousandth).")
+        "standards (single / double benchmark, legacy double-thousandth).",
+    )
     p.add_argument("actual", help="output under test (.npy or .bin)")
     p.add_argument("golden", help="golden output (.npy or .bin)")
     p.add_argument("--standard", default="single", choices=["single", "double", "legacy"])
     p.add_argument("--reference", help="third-party output for --standard double (.npy or .bin)")
-    p.add_argument("--level", default="L0", choices=["L0", "L1", "L2"],
-                   help="double benchmark level required to pass (default L0)")
-    p.add_argument("--dtype", help="dtype of the .bin files and of the thresholds "
-                                    "(float16|bfloat16|float32; default: the actual file's)")
+    p.add_argument(
+        "--level", default="L0", choices=["L0", "L1", "L2"], help="double benchmark level required to pass (default L0)"
+    )
+    p.add_argument(
+        "--dtype",
+        help="dtype of the .bin files and of the thresholds (float16|bfloat16|float32; default: the actual file's)",
+    )
     p.add_argument("--golden-dtype", help="dtype of a .bin golden when it differs from --dtype")
     p.add_argument("--reference-dtype", help="dtype of a .bin reference when it differs from --dtype")
     p.add_argument("--shape", help="reshape the files, e.g. 2,3,4")
@@ -45,11 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from ..compare import compare, load_array, REL_EPS
+    from ..compare import REL_EPS, compare, load_array
     from ..errors import AclnnError
 
     p = build_parser()
     args = p.parse_args(argv)
+
     def load(path, dtype):  # the dtype options describe raw .bin files; .npy carry their own
         return load_array(path, dtype if not path.lower().endswith(".npy") else None, args.shape)
 
@@ -62,8 +69,15 @@ def main(argv: list[str]) -> int:
         if args.standard == "double" and ref is None:
             print("fastgrad compare: --standard double needs --reference", file=sys.stderr)
             return 2
-        res = compare(actual, golden, dtype=args.dtype, standard=args.standard, reference=ref,
-                      level=args.level, eps=REL_EPS if args.eps is None else args.eps)
+        res = compare(
+            actual,
+            golden,
+            dtype=args.dtype,
+            standard=args.standard,
+            reference=ref,
+            level=args.level,
+            eps=REL_EPS if args.eps is None else args.eps,
+        )
     except (AclnnError, OSError, ValueError) as e:
         print(f"fastgrad compare: {e}", file=sys.stderr)
         return 2

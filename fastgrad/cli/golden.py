@@ -38,10 +38,18 @@ import sys
 
 import numpy as np
 
+from . import OneLineParser
+
 #: Output names of each public op, in the order it returns them.
 OUTPUT_NAMES = {
-    "fused_linear_online_max_sum": ("logits_max_local", "sum_exp_logits_local", "predicted_logits_local",
-                                    "target_mask", "masked_target", "vocab_parallel_logits"),
+    "fused_linear_online_max_sum": (
+        "logits_max_local",
+        "sum_exp_logits_local",
+        "predicted_logits_local",
+        "target_mask",
+        "masked_target",
+        "vocab_parallel_logits",
+    ),
     "fused_cross_entropy_loss_with_max_sum": ("loss", "softmax"),
     "fused_linear_cross_entropy_loss_grad": ("grad_input", "grad_weight"),
     "cross_entropy_loss_grad": ("x_grad",),
@@ -67,6 +75,7 @@ def read_inputs(op: str, inputs_dir: str, attrs: dict | None = None) -> tuple[di
     """The keyword arguments of ``op`` found in ``inputs_dir`` (+ ``attrs``), and the names of
     files that match no parameter."""
     import fastgrad as fg
+
     from ..compare import load_array
 
     fn = getattr(fg, op)
@@ -97,11 +106,13 @@ def read_inputs(op: str, inputs_dir: str, attrs: dict | None = None) -> tuple[di
     return kwargs, unused
 
 
-def golden(op: str, inputs_dir: str, out_dir: str, *, attrs: dict | None = None, fmt: str = "npy",
-           backend: str = "reference") -> dict:
+def golden(
+    op: str, inputs_dir: str, out_dir: str, *, attrs: dict | None = None, fmt: str = "npy", backend: str = "reference"
+) -> dict:
     """Run ``op`` on the inputs in ``inputs_dir`` through ``backend`` and write its outputs to
     ``out_dir``; returns ``{output_name: array}`` (None outputs omitted)."""
     import fastgrad as fg
+
     from ..compare import save_array
     from ..dtypes import dtype_name
 
@@ -121,13 +132,17 @@ def golden(op: str, inputs_dir: str, out_dir: str, *, attrs: dict | None = None,
         a = np.asarray(val)
         path = save_array(os.path.join(out_dir, f"{name}.{fmt}"), a)
         outputs[name] = a
-        manifest_out[name] = {"dtype": dtype_name(a.dtype), "shape": list(a.shape),
-                              "file": os.path.basename(path)}
+        manifest_out[name] = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "file": os.path.basename(path)}
     manifest = {
-        "op": op, "backend": backend, "fastgrad": fg.__version__,
-        "inputs": {k: ({"dtype": dtype_name(v.dtype), "shape": list(v.shape)} if isinstance(v, np.ndarray)
-                       else {"value": v}) for k, v in kwargs.items()},
-        "outputs": manifest_out, "ignored_files": unused,
+        "op": op,
+        "backend": backend,
+        "fastgrad": fg.__version__,
+        "inputs": {
+            k: ({"dtype": dtype_name(v.dtype), "shape": list(v.shape)} if isinstance(v, np.ndarray) else {"value": v})
+            for k, v in kwargs.items()
+        },
+        "outputs": manifest_out,
+        "ignored_files": unused,
     }
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, default=str)
@@ -135,15 +150,21 @@ def golden(op: str, inputs_dir: str, out_dir: str, *, attrs: dict | None = None,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastgrad golden",
-                                description="Golden outputs of a fastgrad op from input files, "
-                                            "through the float64 reference backend.")
+    p = OneLineParser(
+        prog="fastgrad golden",
+        description="Golden outputs of a fastgrad op from input files, through the float64 reference backend.",
+    )
     p.add_argument("op", help="public op name: " + ", ".join(OPS))
     p.add_argument("--inputs", required=True, metavar="DIR", help="directory of <param>.npy/.bin files")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for <output>.npy/.bin")
     p.add_argument("--format", default="npy", choices=["npy", "bin"], help="output file format")
-    p.add_argument("--attr", action="append", default=[], metavar="NAME=VALUE",
-                   help="scalar parameter (JSON value), e.g. --attr reduction='\"sum\"' or --attr beta=0.5")
+    p.add_argument(
+        "--attr",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="scalar parameter (JSON value), e.g. --attr reduction='\"sum\"' or --attr beta=0.5",
+    )
     p.add_argument("--backend", default="reference", help="backend computing the outputs (default reference)")
     return p
 

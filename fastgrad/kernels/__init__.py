@@ -1,9 +1,8 @@
-"""op_kernel layer: Numba kernels over one plan. Importing this registers the ``"cpu"`` backend."""
+"""op_kernel layer: pure Numba kernels, each over one plan.
 
-from . import fused_linear_cross_entropy_loss_grad  # noqa: F401
-from . import fused_linear_online_max_sum  # noqa: F401
-from . import fused_cross_entropy_loss_with_max_sum  # noqa: F401
-from . import cross_entropy_loss_grad  # noqa: F401
-from . import scaled_masked_softmax_backward  # noqa: F401
-from . import smooth_l1_loss_backward  # noqa: F401
-from . import embedding_dense_backward  # noqa: F401
+A kernel module imports only the dtype conversions (:mod:`fastgrad.dtypes`), the JIT helpers
+(:mod:`fastgrad._jit`), the shared kernel helpers of this package (``_gemm``, ``_linear``,
+``_vmath``, ``_strided``) and its plan's type (:mod:`fastgrad.tiling`) — never the backend
+registry, torch, or another kernel's private names.  The ``"cpu"`` backend's table
+(:mod:`fastgrad.backends.cpu`) names the entry points.
+"""

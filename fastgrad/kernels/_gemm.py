@@ -59,22 +59,20 @@ def _run(tasks):
         f.result()
 
 
+def _spans(M: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(a + step, M)) for a in range(0, M, step)]
+
+
 def matmul_nt(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = A[M, K] · B[N, K]ᵀ, blocks of ROW_BLOCK rows of out."""
-    M = A.shape[0]
-    _run([(lambda a=a, b=min(a + ROW_BLOCK, M): np.matmul(A[a:b], B.T, out=out[a:b]))
-          for a in range(0, M, ROW_BLOCK)])
+    _run([(lambda a=a, b=b: np.matmul(A[a:b], B.T, out=out[a:b])) for a, b in _spans(A.shape[0], ROW_BLOCK)])
 
 
 def matmul_nn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = A[M, K] · B[K, N], blocks of ROW_BLOCK rows of out."""
-    M = A.shape[0]
-    _run([(lambda a=a, b=min(a + ROW_BLOCK, M): np.matmul(A[a:b], B, out=out[a:b]))
-          for a in range(0, M, ROW_BLOCK)])
+    _run([(lambda a=a, b=b: np.matmul(A[a:b], B, out=out[a:b])) for a, b in _spans(A.shape[0], ROW_BLOCK)])
 
 
 def matmul_tn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = A[K, M]ᵀ · B[K, N], blocks of COL_BLOCK rows of out (columns of A)."""
-    M = A.shape[1]
-    _run([(lambda a=a, b=min(a + COL_BLOCK, M): np.matmul(A[:, a:b].T, B, out=out[a:b]))
-          for a in range(0, M, COL_BLOCK)])
+    _run([(lambda a=a, b=b: np.matmul(A[:, a:b].T, B, out=out[a:b])) for a, b in _spans(A.shape[1], COL_BLOCK)])

@@ -31,22 +31,7 @@ def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None) -
     n, h = blk.shape
     if a.dtype == D.FLOAT32:
         return np.ascontiguousarray(blk)
-    out = (buf[: n * h].reshape(n, h) if buf is not None else np.empty((n, h), np.float32))
+    out = buf[: n * h].reshape(n, h) if buf is not None else np.empty((n, h), np.float32)
     if n and h:
         _widen_rows(np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
     return out
-
-
-def mask_bits(target_mask: np.ndarray, BT: int) -> np.ndarray:
-    """Per-row bool 'target not in this shard' from a packed uint8 (LSB-first) or bool mask."""
-    if target_mask.dtype == np.bool_:
-        return np.ascontiguousarray(target_mask[:BT])
-    packed = np.ascontiguousarray(target_mask)
-    return np.unpackbits(packed, bitorder="little")[:BT].astype(np.bool_)
-
-
-def target_columns(masked_target: np.ndarray, masked: np.ndarray, V: int) -> np.ndarray:
-    """int64 column of each row's target in this shard, -1 where masked or outside [0, V)."""
-    t = np.asarray(masked_target, dtype=np.int64)
-    ok = (~masked) & (t >= 0) & (t < V)
-    return np.where(ok, t, -1).astype(np.int64)

@@ -8,7 +8,7 @@ import numpy as np
 from .._jit import njit
 
 _LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)        # Cody-Waite split of ln 2 (Cephes expf)
+_LN2_HI = np.float32(0.693359375)  # Cody-Waite split of ln 2 (Cephes expf)
 _LN2_LO = np.float32(-2.12194440e-4)
 _P0 = np.float32(1.9875691500e-4)
 _P1 = np.float32(1.3981999507e-3)
@@ -16,8 +16,8 @@ _P2 = np.float32(8.3334519073e-3)
 _P3 = np.float32(4.1665795894e-2)
 _P4 = np.float32(1.6666665459e-1)
 _P5 = np.float32(5.0000001201e-1)
-_XMIN = np.float32(-104.0)               # exp(-104) < 2**-150: rounds to +0
-_XMAX = np.float32(89.0)                 # exp(89) > FLT_MAX: overflows to +inf
+_XMIN = np.float32(-104.0)  # exp(-104) < 2**-150: rounds to +0
+_XMAX = np.float32(89.0)  # exp(89) > FLT_MAX: overflows to +inf
 
 
 @njit(fastmath={"contract"})

@@ -5,8 +5,15 @@ One fused, parallel, single pass over ``log_prob``: each block of a row reads it
 ``x_grad = p * coef_p[i] - coef_s[i] * weight[j] - [j == t_i] * coef_t[i]`` rounded once to the
 output format.  The O(N) per-row coefficients (the scale ``s_i``, the target weight, the
 mean's denominator ``W = sum_i w_i``, the z-loss term) are computed first by a small serial
-kernel, in a fixed order, so the result does not depend on the thread count.  Ignored rows
-(and rows of an all-ignored ``mean``) are filled without reading ``log_prob``.
+kernel, in a fixed order, so the result does not depend on the thread count.
+
+Rounding order (ls = 0, the device's path), bit for bit as the 910B kernel
+(``cross_entropy_loss_grad_weight_none.h:164-170,90-101``, ``..._weight_not_none.h:183-194,
+110-150``): ``c_i = fl(fl(fl(g·(1-ls)) / W)·ignore_i)·w_i`` (mean; ``fl(g·(1-ls))`` for sum,
+``fl(g_i·(1-ls))`` for none), ``x = fl(p·c_i)``, at the target ``fl(x - c_i)``, then one RINT
+cast to the dtype.  Ignored rows go through the same pass with ``c_i = ±0`` (the device
+multiplies them by ``ignoreSelect = 0``): 0, but NaN where ``exp(log_prob)`` is NaN or inf,
+and NaN everywhere when ``c_i`` is (all-ignored ``mean``: W = 0).
 
 The element loads/stores (:func:`fastgrad.dtypes.load_f32`, :func:`~fastgrad.dtypes.store_as`)
 and :func:`fastgrad.kernels._vmath.exp_f32` are branch-free, so LLVM vectorizes the loops.
@@ -17,9 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._jit import njit, pjit, prange
-from ..backends import implements
 from ..dtypes import code_of, storage_view
-from ..dtypes import load_f32_arith as load_f32, store_arith as store_as
+from ..dtypes import load_f32_arith as load_f32
+from ..dtypes import store_arith as store_as
 from ._vmath import exp_f32
 
 OP = "cross_entropy_loss_grad"
@@ -28,9 +35,9 @@ OP = "cross_entropy_loss_grad"
 # Per-row coefficients (O(N), serial, fixed order: the tiling/scalar part)
 # ----------------------------------------------------------------------------------------
 
+
 @njit(error_model="numpy")
-def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls,
-                      gz, lse, zscale, coef_p, coef_t, coef_s):
+def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls, gz, lse, zscale, coef_p, coef_t, coef_s):
     """Fill the per-row fp32 coefficients; returns True when some row is ignored.
 
     ``red``: 0 none, 1 mean, 2 sum.  ``grad``/``gz``: fp32 [N] (the 0-d values repeated
@@ -41,8 +48,8 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls,
     * zloss_i = 2·zscale·lse_i·m·gz_i  (gz_i divided by the non-ignored count for mean)
     * coef_t = nll_i (subtracted at j == t).
 
-    Ignored rows get ``coef_t = 0`` and ``coef_p = s_i·0`` (NaN when s_i is not finite, as
-    on the device: e.g. W = 0 for an all-ignored mean).
+    Ignored rows get ``coef_t = coef_p = s_i·0·w`` (±0; NaN when s_i is not finite, as on the
+    device: e.g. W = 0 for an all-ignored mean).
     """
     n = tgt.shape[0]
     c = weight.shape[0]
@@ -76,6 +83,8 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls,
         if t == ignore_index:
             m = np.float32(0.0)
             any_ignored = True
+            if has_weight:  # device: weight[t] (t >= 0), 0 for a negative ignore_index
+                wt = weight[t] if 0 <= t < c else np.float32(0.0)
         elif has_weight:
             wt = weight[t]
         if red == 1:
@@ -85,16 +94,14 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls,
             lo = g * keep * m
             sm = g * ls_c * m
         nll = lo * wt
-        cp = nll + sm * Wc
+        # ls = 0 (the device's only path): c_i itself, no 0·Σweight term (keeps -0, inf)
+        cp = nll + sm * Wc if lsf != np.float32(0.0) else nll
         if zscale != 0.0:
             zg = gz[i]
             if red == 1:
                 zg = zg / np.float32(cnt)
             cp = cp + zs2 * lse[i] * m * zg
-        if m == np.float32(0.0):
-            coef_t[i] = np.float32(0.0)
-        else:
-            coef_t[i] = nll
+        coef_t[i] = nll  # ignored rows: ±0 (or NaN), subtracted at t as on the device
         coef_p[i] = cp
         coef_s[i] = sm
     return any_ignored
@@ -134,15 +141,9 @@ def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, weight,
         j1 = min(j0 + _BLOCK, c)
         t = tgt[i]
         a = coef_p[i]
-        # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices
+        # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices.
+        # Ignored rows too (a = ±0): exp(log_prob)·0 as on the device, NaN propagates.
         dst = out[i, j0:j1]
-        if t == ignore_index:
-            # ignored row: 0 (NaN when the row scale is not finite), log_prob not read
-            d = a - a
-            z = store_as(d if d != d else np.float32(0.0), code, out)
-            for j in range(dst.shape[0]):
-                dst[j] = z
-            continue
         src = lp[i, j0:j1]
         b = coef_s[i]
         wv = weight[j0:j1]
@@ -161,10 +162,20 @@ def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, weight,
             out[i, t] = store_as(v, code, out)
 
 
-@implements("cpu", OP)
-def cross_entropy_loss_grad_cpu(*, grad_loss, log_prob, target, weight, reduction, ignore_index,
-                                label_smoothing, grad_zloss, lse_for_zloss,
-                                lse_square_scale_for_zloss, out):
+def cross_entropy_loss_grad_cpu(
+    *,
+    grad_loss,
+    log_prob,
+    target,
+    weight,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    grad_zloss,
+    lse_for_zloss,
+    lse_square_scale_for_zloss,
+    out,
+):
     """Numba implementation (the op module has validated every argument)."""
     n, c = log_prob.shape
     if n == 0 or c == 0:
@@ -184,11 +195,34 @@ def cross_entropy_loss_grad_cpu(*, grad_loss, log_prob, target, weight, reductio
     coef_p = np.empty(n, np.float32)
     coef_t = np.empty(n, np.float32)
     coef_s = np.empty(n, np.float32)
-    _row_coefficients(tgt, grad, w, has_weight, red, int(ignore_index), float(label_smoothing),
-                      gz, lse, zscale, coef_p, coef_t, coef_s)
-    lp = storage_view(np.ascontiguousarray(log_prob))   # the device's Contiguous step
-    _ce_grad_kernel(lp, code_of(log_prob.dtype), tgt, int(ignore_index), coef_p, coef_t, coef_s,
-                    w, float(label_smoothing) != 0.0, storage_view(out))
+    _row_coefficients(
+        tgt,
+        grad,
+        w,
+        has_weight,
+        red,
+        int(ignore_index),
+        float(label_smoothing),
+        gz,
+        lse,
+        zscale,
+        coef_p,
+        coef_t,
+        coef_s,
+    )
+    lp = storage_view(np.ascontiguousarray(log_prob))  # the device's Contiguous step
+    _ce_grad_kernel(
+        lp,
+        code_of(log_prob.dtype),
+        tgt,
+        int(ignore_index),
+        coef_p,
+        coef_t,
+        coef_s,
+        w,
+        float(label_smoothing) != 0.0,
+        storage_view(out),
+    )
     return out
 
 

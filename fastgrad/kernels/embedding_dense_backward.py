@@ -33,9 +33,8 @@ from numba.extending import intrinsic
 
 from .._config import get_num_threads
 from .._jit import njit, pjit, prange
-from ..backends import implements
 from ..dtypes import BFLOAT16, FLOAT32, code_of, from_f32, storage_view, to_f32
-from .smooth_l1_loss_backward import _base
+from ._strided import strided_base as _base
 
 OP = "embedding_dense_backward"
 
@@ -97,14 +96,14 @@ def _rows_f32(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob
         c = counts[k]
         if c == 0 or k == padding_idx:
             continue
-        row = ob[k * d:(k + 1) * d]
+        row = ob[k * d : (k + 1) * d]
         i = order[starts[k]]
-        g = gb[goff + i * grs:goff + i * grs + d]
+        g = gb[goff + i * grs : goff + i * grs + d]
         for j in range(d):
             row[j] = np.float32(0.0) + g[j]  # +0 start: a -0 sum gives +0, as the device
         for p in range(starts[k] + 1, starts[k + 1]):
             i = order[p]
-            g = gb[goff + i * grs:goff + i * grs + d]
+            g = gb[goff + i * grs : goff + i * grs + d]
             for j in range(d):
                 row[j] += g[j]
         if scale:
@@ -121,11 +120,11 @@ def _row16(gb, goff, grs, d, order, p0, p1, acc, row, scale, c, code):
         acc[j] = np.float32(0.0)
     for p in range(p0, p1 - 1):
         i = order[p]
-        g = gb[goff + i * grs:goff + i * grs + d]
+        g = gb[goff + i * grs : goff + i * grs + d]
         for j in range(d):
             acc[j] += to_f32(g[j], code)
     i = order[p1 - 1]
-    g = gb[goff + i * grs:goff + i * grs + d]
+    g = gb[goff + i * grs : goff + i * grs + d]
     if scale:
         cf = np.float32(c)
         for j in range(d):
@@ -142,7 +141,7 @@ def _rows_16(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob,
         c = counts[k]
         if c == 0 or k == padding_idx:
             continue
-        row = ob[k * d:(k + 1) * d]
+        row = ob[k * d : (k + 1) * d]
         if code == 1:
             _row16(gb, goff, grs, d, order, starts[k], starts[k + 1], acc, row, scale, c, 1)
         else:
@@ -187,7 +186,6 @@ def index_int64(indices: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-@implements("cpu", OP)
 def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out):
     """Numba implementation (see module docstring); fills ``out`` [num_weights, D] completely."""
     nw, d = out.shape
@@ -209,6 +207,5 @@ def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_g
     if out.dtype == FLOAT32:
         _emb_f32(gb, goff, grs, d, counts, starts, order, pad, scale, ob, get_num_threads())
     else:
-        _emb_16(gb, goff, grs, d, counts, starts, order, pad, scale, ob, code_of(out.dtype),
-                get_num_threads())
+        _emb_16(gb, goff, grs, d, counts, starts, order, pad, scale, ob, code_of(out.dtype), get_num_threads())
     return out

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import pjit, prange
-from ..backends import implements
+from ..vocab_parallel import smoothed_loss
 from ._vmath import exp_f32
 
 OP = "fused_cross_entropy_loss_with_max_sum"
@@ -36,9 +36,9 @@ def _softmax32(logits, lmax, sexp, out):
             out[i, j] = exp_f32(logits[i, j] - m) * inv
 
 
-@implements("cpu", OP)
-def fused_cross_entropy_loss_with_max_sum(*, logits_max, sum_exp_logits, predicted_logits,
-                                          label_smoothing, vocab_parallel_logits, out):
+def fused_cross_entropy_loss_with_max_sum(
+    *, logits_max, sum_exp_logits, predicted_logits, label_smoothing, vocab_parallel_logits, out
+):
     loss, softmax = out
     se = np.asarray(sum_exp_logits, dtype=np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -51,3 +51,5 @@ def fused_cross_entropy_loss_with_max_sum(*, logits_max, sum_exp_logits, predict
             _softmax32(lg, lm, sc, softmax)
         else:
             _softmax16(lg.view(np.uint16), D.code_of(lg.dtype), lm, sc, softmax)
+    if label_smoothing != 0.0 and softmax is not None:
+        loss[...] = smoothed_loss(loss, softmax, label_smoothing)

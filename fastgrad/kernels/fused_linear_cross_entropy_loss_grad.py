@@ -13,6 +13,16 @@ after the row tiles of one vocabulary tile, ``grad_weight[v] = round(gw32)``; at
 exponential and never writes to it.
 
 All scratch is tile-sized or ``[BT, H]``-sized: nothing grows with BT×V.
+
+Gradient filtering (``plan.filter_eps``, memory-saving mode; an extension, as Cut
+Cross-Entropy's ``filter_eps``): before the epilogue a read-only pass over the logits tile
+records, per row and per block of ``plan.filter_cols`` columns, whether any
+``|softmax - onehot·(1-s) - s/K|`` may reach eps (a threshold on the logit:
+``l >= logits_max + log(eps'·sum_exp)``, with a margin); a block of
+``plan.filter_rows`` rows × ``filter_cols`` columns where none is (the target column never is
+negligible) contributes nothing to steps 3–4: the kept blocks' columns of ``g`` and rows of ``W``
+are gathered and the two GEMMs run on them.  A tile with every block kept takes the dense path
+unchanged (bitwise equal to the unfiltered op).
 """
 
 from __future__ import annotations
@@ -21,10 +31,10 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import pjit, prange
-from ..backends import implements
-from ..tiling import plan_linear_cross_entropy
+from ..tiling import LinearCrossEntropyPlan
+from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
 from ._gemm import matmul_nn, matmul_nt, matmul_tn, single_threaded_blas
-from ._linear import fp32_block, mask_bits, target_columns
+from ._linear import fp32_block
 from ._vmath import exp_f32
 
 OP = "fused_linear_cross_entropy_loss_grad"
@@ -61,6 +71,56 @@ def _epilogue_memory_saving(L, row0, col0, logits_max, sum_exp, grad, tcol, code
 
 
 @pjit
+def _block_flags(L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flags):
+    """``flags[i, jb]`` = 1 when a logit of row i in column block jb (``fb`` columns) is >=
+    ``logits_max[r] + log(lim·sum_exp[r])`` — i.e. its softmax value may reach ``lim`` — or is
+    NaN, or the block holds the row's target column.  Reads the fp32 logits tile L [nb, nv]
+    before the epilogue overwrites it.  The caller's ``lim`` carries a safety margin, so a
+    block without a flag has every value strictly below the filtering threshold."""
+    nb, nv = L.shape
+    nblk = flags.shape[1]
+    for i in prange(nb):
+        r = row0 + i
+        thr = np.float32(logits_max[r] + np.log(np.float64(lim) * np.float64(sum_exp[r])))
+        for jb in range(nblk):
+            j0 = jb * fb
+            j1 = min(j0 + fb, nv)
+            hits = 0
+            for j in range(j0, j1):
+                x = L[i, j]
+                hits += (x >= thr) | (x != x)
+            flags[i, jb] = hits > 0
+        t = tcol[r] - col0
+        if t >= 0 and t < nv:
+            flags[i, t // fb] = True  # the target column is never filtered
+
+
+def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs) -> None:
+    """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc)."""
+    nb, nv = G.shape
+    H = W32.shape[1]
+    g_c, w_c, q_c, p_c = bufs
+    for k in range(keep.shape[0]):
+        r0, r1 = k * rb, min((k + 1) * rb, nb)
+        kb = np.flatnonzero(keep[k])
+        if kb.size == 0:
+            continue
+        cols = (kb[:, None] * fb + np.arange(fb)[None, :]).reshape(-1)
+        cols = cols[cols < nv]
+        nk, nr = cols.size, r1 - r0
+        Gc = g_c[: nr * nk].reshape(nr, nk)
+        np.take(G[r0:r1], cols, axis=1, out=Gc)
+        Wc = w_c[: nk * H].reshape(nk, H)
+        np.take(W32, cols, axis=0, out=Wc)
+        P = p_c[: nr * H].reshape(nr, H)
+        matmul_nn(Gc, Wc, P)
+        np.add(gi_rows[r0:r1], P, out=gi_rows[r0:r1])
+        Q = q_c[: nk * H].reshape(nk, H)
+        matmul_tn(Gc, Xb[r0:r1], Q)
+        gwt[cols] += Q
+
+
+@pjit
 def _epilogue_high_performance(S, G, row0, col0, grad, tcol, code, smooth, inv_k):
     """G [nb, nv] <- round((S[row0+i, col0+j] - onehot·(1-s) - s/K)·grad); S is not written."""
     nb, nv = G.shape
@@ -76,52 +136,73 @@ def _epilogue_high_performance(S, G, row0, col0, grad, tcol, code, smooth, inv_k
             G[i, t] = D.round_f32((S[r, col0 + t] - one_minus_s - s_over_k) * g, code)
 
 
-def _scalars(label_smoothing: float, V: int):
-    """Megatron's label smoothing with K = local vocabulary: s = α·K/(K-1), applied as s/K."""
-    a = float(label_smoothing)
-    if a == 0.0 or V <= 1:
-        return np.float32(0.0), np.float32(0.0)
-    s = a * V / (V - 1)
-    return np.float32(s), np.float32(1.0 / V)
-
-
-def run(grad, input, weight, target_mask, masked_target, label_smoothing, logits_max,
-        sum_exp_logits, softmax, out, plan=None, progress=None):
+def run(
+    grad,
+    input,
+    weight,
+    target_mask,
+    masked_target,
+    label_smoothing,
+    logits_max,
+    sum_exp_logits,
+    softmax,
+    out,
+    plan: LinearCrossEntropyPlan,
+    progress=None,
+    stats=None,
+):
     """Execute the op over a tile plan. ``out = (grad_input, grad_weight)`` C-contiguous.
 
-    ``progress``: optional callable(n_tiles_done) invoked after each tile (the CLI's bar).
+    ``progress``: optional callable(done, total) invoked after each tile (the CLI's bar).
+    ``stats``: optional dict receiving ``blocks_total`` / ``blocks_skipped`` (filtering).
     """
+    stats = {} if stats is None else stats
+    stats.setdefault("blocks_total", 0)
+    stats.setdefault("blocks_skipped", 0)
     gi_out, gw_out = out
     BT, H = input.shape
     V = weight.shape[0]
-    mode = "memory_saving" if softmax is None else "high_performance"
     widen = input.dtype != D.FLOAT32
-    if plan is None:
-        plan = plan_linear_cross_entropy(BT, V, H, mode=mode, widen=widen)
     if BT == 0 or V == 0 or H == 0:
         gi_out[...] = 0
         gw_out[...] = 0
         return plan
     code = D.code_of(input.dtype)
     grad32 = np.ascontiguousarray(grad, dtype=np.float32)
-    masked = mask_bits(target_mask, BT)
+    masked = unpack_target_mask(target_mask, BT)
     tcol = target_columns(masked_target, masked, V)
-    smooth, inv_k = _scalars(label_smoothing, V)
+    s_, s_over_k = megatron_smoothing(float(label_smoothing), V)
+    smooth, inv_k = np.float32(s_), np.float32(1.0 / V if s_ else 0.0)
 
-    X32 = fp32_block(input, 0, BT)                       # [BT, H] exact fp32 copy
-    gi32 = np.zeros((BT, H), np.float32)                 # grad_input accumulator
+    X32 = fp32_block(input, 0, BT)  # [BT, H] exact fp32 copy
+    gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
     bt, vt = plan.bt_tile, plan.v_tile
-    g_buf = np.empty(bt * vt, np.float32)                # logits / g tile
+    g_buf = np.empty(bt * vt, np.float32)  # logits / g tile
     w_buf = np.empty(vt * H, np.float32) if widen else None
-    gw32 = np.empty(vt * H, np.float32)                  # grad_weight tile accumulator
-    prod = np.empty(bt * H, np.float32)                  # g·W product of one tile
-    gw_tmp = np.empty(vt * H, np.float32) if plan.n_bt_tiles > 1 else None
+    gw32 = np.empty(vt * H, np.float32)  # grad_weight tile accumulator
+    prod = np.empty(bt * H, np.float32)  # g·W product of one tile
+    gw_tmp = np.empty(vt * H if plan.n_bt_tiles > 1 or plan.filter_eps is not None else 0, np.float32)
     if softmax is None:
         lmax = np.ascontiguousarray(logits_max, dtype=np.float32)
         sexp = np.ascontiguousarray(sum_exp_logits, dtype=np.float32)
     else:
         S = np.ascontiguousarray(softmax, dtype=np.float32)  # a view when already contiguous
     W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
+    eps = plan.filter_eps if softmax is None else None
+    if eps is not None and s_over_k >= eps:
+        eps = None  # the uniform smoothing term alone is not negligible
+    if eps is not None:
+        fb, rb = plan.filter_cols, plan.filter_rows
+        # |p - s/K| < eps  <=>  p < eps + s/K (p >= 0; no block is negligible when s/K >= eps),
+        # tested on the logits with a 1e-3 relative margin against the rounding of exp and log
+        lim = (eps + float(s_over_k)) * np.exp(-1e-3)
+        flags = np.empty(bt * (-(-vt // fb)), np.bool_)
+        fbufs = (
+            np.empty(min(rb, bt) * vt, np.float32),
+            np.empty(vt * H, np.float32),
+            np.empty(vt * H, np.float32),
+            np.empty(min(rb, bt) * H, np.float32),
+        )
     done = 0
     for v0, v1 in plan.v_ranges():
         nv = v1 - v0
@@ -132,32 +213,77 @@ def run(grad, input, weight, target_mask, masked_target, label_smoothing, logits
             nb = b1 - b0
             G = g_buf[: nb * nv].reshape(nb, nv)
             Xb = X32[b0:b1]
+            keep = None
             if softmax is None:
                 matmul_nt(Xb, W32, G)
+                if eps is not None:
+                    nblk = -(-nv // fb)
+                    F = flags[: nb * nblk].reshape(nb, nblk)
+                    _block_flags(G, b0, v0, lmax, sexp, tcol, lim, fb, F)
                 _epilogue_memory_saving(G, b0, v0, lmax, sexp, grad32, tcol, code, smooth, inv_k)
+                if eps is not None:
+                    keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
+                    n_keep = int(keep.sum())
+                    stats["blocks_total"] += keep.size
+                    stats["blocks_skipped"] += keep.size - n_keep
+                    if n_keep == keep.size:
+                        keep = None  # nothing negligible: the dense path
             else:
                 _epilogue_high_performance(S, G, b0, v0, grad32, tcol, code, smooth, inv_k)
-            P = prod[: nb * H].reshape(nb, H)
-            matmul_nn(G, W32, P)
-            np.add(gi32[b0:b1], P, out=gi32[b0:b1])
-            if first:
-                matmul_tn(G, Xb, gwt)
-                first = False
+            if keep is not None:
+                if first:
+                    gwt[...] = 0
+                    first = False
+                _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs)
             else:
-                Q = gw_tmp[: nv * H].reshape(nv, H)
-                matmul_tn(G, Xb, Q)
-                np.add(gwt, Q, out=gwt)
+                P = prod[: nb * H].reshape(nb, H)
+                matmul_nn(G, W32, P)
+                np.add(gi32[b0:b1], P, out=gi32[b0:b1])
+                if first:
+                    matmul_tn(G, Xb, gwt)
+                    first = False
+                else:
+                    Q = gw_tmp[: nv * H].reshape(nv, H)
+                    matmul_tn(G, Xb, Q)
+                    np.add(gwt, Q, out=gwt)
             done += 1
             if progress is not None:
-                progress(done)
+                progress(done, plan.n_tiles)
         D.from_float32(gwt, gw_out.dtype, out=gw_out[v0:v1])
     D.from_float32(gi32, gi_out.dtype, out=gi_out)
     return plan
 
 
-@implements("cpu", OP)
-def fused_linear_cross_entropy_loss_grad(*, grad, input, weight, target_mask, masked_target,
-                                         label_smoothing, logits_max, sum_exp_logits, softmax, out):
+def fused_linear_cross_entropy_loss_grad(
+    *,
+    grad,
+    input,
+    weight,
+    target_mask,
+    masked_target,
+    label_smoothing,
+    logits_max,
+    sum_exp_logits,
+    softmax,
+    out,
+    plan,
+    progress=None,
+    stats=None,
+):
+    """The ``"cpu"`` entry point (arguments validated by the op)."""
     with single_threaded_blas():
-        run(grad, input, weight, target_mask, masked_target, label_smoothing, logits_max,
-            sum_exp_logits, softmax, out)
+        run(
+            grad,
+            input,
+            weight,
+            target_mask,
+            masked_target,
+            label_smoothing,
+            logits_max,
+            sum_exp_logits,
+            softmax,
+            out,
+            plan,
+            progress,
+            stats,
+        )

@@ -1,8 +1,9 @@
 """op_kernel: FusedLinearOnlineMaxSum on the CPU (the companion forward).
 
-Per tile of the plan: ``L = X[b] · W[v]ᵀ`` in fp32 (BLAS), rounded to the input dtype (the
-device's matmul output type), then a parallel Numba pass updates each row's running max and
-sum of exponentials online (``s <- s·exp(m - m') + Σ exp(l - m')``) and picks the target logit.
+Per tile of the op_host plan: ``L = X[b] · W[v]ᵀ`` in fp32 (BLAS), rounded to ``logits_dtype``
+(the input dtype by default: the device's matmul output type; fp32 keeps the logits), then a
+parallel Numba pass updates each row's running max and sum of exponentials online
+(``s <- s·exp(m - m') + Σ exp(l - m')``) and picks the target logit.
 The tile order is fixed by the plan, so results do not depend on the thread count.
 """
 
@@ -12,8 +13,8 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, pjit, prange
-from ..backends import implements
-from ..tiling import plan_linear_cross_entropy
+from ..tiling import LinearCrossEntropyPlan
+from ..vocab_parallel import pack_target_mask, shard_target_mask
 from ._gemm import matmul_nt, single_threaded_blas
 from ._linear import fp32_block
 from ._vmath import exp_f32
@@ -32,7 +33,7 @@ def _nan_count(L, i):
     c = 0
     for j in range(L.shape[1]):
         x = L[i, j]
-        c += (x != x)
+        c += x != x
     return c
 
 
@@ -82,29 +83,34 @@ def _online_tile(L, row0, col0, code, m_run, s_run, tcol, picked):
             picked[r] = L[i, t]
 
 
-def run(input, weight, target, vocab_start_index, vocab_end_index, return_logits, out,
-        plan=None, progress=None):
+def run(
+    input,
+    weight,
+    target,
+    vocab_start_index,
+    vocab_end_index,
+    logits_dtype,
+    out,
+    plan: LinearCrossEntropyPlan,
+    progress=None,
+):
     """``out = (logits_max, sum_exp, predicted, target_mask, masked_target, logits or None)``."""
     lmax, sexp, pred, tmask, mtarget, logits = out
     BT, H = input.shape
     V = weight.shape[0]
     widen = input.dtype != D.FLOAT32
-    if plan is None:
-        plan = plan_linear_cross_entropy(BT, V, H, mode="forward", widen=widen)
     t = np.asarray(target).astype(np.int64, copy=False)
-    masked = (t < vocab_start_index) | (t >= vocab_end_index)
+    masked = shard_target_mask(t, vocab_start_index, vocab_end_index)
     local = np.where(masked, 0, t - vocab_start_index)
     mtarget[...] = local.astype(mtarget.dtype)
-    bits = np.ones(tmask.shape[0] * 8, np.bool_)   # padding bits are 1 (device: maskBit[p >= BT] = 1)
-    bits[:BT] = masked
-    tmask[...] = np.packbits(bits, bitorder="little")
+    tmask[...] = pack_target_mask(masked, vocab_start_index, vocab_end_index)
     tcol = np.where(masked | (local >= V), -1, local).astype(np.int64)
 
     lmax[...] = -np.inf
     sexp[...] = 0.0
     picked = np.zeros(BT, np.float32)
     if BT and V:
-        code = D.code_of(input.dtype)
+        code = D.code_of(logits_dtype)
         X32 = fp32_block(input, 0, BT)
         bt, vt = plan.bt_tile, plan.v_tile
         l_buf = np.empty(bt * vt, np.float32)
@@ -123,15 +129,17 @@ def run(input, weight, target, vocab_start_index, vocab_end_index, return_logits
                     D.from_float32(Lt, logits.dtype, out=logits[b0:b1, v0:v1])
                 done += 1
                 if progress is not None:
-                    progress(done)
+                    progress(done, plan.n_tiles)
     elif logits is not None:
         logits[...] = 0
     pred[...] = np.where(tcol >= 0, picked - lmax, np.float32(0.0)).astype(np.float32)
     return plan
 
 
-@implements("cpu", OP)
-def fused_linear_online_max_sum(*, input, weight, target, vocab_start_index, vocab_end_index,
-                                return_logits, out):
+def fused_linear_online_max_sum(
+    *, input, weight, target, vocab_start_index, vocab_end_index, return_logits, logits_dtype, out, plan, progress=None
+):
+    """The ``"cpu"`` entry point (arguments validated by the op; ``return_logits`` is implied
+    by ``out[5]``)."""
     with single_threaded_blas():
-        run(input, weight, target, vocab_start_index, vocab_end_index, return_logits, out)
+        run(input, weight, target, vocab_start_index, vocab_end_index, np.dtype(logits_dtype), out, plan, progress)

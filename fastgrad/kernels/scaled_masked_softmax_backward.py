@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._jit import FASTMATH_SAFE, njit, pjit, prange
-from ..backends import implements
 from ..dtypes import code_of, storage_view
-from ..dtypes import load_f32_arith as load_f32, store_arith as store_as
+from ..dtypes import load_f32_arith as load_f32
+from ..dtypes import store_arith as store_as
 
 OP = "scaled_masked_softmax_backward"
 
@@ -59,7 +59,7 @@ def _smb_kernel(go, y, code, mask, mask_row, mask_step, has_mask, triu, s1, scal
         if has_mask and mask_step == 0 and mask[mask_row[r]] != 0:
             jend = 0
         base = mask_row[r] if use_mr else 0
-        mr = mask[base:base + s]
+        mr = mask[base : base + s]
         # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices
         if code == 1:
             _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 1)
@@ -85,7 +85,6 @@ def mask_plan(mask_shape, shape):
     return mask_row, step
 
 
-@implements("cpu", OP)
 def scaled_masked_softmax_backward_cpu(*, grad_output, y, mask, scale, fix_triu_mask, out):
     """Numba implementation (the op module has validated every argument).
 
@@ -96,7 +95,7 @@ def scaled_masked_softmax_backward_cpu(*, grad_output, y, mask, scale, fix_triu_
         return out
     s2 = shape[-1]
     s1 = shape[-2] if len(shape) >= 2 else 1
-    go = storage_view(np.ascontiguousarray(grad_output)).reshape(-1, s2)   # the device's Contiguous
+    go = storage_view(np.ascontiguousarray(grad_output)).reshape(-1, s2)  # the device's Contiguous
     yy = storage_view(np.ascontiguousarray(y)).reshape(-1, s2)
     if mask is not None:
         m = mask.reshape((1,) * (len(shape) - mask.ndim) + mask.shape)
@@ -107,6 +106,17 @@ def scaled_masked_softmax_backward_cpu(*, grad_output, y, mask, scale, fix_triu_
     else:
         flat = np.zeros(1, np.uint8)
         mask_row, step = np.zeros(1, np.int64), 0
-    _smb_kernel(go, yy, code_of(grad_output.dtype), flat, mask_row, step, mask is not None,
-                bool(fix_triu_mask), s1, float(scale), storage_view(out).reshape(-1, s2))
+    _smb_kernel(
+        go,
+        yy,
+        code_of(grad_output.dtype),
+        flat,
+        mask_row,
+        step,
+        mask is not None,
+        bool(fix_triu_mask),
+        s1,
+        float(scale),
+        storage_view(out).reshape(-1, s2),
+    )
     return out

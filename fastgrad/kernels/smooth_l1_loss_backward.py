@@ -15,9 +15,18 @@ body compiles slowly, and this keeps the cold compile of both specializations ~1
 Per element, in fp32 (the device's ``SmoothL1LossGradV2`` DAG, ``PromteT = float``)::
 
     d = input - target
-    s = d * (1/beta)           if not |d| >= beta     (NaN stays NaN)
+    s = d * fp32(1/beta)       if not |d| >= beta'    (NaN stays NaN; -0 gives +0)
         (d > 0) - (d < 0)      otherwise              (sign, sign(0) = 0; beta = 0 included)
     grad_input = (s * grad_out) * scale               scale = fp32(1/N) for mean, else 1
+
+where ``beta' = beta`` when ``grad_out`` has one element (the device's scalar DAG
+``SmoothL1LossGradV2OpScalarDag``: ``>=``/``<=``) and ``beta' = nextafter(beta, inf)`` otherwise
+(the tensor DAG ``SmoothL1LossGradV2OpDag`` compares strictly: at ``|d| == beta`` it gives
+``d·fp32(1/beta)``, which is ``±(1 - 2**-24)`` for some beta, e.g. 1.7).  Source: ops-nn
+``loss/smooth_l1_loss_grad_v2/op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h`` and
+``op_host/arch35/smooth_l1_loss_grad_v2_tiling.cpp:87-97`` (``doutIsScalar``).  Below
+``beta = 1e-6`` the device's ``1/beta`` is NaN (``tiling.cpp:145``) and fastgrad keeps
+``d/beta`` (0 at beta = 0): see docs/device_parity.md.
 
 and one round-to-nearest-even to the output format.  16-bit data is read and written as
 ``uint16`` bit patterns (format code ``BF16``/``F16``), never widened as whole tensors.
@@ -33,8 +42,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._jit import njit, pjit, prange
-from ..backends import implements
-from ..dtypes import FLOAT32, code_of, from_f32, promote, storage_view, to_f32
+from ..dtypes import FLOAT32, code_of, from_f32, from_float32, promote, storage_view, to_f32, to_float32
+from ._strided import strided_base as _base
 
 OP = "smooth_l1_loss_backward"
 
@@ -45,6 +54,7 @@ CHUNK = 16384
 # ----------------------------------------------------------------------------------------
 # Element function and loops (inlined; ``code`` is a literal at every call site)
 # ----------------------------------------------------------------------------------------
+
 
 @njit(inline="always")
 def _ld(a, i, code):
@@ -64,10 +74,10 @@ def _st(o, i, v, code):
 @njit(inline="always")
 def _elem(g, x, t, beta, inv, scale):
     d = x - t
-    if abs(d) >= beta:
+    if abs(d) >= beta:  # ``beta`` here is the compare threshold (see ``run``)
         s = np.float32(d > np.float32(0)) - np.float32(d < np.float32(0))
-    else:  # |d| < beta, or d is NaN
-        s = d * inv
+    else:  # |d| < beta, or d is NaN; + 0: the DAG's (pos + neg) + x·invβ turns -0 into +0
+        s = d * inv + np.float32(0.0)
     return (s * g) * scale
 
 
@@ -76,11 +86,11 @@ def _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, scale):
     """input/target unit-stride, grad_out unit-stride (gs == 1) or a broadcast scalar (gs == 0)."""
     # Contiguous operands are sliced first: indexing a slice with the loop counter lets LLVM
     # drop Numba's negative-index wraparound and vectorize the loop.
-    o = ob[oo:oo + m]
-    x = xb[xo:xo + m]
-    t = tb[to:to + m]
+    o = ob[oo : oo + m]
+    x = xb[xo : xo + m]
+    t = tb[to : to + m]
     if gs == 1:
-        g = gb[go:go + m]
+        g = gb[go : go + m]
         for j in range(m):
             _st(o, j, _elem(_ld(g, j, code), _ld(x, j, code), _ld(t, j, code), beta, inv, scale), code)
     else:
@@ -94,10 +104,21 @@ def _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale)
     if xs == 1 and ts == 1 and (gs == 1 or gs == 0):
         _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, scale)
     else:  # general strides (any sign); every index is a valid element, so non-negative
-        o = ob[oo:oo + m]
+        o = ob[oo : oo + m]
         for j in range(m):
-            _st(o, j, _elem(_ld(gb, np.uint64(go + j * gs), code), _ld(xb, np.uint64(xo + j * xs), code),
-                            _ld(tb, np.uint64(to + j * ts), code), beta, inv, scale), code)
+            _st(
+                o,
+                j,
+                _elem(
+                    _ld(gb, np.uint64(go + j * gs), code),
+                    _ld(xb, np.uint64(xo + j * xs), code),
+                    _ld(tb, np.uint64(to + j * ts), code),
+                    beta,
+                    inv,
+                    scale,
+                ),
+                code,
+            )
 
 
 @njit(inline="always")
@@ -146,7 +167,7 @@ def _widen_span(src, off, stride, m, code, dst):
         for j in range(m):
             dst[j] = v
     elif stride == 1:
-        s = src[off:off + m]
+        s = src[off : off + m]
         if code == 1:
             for j in range(m):
                 dst[j] = to_f32(s[j], 1)
@@ -164,7 +185,7 @@ def _widen_span(src, off, stride, m, code, dst):
 @njit
 def _narrow_span(src, m, code, dst, off):
     """dst[off:off+m] = 16-bit patterns (format ``code``, RNE) of src[:m]."""
-    d = dst[off:off + m]
+    d = dst[off : off + m]
     if code == 1:
         for j in range(m):
             d[j] = from_f32(src[j], 1)
@@ -202,8 +223,7 @@ def _task_plan(shape, strides, size):
     nd = shape.shape[0]
     inner = shape[nd - 1]
     nchunk = (inner + CHUNK - 1) // CHUNK
-    return (inner, nchunk, (size // inner) * nchunk,
-            strides[0, nd - 1], strides[1, nd - 1], strides[2, nd - 1])
+    return (inner, nchunk, (size // inner) * nchunk, strides[0, nd - 1], strides[1, nd - 1], strides[2, nd - 1])
 
 
 @pjit
@@ -229,24 +249,6 @@ def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, scale):
 # Plan (op_host tiling): strided operands, collapsed axes
 # ----------------------------------------------------------------------------------------
 
-def _base(a: np.ndarray, shape: tuple):
-    """(1-D read-only base buffer, element offset, element strides) of ``a`` broadcast to ``shape``.
-
-    The buffer starts at the lowest address the broadcast view touches, so negative strides
-    work; nothing is copied unless a stride is not a whole number of elements.
-    """
-    v = np.broadcast_to(a, shape)
-    isz = v.itemsize
-    if any(s % isz for s in v.strides):
-        v = np.broadcast_to(np.ascontiguousarray(a), shape)
-    est = [s // isz for s in v.strides]
-    corner = v[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(shape, est))]
-    lo = sum((n - 1) * s for n, s in zip(shape, est) if s < 0)
-    hi = sum((n - 1) * s for n, s in zip(shape, est) if s > 0)
-    buf = np.lib.stride_tricks.as_strided(corner.reshape(-1)[:1], shape=(hi - lo + 1,),
-                                          strides=(isz,), writeable=False)
-    return storage_view(buf), -lo, est
-
 
 def plan(shape: tuple, operands) -> tuple:
     """Collapse ``shape`` for the given operand element strides (out is C-contiguous).
@@ -259,7 +261,7 @@ def plan(shape: tuple, operands) -> tuple:
         return np.ones(1, np.int64), np.zeros((len(operands), 1), np.int64)
     sh = [shape[k] for k in dims]
     st = [[s[k] for k in dims] for s in operands]
-    out_st = [int(np.prod(sh[i + 1:], dtype=np.int64)) for i in range(len(sh))]
+    out_st = [int(np.prod(sh[i + 1 :], dtype=np.int64)) for i in range(len(sh))]
     st.append(out_st)
     new_sh = [sh[-1]]
     new_st = [[s[-1]] for s in st]
@@ -270,8 +272,10 @@ def plan(shape: tuple, operands) -> tuple:
             new_sh.insert(0, sh[i])
             for s, s_new in zip(st, new_st):
                 s_new.insert(0, s[i])
-    return (np.array(new_sh, np.int64),
-            np.array([s for s in new_st[:-1]], np.int64).reshape(len(operands), len(new_sh)))
+    return (
+        np.array(new_sh, np.int64),
+        np.array([s for s in new_st[:-1]], np.int64).reshape(len(operands), len(new_sh)),
+    )
 
 
 def run(grad_out, input, target, beta: float, scale: float, out: np.ndarray) -> None:
@@ -281,17 +285,40 @@ def run(grad_out, input, target, beta: float, scale: float, out: np.ndarray) -> 
     sh, st = plan(shape, [b[2] for b in bases])
     offs = np.array([b[1] for b in bases], np.int64)
     b32 = np.float32(beta)
-    inv = np.float32(np.float32(1.0) / b32) if b32 > 0 else np.float32(0.0)
+    # compare threshold: a tensor grad_out takes the strict DAG (|d| > beta), a 1-element one
+    # the scalar DAG (|d| >= beta); |d| > beta  <=>  |d| >= nextafter(beta) (NaN for beta = inf)
+    bcmp = b32
+    if grad_out.size != 1:
+        bcmp = np.nextafter(b32, np.float32(np.inf)) if np.isfinite(b32) else np.float32(np.nan)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv = np.float32(np.float32(1.0) / b32) if b32 > 0 else np.float32(0.0)
+    tiny = not np.isfinite(inv)  # beta an fp32 subnormal: 1/beta overflows fp32
+    if tiny:
+        inv = np.float32(0.0)  # the |d| < beta elements are fixed up below
     sc = np.float32(scale)
     ob = storage_view(out).reshape(-1)
     if out.dtype == FLOAT32:
-        _sl1_f32(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, b32, inv, sc)
+        _sl1_f32(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, bcmp, inv, sc)
     else:
-        _sl1_u16(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, code_of(out.dtype),
-                 b32, inv, sc)
+        _sl1_u16(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, code_of(out.dtype), bcmp, inv, sc)
+    if tiny:
+        _fix_tiny_beta(grad_out, input, target, b32, bcmp, sc, out)
 
 
-@implements("cpu", OP)
+def _fix_tiny_beta(grad_out, input, target, b32, bcmp, sc, out) -> None:
+    """The |d| < beta elements for an fp32-subnormal beta: ``d/beta`` exactly as ``d·(1/beta)``
+    would give it were 1/beta representable — both scaled by 2**64 (exact: d is subnormal too)."""
+    f = [np.broadcast_to(to_float32(a), out.shape).reshape(-1) for a in (grad_out, input, target)]
+    d = f[1] - f[2]
+    sel = np.abs(d) < bcmp
+    if not sel.any():
+        return
+    pre = np.float32(2.0**64)
+    inv = np.float32(np.float32(1.0) / (b32 * pre))
+    v = ((d[sel] * pre) * inv + np.float32(0.0)) * f[0][sel] * sc
+    out.reshape(-1)[sel] = from_float32(v.astype(np.float32), out.dtype)  # out: C-contiguous
+
+
 def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out):
     """Numba implementation (see module docstring); fills ``out`` completely."""
     if out.size == 0:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import numbers
+from typing import Any
 
 import numpy as np
 
-from .. import arrays
-from .._config import is_strict
-from ..backends import dispatch
 from ..dtypes import FLOAT32, FLOAT_DTYPES, dtype_name
-from ..errors import invalid, null_error
-from ._common import INDEX_DTYPES, parse_float, parse_int, parse_reduction
+from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "cross_entropy_loss_grad"
 
@@ -19,9 +17,96 @@ OP = "cross_entropy_loss_grad"
 MAX_N_DEVICE = 200000
 
 
-def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, reduction="mean",
-                            ignore_index=-100, label_smoothing=0.0, grad_zloss=None,
-                            lse_for_zloss=None, lse_square_scale_for_zloss=0.0, *, out=None):
+def _lse_optional(raw: dict, strict: bool) -> bool:
+    """lse_for_zloss is required (161001) when the z-loss scale is a non-zero number."""
+    z = raw.get("lse_square_scale_for_zloss", 0.0)
+    real = isinstance(z, numbers.Real) and not isinstance(z, bool)
+    return not (real and z != 0 and math.isfinite(z))  # a bad scale is reported as 161002
+
+
+def _relations(c: Call) -> None:
+    lp, tg = c.a["log_prob"], c.a["target"]
+    n, cc = c.shape_of("log_prob")
+    red, ign = c.attrs["reduction"], c.attrs["ignore_index"]
+    c.expect_shape("target", (n,))
+    red_shapes = [(n,)] if red == "none" else [(), (1,)]  # mean/sum: 0-d or (1,), as the kernel
+    for name in ("grad_loss", "grad_zloss"):
+        a = c.a[name]
+        if a is not None and tuple(a.shape) not in red_shapes:
+            c.bad(name, " or ".join(map(str, red_shapes)) + f" for reduction={red!r}", f"shape {tuple(a.shape)}")
+        elif a is not None and red != "none":
+            c.a[name] = a.reshape(())
+    if c.a["weight"] is not None:
+        c.expect_shape("weight", (cc,))
+    if c.a["lse_for_zloss"] is not None:
+        c.expect_shape("lse_for_zloss", (n,))
+    if n and tg.shape == (n,):  # never read out of bounds (the device would)
+        bad = (tg != ign) & ((tg < 0) | (tg >= cc))
+        if bad.any():
+            k = int(np.argmax(bad))
+            c.bad("target", f"values in [0, {cc}) or ignore_index ({ign})", f"target[{k}] = {int(tg[k])}")
+    c.outs["out"] = OutSpec((n, cc), lp.dtype)
+
+
+def _device_limits(c: Call) -> None:
+    gl, lp = c.a["grad_loss"], c.a["log_prob"]
+    n, cc = c.shape_of("log_prob")
+    if not isinstance(c.raw["grad_loss"], (int, float)) and gl.dtype != lp.dtype:
+        c.bad("grad_loss", f"the dtype of log_prob ({dtype_name(lp.dtype)})", dtype_name(gl.dtype))
+    for name in ("grad_zloss", "lse_for_zloss"):
+        if c.a[name] is not None:
+            c.bad(name, "None (device: z-loss unsupported)", "an array")
+    if n >= MAX_N_DEVICE:
+        c.bad("log_prob", f"N < {MAX_N_DEVICE} (device limit)", f"N = {n}")
+    if c.attrs["ignore_index"] >= cc:
+        c.bad("ignore_index", f"a value < C = {cc} (device limit)", c.attrs["ignore_index"])
+
+
+DECL = OpDef(
+    name=OP,
+    aclnn="aclnnCrossEntropyLossGrad",
+    inputs=(
+        TensorDef("grad_loss", FLOAT_DTYPES, ndim=(0, 1), scalar_ok=True),
+        TensorDef("log_prob", FLOAT_DTYPES, ndim=(2, 2)),
+        TensorDef("target", (np.int64,), ext_dtypes=(np.int32,), ndim=(1, 1)),
+        TensorDef("weight", (FLOAT32,), ext_dtypes=FLOAT_DTYPES[:2], ndim=(1, 1), optional=True),
+        TensorDef("grad_zloss", FLOAT_DTYPES, ndim=(0, 1), optional=True),
+        TensorDef("lse_for_zloss", FLOAT_DTYPES, ndim=(1, 1), optional=_lse_optional),
+    ),
+    attrs=(
+        AttrDef("reduction", "reduction"),
+        AttrDef("ignore_index", "int"),
+        AttrDef(
+            "label_smoothing",
+            "float",
+            lo=0.0,
+            hi=1.0,
+            device=(0.0,),
+            device_why="0.0 (device limit; fastgrad computes other values outside strict mode)",
+        ),
+        AttrDef("lse_square_scale_for_zloss", "float", device=(0.0,), device_why="0.0 (device: z-loss unsupported)"),
+    ),
+    outputs=("out",),
+    relations=_relations,
+    device_limits=_device_limits,
+    source="seed 001; ops-nn loss/cross_entropy_loss_grad; ATen LossNLL.cpp",
+)
+
+
+def cross_entropy_loss_grad(
+    grad_loss: Any,
+    log_prob: Any,
+    target: Any,
+    weight: Any = None,
+    reduction: str | int = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    grad_zloss: Any = None,
+    lse_for_zloss: Any = None,
+    lse_square_scale_for_zloss: float = 0.0,
+    *,
+    out: Any = None,
+) -> Any:
     r"""Gradient of the cross-entropy loss w.r.t. the logits (aclnnCrossEntropyLossGrad).
 
     The backward of ``loss = cross_entropy(logits, target, weight, ignore_index, reduction,
@@ -79,14 +164,20 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, reduction=
     where ``gz = grad_loss + grad_zloss`` (``grad_zloss`` defaults to 0), divided by the
     number of non-ignored rows for ``mean``; the z-loss term is present only when
     ``zs != 0``.  Arithmetic is fp32 (16-bit inputs widened exactly, ``W`` summed serially in
-    fp64), the output is rounded once to the dtype (RNE).  Ignored rows are 0, or NaN when
-    their scale is not finite.
+    fp64), the output is rounded once to the dtype (RNE).  With ``ls = 0`` the rounding order
+    is the 910B kernel's, bit for bit: ``c_i = fl(fl(fl(g·(1-ls))/W)·m_i)·w_i``,
+    ``x = fl(p·c_i)``, at the target ``fl(x - c_i)``, then the cast (ops-nn
+    ``cross_entropy_loss_grad_weight_none.h:90-101,164-170``,
+    ``cross_entropy_loss_grad_weight_not_none.h:110-150,183-194``).  Ignored rows are
+    computed as ``p·c_i`` with ``c_i = ±0``, as on the device: 0, but NaN where ``log_prob``
+    is NaN (or ``exp`` overflows), and NaN when their scale is not finite.
 
     Deviations, as the device: with ``mean`` and ``W = 0`` (e.g. every row ignored) the
-    result is **NaN everywhere** (PyTorch returns 0).  PyTorch treats a target equal to a
-    negative ``ignore_index`` as ignored and so does fastgrad (the device's docs call a
-    negative ignore_index "no ignored label"; such a target is outside [0, C) there and its
-    result undefined).
+    result is **NaN everywhere** (PyTorch returns 0).  A row is ignored when
+    ``target == ignore_index`` whatever the sign of ``ignore_index``, as the 910B kernel
+    (``cross_entropy_loss_grad_base.h:198-220``; it compares in fp32, which equals the int64
+    compare below 2**24) and PyTorch; the CANN golden and the Ascend 950 kernel ignore rows only
+    when ``ignore_index >= 0`` (docs/device_parity.md, rows 4b-4e).
 
     Raises
     ------
@@ -102,97 +193,22 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, reduction=
         not float32; ``grad_loss`` dtype different from ``log_prob``'s; ``ignore_index >= C``
         (seed: "must be less than C").
 
-    Source: seed 001 (CANN aclnnCrossEntropyLossGrad doc) and SPEC.md; CANN kernel
+    Source: seed 001 (CANN aclnnCrossEntropyLossGrad doc) and docs/spec.md; CANN kernel
     ``CrossEntropyLossGrad`` (ops-nn ``loss/cross_entropy_loss_grad``) and its golden.
     """
-    strict = is_strict()
-    kind = arrays.kind_of(None if _is_number(grad_loss) else grad_loss, log_prob, target)
-
-    # -- nullptr checks (161001) ---------------------------------------------------------
-    if grad_loss is None:
-        raise null_error("grad_loss", OP)
-    lp = arrays.as_numpy(log_prob, "log_prob", op=OP)
-    tg = arrays.as_numpy(target, "target", op=OP)
-    if _is_number(grad_loss):
-        gl = np.asarray(grad_loss, dtype=FLOAT32)
-    else:
-        gl = arrays.as_numpy(grad_loss, "grad_loss", op=OP)
-    w = arrays.as_numpy(weight, "weight", required=False, op=OP)
-    gz = arrays.as_numpy(grad_zloss, "grad_zloss", required=False, op=OP)
-    lse = arrays.as_numpy(lse_for_zloss, "lse_for_zloss", required=False, op=OP)
-
-    # -- attributes ------------------------------------------------------------------------
-    red = parse_reduction(reduction, OP)
-    ign = parse_int(ignore_index, "ignore_index", OP)
-    ls = parse_float(label_smoothing, "label_smoothing", OP)
-    if not (0.0 <= ls <= 1.0):
-        raise invalid("label_smoothing", "a value in [0.0, 1.0]", ls, OP)
-    zs = parse_float(lse_square_scale_for_zloss, "lse_square_scale_for_zloss", OP)
-    if not np.isfinite(zs):
-        raise invalid("lse_square_scale_for_zloss", "a finite number", zs, OP)
-
-    # -- dtypes ----------------------------------------------------------------------------
-    arrays.check_dtype(lp, "log_prob", FLOAT_DTYPES, OP)
-    arrays.check_dtype(gl, "grad_loss", FLOAT_DTYPES, OP)
-    arrays.check_dtype(tg, "target", (np.int64,) if strict else INDEX_DTYPES, OP)
-    if w is not None:
-        arrays.check_dtype(w, "weight", (FLOAT32,) if strict else FLOAT_DTYPES, OP)
-    if gz is not None:
-        arrays.check_dtype(gz, "grad_zloss", FLOAT_DTYPES, OP)
-    if lse is not None:
-        arrays.check_dtype(lse, "lse_for_zloss", FLOAT_DTYPES, OP)
-    if strict and gl.dtype != lp.dtype and not _is_number(grad_loss):
-        raise invalid("grad_loss", f"the dtype of log_prob ({dtype_name(lp.dtype)})",
-                      dtype_name(gl.dtype), OP)
-
-    # -- shapes ----------------------------------------------------------------------------
-    arrays.check_ndim(lp, "log_prob", 2, OP)
-    n, c = (int(d) for d in lp.shape)
-    arrays.check_shape(tg, "target", (n,), OP)
-    red_shape = (n,) if red == "none" else ()
-    arrays.check_shape(gl, "grad_loss", red_shape, OP)
-    if w is not None:
-        arrays.check_shape(w, "weight", (c,), OP)
-    if gz is not None:
-        arrays.check_shape(gz, "grad_zloss", red_shape, OP)
-    if lse is not None:
-        arrays.check_shape(lse, "lse_for_zloss", (n,), OP)
-
-    # -- strict device parity --------------------------------------------------------------
-    if strict:
-        if ls != 0.0:
-            raise invalid("label_smoothing", "0.0 (device limit; fastgrad computes other values "
-                          "outside strict mode)", ls, OP)
-        if zs != 0.0:
-            raise invalid("lse_square_scale_for_zloss", "0.0 (device: z-loss unsupported)", zs, OP)
-        if gz is not None:
-            raise invalid("grad_zloss", "None (device: z-loss unsupported)", "an array", OP)
-        if lse is not None:
-            raise invalid("lse_for_zloss", "None (device: z-loss unsupported)", "an array", OP)
-        if n >= MAX_N_DEVICE:
-            raise invalid("log_prob", f"N < {MAX_N_DEVICE} (device limit)", f"N = {n}", OP)
-        if ign >= c:
-            raise invalid("ignore_index", f"a value < C = {c} (device limit)", ign, OP)
-    if zs != 0.0 and lse is None:
-        raise null_error("lse_for_zloss", OP)
-
-    # -- target values (never read out of bounds) ------------------------------------------
-    if n:
-        bad = (tg != ign) & ((tg < 0) | (tg >= c))
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise invalid("target", f"values in [0, {c}) or ignore_index ({ign})",
-                          f"target[{k}] = {int(tg[k])}", OP)
-
-    # -- out, then compute ------------------------------------------------------------------
-    chk = arrays.check_out(out, "out", (n, c), lp.dtype, OP)
-    buf = arrays.prepare_out(out, chk, (n, c), lp.dtype)
-    dispatch(OP)(grad_loss=gl, log_prob=lp, target=tg, weight=w, reduction=red,
-                 ignore_index=ign, label_smoothing=ls, grad_zloss=gz, lse_for_zloss=lse,
-                 lse_square_scale_for_zloss=zs, out=buf.buffer)
-    return buf.result(kind)
-
-
-def _is_number(x) -> bool:
-    """A Python int/float (not bool, not a NumPy scalar, which carries its own dtype)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.generic, np.ndarray))
+    return execute(
+        DECL,
+        dict(
+            grad_loss=grad_loss,
+            log_prob=log_prob,
+            target=target,
+            weight=weight,
+            reduction=reduction,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            grad_zloss=grad_zloss,
+            lse_for_zloss=lse_for_zloss,
+            lse_square_scale_for_zloss=lse_square_scale_for_zloss,
+        ),
+        out,
+    )

@@ -3,31 +3,70 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
-from .. import _config, arrays
-from ..backends import dispatch
-from ..dtypes import BFLOAT16, FLOAT_DTYPES, dtype_name
-from ..errors import invalid
-from ._common import parse_bool, parse_int
+from ..dtypes import BFLOAT16, FLOAT_DTYPES
+from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "embedding_dense_backward"
 
 #: Index dtypes the aclnn doc lists (strict mode accepts exactly these).
-DEVICE_INDEX_DTYPES = tuple(np.dtype(d) for d in (
-    np.float32, np.float16, np.float64, np.int32, np.int64, np.int16, np.int8, np.uint8, np.bool_))
+DEVICE_INDEX_DTYPES = tuple(
+    np.dtype(d) for d in (np.float32, np.float16, np.float64, np.int32, np.int64, np.int16, np.int8, np.uint8, np.bool_)
+)
+#: Further index dtypes accepted outside strict mode (cast to integer as the device's Cast).
+EXT_INDEX_DTYPES = tuple(np.dtype(d) for d in (np.uint16, np.uint32, np.uint64)) + (BFLOAT16,)
 MAX_DIMS = 8
 
 
-def _index_dtype_ok(dt: np.dtype) -> bool:
-    if _config.is_strict():
-        return dt in DEVICE_INDEX_DTYPES
-    return dt == BFLOAT16 or dt.kind in "iubf"
+def _relations(c: Call) -> None:
+    g, idx = c.a["grad"], c.a["indices"]
+    nw = c.attrs["num_weights"]
+    d = g.shape[-1]
+    rows = math.prod(g.shape[:-1])
+    if d != 0 and rows != idx.size:
+        c.bad(
+            "grad",
+            f"leading axes with {idx.size} elements in all (indices.size)",
+            f"shape {tuple(g.shape)} for indices of shape {tuple(idx.shape)}",
+        )
+    if idx.size:  # checked whatever D is: an index is never outside [0, num_weights)
+        if idx.dtype == BFLOAT16 or idx.dtype.kind == "f":
+            with np.errstate(invalid="ignore"):
+                v = np.trunc(idx.astype(np.float64))
+        else:
+            v = idx
+        lo, hi = v.min(), v.max()
+        if not (lo >= 0 and hi < nw):
+            c.bad("indices", f"values in [0, {nw}) (num_weights)", f"values in [{lo}, {hi}]")
+    c.outs["grad_weight"] = OutSpec((nw, d), g.dtype, size_param="num_weights")
 
 
-def embedding_dense_backward(grad, indices, num_weights, padding_idx=-1,
-                             scale_grad_by_freq=False, *, out=None):
+DECL = OpDef(
+    name=OP,
+    aclnn="aclnnEmbeddingDenseBackward",
+    inputs=(
+        TensorDef("grad", FLOAT_DTYPES, ndim=(2, MAX_DIMS), ext_ndim=(1, None)),
+        TensorDef("indices", DEVICE_INDEX_DTYPES, ext_dtypes=EXT_INDEX_DTYPES, ndim=(1, MAX_DIMS), ext_ndim=(0, None)),
+    ),
+    attrs=(AttrDef("num_weights", "int", lo=0), AttrDef("padding_idx", "int"), AttrDef("scale_grad_by_freq", "bool")),
+    outputs=("grad_weight",),
+    relations=_relations,
+    source="seed 004; ops-nn index/embedding_dense_grad_v2; ATen Embedding.cpp",
+)
+
+
+def embedding_dense_backward(
+    grad: Any,
+    indices: Any,
+    num_weights: int,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    *,
+    out: Any = None,
+) -> Any:
     """Gradient of an embedding lookup with respect to the embedding table.
 
     Parameters
@@ -85,43 +124,14 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx=-1,
     Source: seed 004 (aclnnEmbeddingDenseBackward); CANN ops-nn
     ``index/embedding_dense_grad_v2`` (op_api ``aclnn_embedding_dense_backward.cpp``).
     """
-    kind = arrays.kind_of(grad, indices)
-    g = arrays.as_numpy(grad, "grad", op=OP)
-    idx = arrays.as_numpy(indices, "indices", op=OP)
-    arrays.check_dtype(g, "grad", FLOAT_DTYPES, OP)
-    if not _index_dtype_ok(idx.dtype):
-        allowed = ", ".join(dtype_name(d) for d in DEVICE_INDEX_DTYPES)
-        raise invalid("indices", f"dtype in ({allowed})", dtype_name(idx.dtype), OP)
-    if _config.is_strict():
-        if not 2 <= g.ndim <= MAX_DIMS:
-            raise invalid("grad", f"a 2-D to {MAX_DIMS}-D tensor", f"shape {tuple(g.shape)}", OP)
-        if not 1 <= idx.ndim <= MAX_DIMS:
-            raise invalid("indices", f"a 1-D to {MAX_DIMS}-D tensor", f"shape {tuple(idx.shape)}", OP)
-    elif g.ndim < 1:
-        raise invalid("grad", "at least 1 dimension (the embedding dim)", f"shape {tuple(g.shape)}", OP)
-    nw = parse_int(num_weights, "num_weights", OP)
-    if nw < 0:
-        raise invalid("num_weights", "a non-negative integer", nw, OP)
-    pad = parse_int(padding_idx, "padding_idx", OP)
-    scale = parse_bool(scale_grad_by_freq, "scale_grad_by_freq", OP)
-    d = g.shape[-1]
-    rows = math.prod(g.shape[:-1])
-    if d != 0 and rows != idx.size:
-        raise invalid("grad", f"leading axes with {idx.size} elements in all (indices.size)",
-                      f"shape {tuple(g.shape)} for indices of shape {tuple(idx.shape)}", OP)
-    if g.size and idx.size:
-        if idx.dtype == BFLOAT16 or idx.dtype.kind == "f":
-            with np.errstate(invalid="ignore"):
-                v = np.trunc(idx.astype(np.float64))
-        else:
-            v = idx
-        lo, hi = v.min(), v.max()
-        if not (lo >= 0 and hi < nw):
-            raise invalid("indices", f"values in [0, {nw}) (num_weights)",
-                          f"values in [{lo}, {hi}]", OP)
-    shape = (nw, d)
-    checked = arrays.check_out(out, "out", shape, g.dtype, OP)
-    buf = arrays.prepare_out(out, checked, shape, g.dtype)
-    dispatch(OP)(grad=g, indices=idx, num_weights=nw, padding_idx=pad,
-                 scale_grad_by_freq=scale, out=buf.buffer)
-    return buf.result(kind)
+    return execute(
+        DECL,
+        dict(
+            grad=grad,
+            indices=indices,
+            num_weights=num_weights,
+            padding_idx=padding_idx,
+            scale_grad_by_freq=scale_grad_by_freq,
+        ),
+        out,
+    )

@@ -2,21 +2,51 @@
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
-from .. import arrays
-from .. import dtypes as D
-from .._config import is_strict
-from ..backends import dispatch
-from ..errors import invalid
-from ._common import parse_float
+from ..dtypes import FLOAT32, FLOAT_DTYPES
+from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "fused_cross_entropy_loss_with_max_sum"
 
+_STATS = ("logits_max", "sum_exp_logits", "predicted_logits")
 
-def fused_cross_entropy_loss_with_max_sum(logits_max, sum_exp_logits, predicted_logits,
-                                          label_smoothing=0.0, vocab_parallel_logits=None):
-    r"""Per-row cross-entropy loss from the (all-reduced) online max/sum statistics.
+
+def _relations(c: Call) -> None:
+    BT = c.shape_of("logits_max")[0]
+    for name in _STATS[1:]:
+        c.expect_shape(name, (BT,))
+    lg = c.a["vocab_parallel_logits"]
+    if lg is not None and lg.shape[0] != BT:
+        c.bad("vocab_parallel_logits", f"shape[0] == {BT}", f"shape {tuple(lg.shape)}")
+    if c.attrs["label_smoothing"] != 0.0 and lg is None:
+        c.bad("label_smoothing", "0 unless vocab_parallel_logits is given", c.attrs["label_smoothing"])
+    c.outs["loss"] = OutSpec((BT,), FLOAT32)
+    c.outs["softmax"] = None if lg is None else OutSpec(tuple(lg.shape), FLOAT32)
+
+
+DECL = OpDef(
+    name=OP,
+    aclnn="aclnnFusedCrossEntropyLossWithMaxSum",
+    inputs=tuple(TensorDef(n, (FLOAT32,), ndim=(1, 1)) for n in _STATS)
+    + (TensorDef("vocab_parallel_logits", FLOAT_DTYPES, ndim=(2, 2), optional=True),),
+    attrs=(AttrDef("label_smoothing", "float", lo=0.0, hi=1.0, device=(0.0,), device_why="0 (strict mode)"),),
+    outputs=("loss", "softmax"),
+    relations=_relations,
+    source="ops-nn loss/fused_cross_entropy_loss_with_max_sum; Megatron _VocabParallelCrossEntropy",
+)
+
+
+def fused_cross_entropy_loss_with_max_sum(
+    logits_max: Any,
+    sum_exp_logits: Any,
+    predicted_logits: Any,
+    label_smoothing: float = 0.0,
+    vocab_parallel_logits: Any = None,
+    *,
+    out: Any = None,
+) -> tuple[Any, Any]:
+    """Per-row cross-entropy loss from the (all-reduced) online max/sum statistics.
 
     The CPU counterpart of ``aclnnFusedCrossEntropyLossWithMaxSum`` (ops-nn
     ``loss/fused_cross_entropy_loss_with_max_sum``, kernel and golden).
@@ -47,44 +77,14 @@ def fused_cross_entropy_loss_with_max_sum(logits_max, sum_exp_logits, predicted_
     AclnnError 161002 — dtypes (fp32 stats; logits bf16/fp16/fp32), ranks, lengths != BT,
     ``vocab_parallel_logits.shape[0] != BT``, label_smoothing ≠ 0 without logits (or in strict mode).
     """
-    kind = arrays.kind_of(logits_max, sum_exp_logits, predicted_logits)
-    lm = arrays.as_numpy(logits_max, "logits_max", op=OP)
-    se = arrays.as_numpy(sum_exp_logits, "sum_exp_logits", op=OP)
-    pr = arrays.as_numpy(predicted_logits, "predicted_logits", op=OP)
-    lg = arrays.as_numpy(vocab_parallel_logits, "vocab_parallel_logits", required=False, op=OP)
-    for a, n in ((lm, "logits_max"), (se, "sum_exp_logits"), (pr, "predicted_logits")):
-        arrays.check_dtype(a, n, [D.FLOAT32], OP)
-        arrays.check_ndim(a, n, 1, OP)
-    BT = lm.shape[0]
-    arrays.check_shape(se, "sum_exp_logits", (BT,), OP)
-    arrays.check_shape(pr, "predicted_logits", (BT,), OP)
-    if lg is not None:
-        arrays.check_dtype(lg, "vocab_parallel_logits", D.FLOAT_DTYPES, OP)
-        arrays.check_ndim(lg, "vocab_parallel_logits", 2, OP)
-        if lg.shape[0] != BT:
-            raise invalid("vocab_parallel_logits", f"shape[0] == {BT}", f"shape {lg.shape}", OP)
-    ls = parse_float(label_smoothing, "label_smoothing", OP)
-    if not np.isfinite(ls):
-        raise invalid("label_smoothing", "a finite number", ls, OP)
-    if ls != 0.0 and (is_strict() or lg is None):
-        why = "0 (strict mode)" if is_strict() else "0 unless vocab_parallel_logits is given"
-        raise invalid("label_smoothing", why, ls, OP)
-
-    loss = np.empty(BT, np.float32)
-    softmax = np.empty(lg.shape, np.float32) if lg is not None else None
-    dispatch(OP)(logits_max=lm, sum_exp_logits=se, predicted_logits=pr, label_smoothing=ls,
-                 vocab_parallel_logits=lg, out=(loss, softmax))
-    if ls != 0.0:
-        _smooth_loss(loss, softmax, ls)
-    return arrays.wrap(loss, kind), arrays.wrap(softmax, kind)
-
-
-def _smooth_loss(loss: np.ndarray, softmax: np.ndarray, alpha: float) -> None:
-    """Megatron's label smoothing applied to the loss, from the shard's softmax."""
-    K = softmax.shape[1]
-    if K <= 1:
-        return
-    s = alpha * K / (K - 1)
-    with np.errstate(divide="ignore"):
-        mean_log = np.log(softmax.astype(np.float64)).mean(axis=1)
-    loss[...] = ((1.0 - s) * loss.astype(np.float64) - s * mean_log).astype(np.float32)
+    return execute(
+        DECL,
+        dict(
+            logits_max=logits_max,
+            sum_exp_logits=sum_exp_logits,
+            predicted_logits=predicted_logits,
+            label_smoothing=label_smoothing,
+            vocab_parallel_logits=vocab_parallel_logits,
+        ),
+        out,
+    )

@@ -2,21 +2,196 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import ml_dtypes
 import numpy as np
 
-from .. import arrays
 from .. import dtypes as D
-from .._config import is_strict
-from ..backends import dispatch
-from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError, invalid
-from ._common import INDEX_DTYPES, parse_float
+from ..tiling import plan_linear_cross_entropy
+from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "fused_linear_cross_entropy_loss_grad"
 
+#: The device's minimum V in high-performance mode (a softmax row must be >= 512 bytes).
+MIN_V_HIGH_PERFORMANCE = 128
 
-def fused_linear_cross_entropy_loss_grad(grad, input, weight, target_mask, masked_target,
-                                         label_smoothing=0.0, logits_max=None,
-                                         sum_exp_logits=None, softmax=None, *, out=None):
+
+def _float_in(name: str) -> TensorDef:
+    return TensorDef(name, (D.BFLOAT16, D.FLOAT16), ext_dtypes=(D.FLOAT32,), ndim=(2, 2))
+
+
+def _stats_optional(raw: dict, strict: bool) -> bool:
+    """logits_max / sum_exp_logits are required (161001) in memory-saving mode (softmax None)."""
+    return raw.get("softmax") is not None
+
+
+#: ``filter_eps="auto"``: the dtype's machine epsilon / 32, as Cut Cross-Entropy's ``_handle_eps``
+#: (bf16: 2**-12, fp16: 2**-15, fp32: 2**-28).
+def auto_filter_eps(dtype) -> float:
+    return float(ml_dtypes.finfo(np.dtype(dtype)).eps) / 32
+
+
+def _filter_eps(c: Call) -> float | None:
+    """Parse ``filter_eps``: None (off, the device's behaviour), "auto", or a number in (0, 1]."""
+    v = c.raw.get("filter_eps")
+    if v is None:
+        return None
+    if c.a["softmax"] is not None:
+        c.bad("filter_eps", "None in high-performance mode (filtering applies to memory-saving mode)", repr(v))
+        return None
+    if isinstance(v, str) and v == "auto":
+        return auto_filter_eps(c.a["input"].dtype)
+    if (
+        isinstance(v, (bool, np.bool_))
+        or not isinstance(v, (int, float, np.floating, np.integer))
+        or not 0.0 < float(v) <= 1.0
+    ):
+        c.bad("filter_eps", 'None, "auto" or a number in (0, 1]', repr(v))
+        return None
+    return float(v)
+
+
+def _relations(c: Call) -> None:
+    x, w, tm = c.a["input"], c.a["weight"], c.a["target_mask"]
+    BT = c.shape_of("grad")[0]
+    H = x.shape[1]
+    V = w.shape[0]
+    if w.dtype != x.dtype:
+        c.bad("weight", f"the dtype of input ({D.dtype_name(x.dtype)})", D.dtype_name(w.dtype))
+    if x.shape[0] != BT:
+        c.bad("input", f"input.shape[0] == grad.shape[0] == {BT}", f"shape {tuple(x.shape)}")
+    if w.shape[1] != H:
+        c.bad("weight", f"weight.shape[1] == input.shape[1] == {H}", f"shape {tuple(w.shape)}")
+    if tm.dtype == np.bool_ and tm.shape[0] != BT:
+        c.bad("target_mask", f"bool length == grad.shape[0] == {BT}", f"shape {tuple(tm.shape)}")
+    elif tm.dtype != np.bool_ and tm.shape[0] * 8 < BT:
+        c.bad("target_mask", f"uint8 length * 8 >= grad.shape[0] == {BT}", f"shape {tuple(tm.shape)}")
+    c.expect_shape("masked_target", (BT,))
+    if c.a["softmax"] is not None:
+        c.expect_shape("softmax", (BT, V))
+    else:
+        c.expect_shape("logits_max", (BT,))
+        c.expect_shape("sum_exp_logits", (BT,))
+    fp32_gi = () if c.strict or x.dtype == D.FLOAT32 else (D.FLOAT32,)  # the unrounded accumulator
+    c.outs["grad_input"] = OutSpec((BT, H), x.dtype, accept=fp32_gi)
+    c.outs["grad_weight"] = OutSpec((V, H), x.dtype)
+    c.info["filter_eps"] = _filter_eps(c)
+    ret = c.raw.get("return_plan", False)
+    if not isinstance(ret, (bool, np.bool_)):
+        c.bad("return_plan", "a bool", repr(ret))
+    c.info["want_stats"] = bool(ret)
+
+
+def _device_limits(c: Call) -> None:
+    V = c.a["weight"].shape[0]
+    if c.a["softmax"] is not None and V < MIN_V_HIGH_PERFORMANCE:
+        c.bad(
+            "weight",
+            f"weight.shape[0] >= {MIN_V_HIGH_PERFORMANCE} in high-performance mode (strict mode)",
+            f"shape {c.shape_of('weight')}",
+        )
+    if c.a["softmax"] is not None:
+        # high-performance mode has no range check: softmax[V*i + t] -= 1 for every unmasked
+        # row (high_perf.h:177-197), out of bounds or in another row for t outside [0, V);
+        # fastgrad skips such a row (as memory-saving mode does), strict mode rejects it
+        BT = c.a["grad"].shape[0]
+        tm = c.a["target_mask"]
+        bits = (
+            tm[:BT]
+            if tm.dtype == np.bool_
+            else np.unpackbits(np.asarray(tm, np.uint8), bitorder="little")[:BT].astype(bool)
+        )
+        t = np.asarray(c.a["masked_target"])[:BT]
+        bad = ~bits & ((t < 0) | (t >= V))
+        if bad.any():
+            i = int(np.argmax(bad))
+            c.bad(
+                "masked_target",
+                f"values in [0, {V}) on the rows target_mask leaves unmasked "
+                "(high-performance mode has no range check; strict mode)",
+                f"{int(t[i])} at row {i}",
+            )
+    if c.raw.get("filter_eps") is not None:
+        c.bad("filter_eps", "None (the device has no gradient filtering; strict mode)", repr(c.raw["filter_eps"]))
+    if c.a["input"].size == 0 or c.a["weight"].size == 0:
+        c.skip_compute = True  # the device returns success without launching
+
+
+def _plan(c: Call):
+    BT, H = c.shape_of("input")
+    mode = "memory_saving" if c.a["softmax"] is None else "high_performance"
+    return plan_linear_cross_entropy(
+        BT,
+        c.a["weight"].shape[0],
+        H,
+        mode=mode,
+        widen=c.a["input"].dtype != D.FLOAT32,
+        filter_eps=c.info.get("filter_eps"),
+    )
+
+
+def _result(c: Call, r: dict):
+    gi, gw = r["grad_input"], r["grad_weight"]
+    if not c.info.get("want_stats"):
+        return gi, gw
+    plan = c.info.get("plan") or _plan(c)
+    st = c.info.get("stats") or {}
+    return (
+        gi,
+        gw,
+        dataclasses.replace(plan, blocks_total=st.get("blocks_total", 0), blocks_skipped=st.get("blocks_skipped", 0)),
+    )
+
+
+DECL = OpDef(
+    name=OP,
+    aclnn="aclnnFusedLinearCrossEntropyLossGrad",
+    inputs=(
+        TensorDef("grad", (D.FLOAT32,), ndim=(1, 1)),
+        _float_in("input"),
+        _float_in("weight"),
+        TensorDef("target_mask", (np.uint8, np.bool_), ndim=(1, 1)),
+        TensorDef("masked_target", (np.int32, np.int64), ndim=(1, 1)),
+        TensorDef("logits_max", (D.FLOAT32,), ndim=(1, 1), optional=_stats_optional),
+        TensorDef("sum_exp_logits", (D.FLOAT32,), ndim=(1, 1), optional=_stats_optional),
+        TensorDef("softmax", (D.FLOAT32,), ndim=(2, 2), optional=True),
+    ),
+    attrs=(
+        AttrDef(
+            "label_smoothing",
+            "float",
+            lo=0.0,
+            hi=1.0,
+            device=(0.0,),
+            device_why="0 (the device supports only 0; strict mode)",
+        ),
+    ),
+    outputs=("grad_input", "grad_weight"),
+    relations=_relations,
+    device_limits=_device_limits,
+    plan=_plan,
+    result=_result,
+    source="seed 000; ops-nn matmul/fused_linear_cross_entropy_loss_grad",
+)
+
+
+def fused_linear_cross_entropy_loss_grad(
+    grad: Any,
+    input: Any,
+    weight: Any,
+    target_mask: Any,
+    masked_target: Any,
+    label_smoothing: float = 0.0,
+    logits_max: Any = None,
+    sum_exp_logits: Any = None,
+    softmax: Any = None,
+    *,
+    filter_eps: float | str | None = None,
+    return_plan: bool = False,
+    out: Any = None,
+) -> tuple:
     r"""Gradient of the vocabulary-parallel linear cross-entropy w.r.t. ``input`` and ``weight``.
 
     The CPU counterpart of ``aclnnFusedLinearCrossEntropyLossGrad`` (seed document
@@ -51,12 +226,29 @@ def fused_linear_cross_entropy_loss_grad(grad, input, weight, target_mask, maske
     out : (grad_input, grad_weight), optional
         Preallocated outputs (shapes ``[BT, H]`` and ``[V, H]``, input's dtype).  Untouched when
         validation fails.  Extension (not in strict mode): an fp32 ``grad_input`` receives the
-        fp32 accumulator unrounded — what a vocabulary-parallel caller all-reduces.
+        fp32 accumulator unrounded — what a vocabulary-parallel caller all-reduces.  An ``out``
+        sharing memory with an input is refused (161002).
+    filter_eps : None, "auto" or float in (0, 1], keyword-only
+        Gradient filtering (extension; memory-saving mode; strict mode rejects it — the device
+        has no such option).  None (default): dense, the device's result.  A number: blocks of
+        256 rows × 64 vocabulary columns of the logits tile where every
+        ``|p - onehot·(1-s) - s/K| < filter_eps`` (``p`` the softmax, before the scaling by
+        ``grad``; the target column is never filtered) are skipped in both gradient GEMMs, as
+        Cut Cross-Entropy does.  ``"auto"``: the dtype's machine epsilon / 32 (CCE's choice:
+        2⁻¹² for bf16, 2⁻¹⁵ for fp16, 2⁻²⁸ for fp32).
+        **Error bound** (each skipped ``|g[r, c]| < eps·|grad[r]|``): against the unfiltered
+        result, before the final rounding,
+        ``|Δgrad_input[r, h]| <= eps·|grad[r]|·Σ_{c skipped for r} |weight[c, h]|`` and
+        ``|Δgrad_weight[c, h]| <= eps·Σ_{r skipped for c} |grad[r]|·|input[r, h]|``; each
+        output then differs by that plus one rounding of its dtype.
+    return_plan : bool, keyword-only
+        Also return the tile plan, with ``blocks_total`` and ``blocks_skipped`` filled in.
 
     Returns
     -------
     (grad_input [BT, H], grad_weight [V, H])
-        In ``input``'s dtype and kind (NumPy array or torch tensor).
+        In ``input``'s dtype and kind (NumPy array or torch tensor); with ``return_plan=True``
+        a third item, the :class:`fastgrad.tiling.LinearCETiling` that ran.
 
     Notes
     -----
@@ -80,113 +272,27 @@ def fused_linear_cross_entropy_loss_grad(grad, input, weight, target_mask, maske
         Wrong dtype (grad/logits_max/sum_exp_logits/softmax not fp32; input/weight not
         bf16/fp16/fp32 or different; target_mask not uint8/bool; masked_target not int32/int64),
         wrong rank or shape (``input.shape[0] != BT``, ``weight.shape[1] != H``, bool mask length
-        ``!= BT``, packed mask length·8 ``< BT``, ...), non-finite label_smoothing, ``out`` of the
-        wrong shape/dtype.  Strict mode also: label_smoothing ≠ 0, fp32 input, V < 128 in
-        high-performance mode.
+        ``!= BT``, packed mask length·8 ``< BT``, ...), label_smoothing outside [0, 1], ``out`` of
+        the wrong shape/dtype or overlapping an input, ``filter_eps`` not None/"auto"/(0, 1] or
+        given with ``softmax``.  Strict mode also: label_smoothing ≠ 0, fp32 input, V < 128 in
+        high-performance mode, ``filter_eps`` given.
     AclnnError 361001
         The selected backend is unavailable.
     """
-    kind = arrays.kind_of(input, weight, grad)
-    # 161001 first, as the device's CheckNotNull: the softmax/logits_max/sum_exp rule leads.
-    if softmax is None and (logits_max is None or sum_exp_logits is None):
-        raise AclnnError(ACLNN_ERR_PARAM_NULLPTR,
-                         f"{OP}: logits_max and sum_exp_logits are required when softmax is None "
-                         f"(got logits_max={'None' if logits_max is None else 'given'}, "
-                         f"sum_exp_logits={'None' if sum_exp_logits is None else 'given'})",
-                         "logits_max" if logits_max is None else "sum_exp_logits")
-    g = arrays.as_numpy(grad, "grad", op=OP)
-    x = arrays.as_numpy(input, "input", op=OP)
-    w = arrays.as_numpy(weight, "weight", op=OP)
-    tm = arrays.as_numpy(target_mask, "target_mask", op=OP)
-    mt = arrays.as_numpy(masked_target, "masked_target", op=OP)
-    sm = arrays.as_numpy(softmax, "softmax", required=False, op=OP)
-    lm = se = None
-    if sm is None:
-        lm = arrays.as_numpy(logits_max, "logits_max", op=OP)
-        se = arrays.as_numpy(sum_exp_logits, "sum_exp_logits", op=OP)
-    strict = is_strict()
-
-    # dtypes (device order: CheckDtypeValid)
-    arrays.check_dtype(g, "grad", [D.FLOAT32], OP)
-    float_in = [D.BFLOAT16, D.FLOAT16] if strict else [D.BFLOAT16, D.FLOAT16, D.FLOAT32]
-    arrays.check_dtype(x, "input", float_in, OP)
-    arrays.check_dtype(w, "weight", float_in, OP)
-    if w.dtype != x.dtype:
-        raise invalid("weight", f"the dtype of input ({D.dtype_name(x.dtype)})", D.dtype_name(w.dtype), OP)
-    arrays.check_dtype(tm, "target_mask", [np.uint8, np.bool_], OP)
-    arrays.check_dtype(mt, "masked_target", INDEX_DTYPES, OP)
-    if sm is not None:
-        arrays.check_dtype(sm, "softmax", [D.FLOAT32], OP)
-    else:
-        arrays.check_dtype(lm, "logits_max", [D.FLOAT32], OP)
-        arrays.check_dtype(se, "sum_exp_logits", [D.FLOAT32], OP)
-
-    # attribute
-    ls = parse_float(label_smoothing, "label_smoothing", OP)
-    if not np.isfinite(ls):
-        raise invalid("label_smoothing", "a finite number", ls, OP)
-    if strict and ls != 0.0:
-        raise invalid("label_smoothing", "0 (the device supports only 0; strict mode)", ls, OP)
-
-    # shapes (device order: CheckShapeValid)
-    arrays.check_ndim(g, "grad", 1, OP)
-    arrays.check_ndim(x, "input", 2, OP)
-    arrays.check_ndim(w, "weight", 2, OP)
-    arrays.check_ndim(tm, "target_mask", 1, OP)
-    arrays.check_ndim(mt, "masked_target", 1, OP)
-    if sm is not None:
-        arrays.check_ndim(sm, "softmax", 2, OP)
-    else:
-        arrays.check_ndim(lm, "logits_max", 1, OP)
-        arrays.check_ndim(se, "sum_exp_logits", 1, OP)
-    BT = g.shape[0]
-    H = x.shape[1]
-    V = w.shape[0]
-    if x.shape[0] != BT:
-        raise invalid("input", f"input.shape[0] == grad.shape[0] == {BT}", f"shape {x.shape}", OP)
-    if strict and sm is not None and V < 128:
-        raise invalid("weight", "weight.shape[0] >= 128 in high-performance mode (strict mode)",
-                      f"shape {w.shape}", OP)
-    if w.shape[1] != H:
-        raise invalid("weight", f"weight.shape[1] == input.shape[1] == {H}", f"shape {w.shape}", OP)
-    if tm.dtype == np.bool_:
-        if tm.shape[0] != BT:
-            raise invalid("target_mask", f"bool length == grad.shape[0] == {BT}", f"shape {tm.shape}", OP)
-    elif tm.shape[0] * 8 < BT:
-        raise invalid("target_mask", f"uint8 length * 8 >= grad.shape[0] == {BT}", f"shape {tm.shape}", OP)
-    arrays.check_shape(mt, "masked_target", (BT,), OP)
-    if sm is not None:
-        arrays.check_shape(sm, "softmax", (BT, V), OP)
-    else:
-        arrays.check_shape(lm, "logits_max", (BT,), OP)
-        arrays.check_shape(se, "sum_exp_logits", (BT,), OP)
-
-    # outputs
-    if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise invalid("out", "a (grad_input, grad_weight) pair", type(out).__name__, OP)
-        gi_dtype = x.dtype
-        if not strict and out[0] is not None and arrays.as_numpy(out[0], "out[0]", op=OP).dtype == D.FLOAT32:
-            gi_dtype = D.FLOAT32     # extension: the unrounded fp32 accumulator (for all-reduces)
-        o_gi = arrays.check_out(out[0], "out[0] (grad_input)", (BT, H), gi_dtype, OP)
-        o_gw = arrays.check_out(out[1], "out[1] (grad_weight)", (V, H), x.dtype, OP)
-        user_gi, user_gw = out
-    else:
-        o_gi = o_gw = user_gi = user_gw = None
-        gi_dtype = x.dtype
-
-    if strict and (x.size == 0 or w.size == 0):
-        # the device returns success without launching: outputs untouched
-        b_gi = arrays.prepare_out(user_gi, o_gi, (BT, H), gi_dtype)
-        b_gw = arrays.prepare_out(user_gw, o_gw, (V, H), x.dtype)
-        if user_gi is None:
-            b_gi.buffer[...] = 0
-            b_gw.buffer[...] = 0
-        return b_gi.result(kind), b_gw.result(kind)
-
-    b_gi = arrays.prepare_out(user_gi, o_gi, (BT, H), gi_dtype)
-    b_gw = arrays.prepare_out(user_gw, o_gw, (V, H), x.dtype)
-    dispatch(OP)(grad=g, input=x, weight=w, target_mask=tm, masked_target=mt,
-                 label_smoothing=ls, logits_max=lm, sum_exp_logits=se, softmax=sm,
-                 out=(b_gi.buffer, b_gw.buffer))
-    return b_gi.result(kind), b_gw.result(kind)
+    return execute(
+        DECL,
+        dict(
+            grad=grad,
+            input=input,
+            weight=weight,
+            target_mask=target_mask,
+            masked_target=masked_target,
+            label_smoothing=label_smoothing,
+            logits_max=logits_max,
+            sum_exp_logits=sum_exp_logits,
+            softmax=softmax,
+            filter_eps=filter_eps,
+            return_plan=return_plan,
+        ),
+        out,
+    )

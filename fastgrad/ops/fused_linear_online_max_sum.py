@@ -2,34 +2,125 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import arrays
 from .. import dtypes as D
-from .._config import is_strict
-from ..backends import dispatch
-from ..errors import invalid
-from ._common import INDEX_DTYPES, parse_bool, parse_int
+from ..tiling import plan_linear_cross_entropy
+from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "fused_linear_online_max_sum"
+
+#: The device's limit on H (strict mode).
+MAX_H_DEVICE = 65534
 
 
 class OnlineMaxSum(NamedTuple):
     """Outputs of :func:`fused_linear_online_max_sum` (the aclnn output names, snake_case)."""
 
-    logits_max_local: object       #: fp32 [BT]
-    sum_exp_logits_local: object   #: fp32 [BT]
-    predicted_logits_local: object #: fp32 [BT]
-    target_mask: object            #: uint8 [ceil(BT/8)], packed LSB-first
-    masked_target: object          #: target's dtype [BT]
-    vocab_parallel_logits: object  #: input dtype [BT, V], or None
+    logits_max_local: Any  #: fp32 [BT]
+    sum_exp_logits_local: Any  #: fp32 [BT]
+    predicted_logits_local: Any  #: fp32 [BT]
+    target_mask: Any  #: uint8 [ceil(BT/8)], packed LSB-first
+    masked_target: Any  #: target's dtype [BT]
+    vocab_parallel_logits: Any  #: logits_dtype [BT, V], or None
 
 
-def fused_linear_online_max_sum(input, weight, target, vocab_start_index, vocab_end_index,
-                                return_logits=False):
-    r"""This shard's logits statistics for vocabulary-parallel cross-entropy.
+OUTPUTS = OnlineMaxSum._fields
+
+
+def _relations(c: Call) -> None:
+    x, w, t = c.a["input"], c.a["weight"], c.a["target"]
+    BT, H = c.shape_of("input")
+    V = w.shape[0]
+    start, end = c.attrs["vocab_start_index"], c.attrs["vocab_end_index"]
+    if w.dtype != x.dtype:
+        c.bad("weight", f"the dtype of input ({D.dtype_name(x.dtype)})", D.dtype_name(w.dtype))
+    if w.shape[1] != H:
+        c.bad("weight", f"weight.shape[1] == input.shape[1] == {H}", f"shape {tuple(w.shape)}")
+    if t.shape[0] != BT:
+        c.bad("target", f"target.shape[0] == input.shape[0] == {BT}", f"shape {tuple(t.shape)}")
+    if end - start != V:
+        c.bad(
+            "vocab_end_index",
+            f"vocab_start_index + weight.shape[0] = {start} + {V} = {start + V} "
+            "(the shard's rows are its vocabulary range)",
+            end,
+        )
+    ldt = c.attrs["logits_dtype"]
+    if ldt is None:
+        ldt = x.dtype  # the kernel's: the matmul output is the input dtype
+    elif ldt not in (D.FLOAT32, x.dtype):
+        c.bad("logits_dtype", f"float32 or the input's dtype ({D.dtype_name(x.dtype)})", D.dtype_name(ldt))
+    c.attrs["logits_dtype"] = ldt
+    f32 = D.FLOAT32
+    c.outs.update(
+        logits_max_local=OutSpec((BT,), f32),
+        sum_exp_logits_local=OutSpec((BT,), f32),
+        predicted_logits_local=OutSpec((BT,), f32),
+        target_mask=OutSpec(((BT + 7) // 8,), np.dtype(np.uint8)),
+        masked_target=OutSpec((BT,), t.dtype),
+        vocab_parallel_logits=OutSpec((BT, V), ldt, size_param="return_logits") if c.attrs["return_logits"] else None,
+    )
+
+
+def _device_limits(c: Call) -> None:
+    BT, H = c.shape_of("input")
+    if H > MAX_H_DEVICE:
+        c.bad("input", f"input.shape[1] <= {MAX_H_DEVICE} (strict mode)", f"shape {(BT, H)}")
+    if c.a["weight"].shape[0] == 0:
+        c.bad("weight", "weight.shape[0] > 0 (strict mode)", f"shape {c.shape_of('weight')}")
+    if c.raw.get("logits_dtype") is not None and c.attrs["logits_dtype"] != c.a["input"].dtype:
+        c.bad(
+            "logits_dtype",
+            "the input's dtype (the device's matmul output; strict mode)",
+            D.dtype_name(c.attrs["logits_dtype"]),
+        )
+
+
+def _plan(c: Call):
+    BT, H = c.shape_of("input")
+    return plan_linear_cross_entropy(
+        BT, c.a["weight"].shape[0], H, mode="forward", widen=c.a["input"].dtype != D.FLOAT32
+    )
+
+
+DECL = OpDef(
+    name=OP,
+    aclnn="aclnnFusedLinearOnlineMaxSum",
+    inputs=(
+        TensorDef("input", (D.BFLOAT16, D.FLOAT16), ext_dtypes=(D.FLOAT32,), ndim=(2, 2)),
+        TensorDef("weight", (D.BFLOAT16, D.FLOAT16), ext_dtypes=(D.FLOAT32,), ndim=(2, 2)),
+        TensorDef("target", (np.int32, np.int64), ndim=(1, 1)),
+    ),
+    attrs=(
+        AttrDef("vocab_start_index", "int", lo=0),
+        AttrDef("vocab_end_index", "int", lo=0),
+        AttrDef("return_logits", "bool"),
+        AttrDef("logits_dtype", "dtype"),
+    ),
+    outputs=OUTPUTS,
+    relations=_relations,
+    device_limits=_device_limits,
+    plan=_plan,
+    result=lambda c, r: OnlineMaxSum(*(r[n] for n in OUTPUTS)),
+    source="ops-nn matmul/fused_linear_online_max_sum; Megatron _VocabParallelCrossEntropy",
+)
+
+
+def fused_linear_online_max_sum(
+    input: Any,
+    weight: Any,
+    target: Any,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    return_logits: bool = False,
+    *,
+    logits_dtype: Any = None,
+    out: Any = None,
+) -> OnlineMaxSum:
+    """This shard's logits statistics for vocabulary-parallel cross-entropy.
 
     The CPU counterpart of ``aclnnFusedLinearOnlineMaxSum`` (ops-nn
     ``matmul/fused_linear_online_max_sum``; Megatron's ``_VocabParallelCrossEntropy`` forward).
@@ -46,6 +137,15 @@ def fused_linear_online_max_sum(input, weight, target, vocab_start_index, vocab_
         formula says ``>``).  ``0 <= start <= end``.
     return_logits : bool
         Also return ``vocab_parallel_logits`` (the device's high-performance branch).
+    logits_dtype : None, float32 or the input's dtype, keyword-only
+        The precision of the logits before max / exp / sum.  None (default): the input dtype —
+        the kernel's matmul output type (ops-nn ``op_kernel/fused_linear_online_max_sum.cpp:38,41``;
+        docs/device_parity.md row 2).  ``np.float32``: the fp32 logits unrounded, as the CANN
+        golden script and a training loss want them (an extension: strict mode and the acl
+        backend refuse it).  ``vocab_parallel_logits`` is returned in this dtype.
+    out : tuple of six arrays, optional
+        Preallocated outputs in the order of :class:`OnlineMaxSum` (``None`` for the logits
+        when ``return_logits`` is False).
 
     Returns
     -------
@@ -55,9 +155,19 @@ def fused_linear_online_max_sum(input, weight, target, vocab_start_index, vocab_
         ``sum_exp_logits_local[r] = Σ_v exp(logits[r, v] - max)``;
         ``predicted_logits_local[r] = logits[r, masked_target[r]] - max`` (0 where masked);
         ``target_mask`` bit r = 1 when ``target[r] < start or >= end`` (padding bits beyond BT
-        are 1, as the device); ``masked_target = target - start`` (0 where masked).
+        are those of a 0 target, as the kernel pads the target with 0: ``(0 < start) |
+        (0 >= end)``, so 0 on the first shard); ``masked_target = target - start`` (0 where
+        masked).
         Combining shards (the caller's all-reduce): ``gmax = max_k m_k``;
         ``sum = Σ_k s_k·exp(m_k - gmax)``; ``predicted = Σ_k (p_k + (m_k - gmax)·owned_k)``.
+
+    Notes
+    -----
+    Target compares are exact int64 compares.  The device casts the targets and
+    ``vocab_start_index``/``vocab_end_index`` to fp32 (RINT) before comparing and takes
+    ``masked_target = rint(fp32(t) - fp32(start))`` (ops-nn ``fused_linear_online_max_sum.h:
+    213-214,272-273,545-561,1061-1075``): identical below 2**24, which every real vocabulary
+    is; fastgrad does not emulate the rounding above it (docs/device_parity.md, row 6).
 
     Raises
     ------
@@ -69,45 +179,16 @@ def fused_linear_online_max_sum(input, weight, target, vocab_start_index, vocab_
         ``vocab_end_index < vocab_start_index``.  Strict mode also: fp32 input, ``H > 65534``,
         ``weight.shape[0] == 0`` (outside it, an empty shard gives max -inf, sum 0, all masked).
     """
-    kind = arrays.kind_of(input, weight, target)
-    x = arrays.as_numpy(input, "input", op=OP)
-    w = arrays.as_numpy(weight, "weight", op=OP)
-    t = arrays.as_numpy(target, "target", op=OP)
-    start = parse_int(vocab_start_index, "vocab_start_index", OP)
-    end = parse_int(vocab_end_index, "vocab_end_index", OP)
-    ret = parse_bool(return_logits, "return_logits", OP)
-    strict = is_strict()
-    float_in = [D.BFLOAT16, D.FLOAT16] if strict else [D.BFLOAT16, D.FLOAT16, D.FLOAT32]
-    arrays.check_dtype(x, "input", float_in, OP)
-    arrays.check_dtype(w, "weight", float_in, OP)
-    if w.dtype != x.dtype:
-        raise invalid("weight", f"the dtype of input ({D.dtype_name(x.dtype)})", D.dtype_name(w.dtype), OP)
-    arrays.check_dtype(t, "target", INDEX_DTYPES, OP)
-    arrays.check_ndim(x, "input", 2, OP)
-    arrays.check_ndim(w, "weight", 2, OP)
-    arrays.check_ndim(t, "target", 1, OP)
-    BT, H = x.shape
-    V = w.shape[0]
-    if strict and H > 65534:
-        raise invalid("input", "input.shape[1] <= 65534 (strict mode)", f"shape {x.shape}", OP)
-    if V == 0 and strict:
-        raise invalid("weight", "weight.shape[0] > 0 (strict mode)", f"shape {w.shape}", OP)
-    if w.shape[1] != H:
-        raise invalid("weight", f"weight.shape[1] == input.shape[1] == {H}", f"shape {w.shape}", OP)
-    if t.shape[0] != BT:
-        raise invalid("target", f"target.shape[0] == input.shape[0] == {BT}", f"shape {t.shape}", OP)
-    if start < 0:
-        raise invalid("vocab_start_index", ">= 0", start, OP)
-    if end < start:
-        raise invalid("vocab_end_index", f">= vocab_start_index ({start})", end, OP)
-
-    lmax = np.empty(BT, np.float32)
-    sexp = np.empty(BT, np.float32)
-    pred = np.empty(BT, np.float32)
-    tmask = np.empty((BT + 7) // 8, np.uint8)
-    mtarget = np.empty(BT, t.dtype)
-    logits = np.empty((BT, V), x.dtype) if ret else None
-    dispatch(OP)(input=x, weight=w, target=t, vocab_start_index=start, vocab_end_index=end,
-                 return_logits=ret, out=(lmax, sexp, pred, tmask, mtarget, logits))
-    wrap = lambda a: arrays.wrap(a, kind)  # noqa: E731
-    return OnlineMaxSum(wrap(lmax), wrap(sexp), wrap(pred), wrap(tmask), wrap(mtarget), wrap(logits))
+    return execute(
+        DECL,
+        dict(
+            input=input,
+            weight=weight,
+            target=target,
+            vocab_start_index=vocab_start_index,
+            vocab_end_index=vocab_end_index,
+            return_logits=return_logits,
+            logits_dtype=logits_dtype,
+        ),
+        out,
+    )

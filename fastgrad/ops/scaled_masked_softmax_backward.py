@@ -2,24 +2,77 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from .. import arrays
-from .._config import is_strict
-from ..backends import dispatch
 from ..dtypes import FLOAT_DTYPES, dtype_name
-from ..errors import invalid
-from ._common import parse_bool, parse_float
+from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, broadcasts, execute
 
 OP = "scaled_masked_softmax_backward"
 
 #: The device's range for the last dimension S2 (seed 002: "最后一维范围是[1, 4096]").
 MAX_S2_DEVICE = 4096
 
-_MASK_DTYPES_EXT = (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64)
+_MASK_DTYPES_EXT = tuple(np.dtype(d) for d in (np.uint8, np.int8, np.int16, np.int32, np.int64))
 
 
-def scaled_masked_softmax_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False, *, out=None):
+def _mask_optional(raw: dict, strict: bool) -> bool:
+    """The mask may be None outside strict mode when fix_triu_mask supplies the masking."""
+    return (not strict) and raw.get("fix_triu_mask") is True
+
+
+def _relations(c: Call) -> None:
+    go, y, m = c.a["grad_output"], c.a["y"], c.a["mask"]
+    shape = c.shape_of("grad_output")
+    if y.dtype != go.dtype:
+        c.bad("y", f"the dtype of grad_output ({dtype_name(go.dtype)})", dtype_name(y.dtype))
+    c.expect_shape("y", shape)
+    if m is not None and not broadcasts(m.shape, shape):
+        c.bad("mask", f"a shape broadcastable to {shape}", f"shape {tuple(m.shape)}")
+    c.outs["out"] = OutSpec(shape, go.dtype)
+
+
+def _device_limits(c: Call) -> None:
+    shape = c.shape_of("grad_output")
+    m = c.a["mask"]
+    if m is not None and tuple(m.shape[-2:]) != shape[-2:]:
+        c.bad(
+            "mask", f"last two dimensions {shape[-2:]} (those of grad_output; strict mode)", f"shape {tuple(m.shape)}"
+        )
+    if not (1 <= shape[-1] <= MAX_S2_DEVICE):
+        c.bad("grad_output", f"last dimension in [1, {MAX_S2_DEVICE}] (device limit)", f"shape {shape}")
+
+
+DECL = OpDef(
+    name=OP,
+    aclnn="aclnnScaledMaskedSoftmaxBackward",
+    inputs=(
+        TensorDef("grad_output", FLOAT_DTYPES, ndim=(4, 4), ext_ndim=(1, None)),
+        TensorDef("y", FLOAT_DTYPES, ndim=(4, 4), ext_ndim=(1, None)),
+        TensorDef(
+            "mask", (np.bool_,), ext_dtypes=_MASK_DTYPES_EXT, ndim=(4, 4), ext_ndim=(0, None), optional=_mask_optional
+        ),
+    ),
+    attrs=(
+        AttrDef("scale", "float", finite=False),
+        AttrDef(
+            "fix_triu_mask",
+            "bool",
+            device=(False,),
+            device_why="False (device limit; True is computed outside strict mode)",
+        ),
+    ),
+    outputs=("out",),
+    relations=_relations,
+    device_limits=_device_limits,
+    source="seed 002; ops-nn vfusion/scaled_masked_softmax_grad_v2",
+)
+
+
+def scaled_masked_softmax_backward(
+    grad_output: Any, y: Any, mask: Any, scale: float = 1.0, fix_triu_mask: bool = False, *, out: Any = None
+) -> Any:
     r"""Backward of ``y = softmax(mask_fill(x·scale))`` w.r.t. ``x`` (aclnnScaledMaskedSoftmaxBackward).
 
     Parameters
@@ -73,57 +126,7 @@ def scaled_masked_softmax_backward(grad_output, y, mask, scale=1.0, fix_triu_mas
         that is not bool, not 4-D, or whose last two dimensions differ from
         ``grad_output``'s; ``fix_triu_mask=True``.
 
-    Source: seed 002 (CANN aclnnScaledMaskedSoftmaxBackward doc) and SPEC.md; CANN kernel
+    Source: seed 002 (CANN aclnnScaledMaskedSoftmaxBackward doc) and docs/spec.md; CANN kernel
     ``ScaledMaskedSoftmaxGradV2`` (ops-nn ``vfusion/scaled_masked_softmax_grad_v2``).
     """
-    strict = is_strict()
-    kind = arrays.kind_of(grad_output, y, mask)
-    go = arrays.as_numpy(grad_output, "grad_output", op=OP)
-    yy = arrays.as_numpy(y, "y", op=OP)
-    triu = parse_bool(fix_triu_mask, "fix_triu_mask", OP)
-    m = arrays.as_numpy(mask, "mask", required=strict or not triu, op=OP)
-    sc = parse_float(scale, "scale", OP)
-
-    arrays.check_dtype(go, "grad_output", FLOAT_DTYPES, OP)
-    arrays.check_dtype(yy, "y", FLOAT_DTYPES, OP)
-    if yy.dtype != go.dtype:
-        raise invalid("y", f"the dtype of grad_output ({dtype_name(go.dtype)})", dtype_name(yy.dtype), OP)
-    if m is not None:
-        arrays.check_dtype(m, "mask", (np.bool_,) if strict else _MASK_DTYPES_EXT, OP)
-
-    shape = tuple(int(d) for d in go.shape)
-    if strict:
-        arrays.check_ndim(go, "grad_output", 4, OP)
-    elif go.ndim < 1:
-        raise invalid("grad_output", "at least 1 dimension", "a 0-d array", OP)
-    arrays.check_shape(yy, "y", shape, OP)
-    if m is not None:
-        if strict:
-            arrays.check_ndim(m, "mask", 4, OP)
-            if tuple(m.shape[-2:]) != shape[-2:]:
-                raise invalid("mask", f"last two dimensions {shape[-2:]} (those of grad_output)",
-                              f"shape {tuple(m.shape)}", OP)
-        if not _broadcasts(m.shape, shape):
-            raise invalid("mask", f"a shape broadcastable to {shape}", f"shape {tuple(m.shape)}", OP)
-    if strict:
-        if not (1 <= shape[-1] <= MAX_S2_DEVICE):
-            raise invalid("grad_output", f"last dimension in [1, {MAX_S2_DEVICE}] (device limit)",
-                          f"shape {shape}", OP)
-        if triu:
-            raise invalid("fix_triu_mask", "False (device limit; True is computed outside strict mode)",
-                          True, OP)
-
-    chk = arrays.check_out(out, "out", shape, go.dtype, OP)
-    buf = arrays.prepare_out(out, chk, shape, go.dtype)
-    dispatch(OP)(grad_output=go, y=yy, mask=m, scale=sc, fix_triu_mask=triu, out=buf.buffer)
-    return buf.result(kind)
-
-
-def _broadcasts(mshape, shape) -> bool:
-    """True when ``mshape`` broadcasts to ``shape`` without changing it (NumPy rules)."""
-    if len(mshape) > len(shape):
-        return False
-    for a, b in zip(reversed(tuple(mshape)), reversed(shape)):
-        if a != b and a != 1:
-            return False
-    return True
+    return execute(DECL, dict(grad_output=grad_output, y=y, mask=mask, scale=scale, fix_triu_mask=fix_triu_mask), out)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from .. import _config, arrays
-from ..backends import dispatch
-from ..dtypes import FLOAT_DTYPES, dtype_name, promote
-from ..errors import invalid
-from ._common import parse_float, parse_reduction
+from ..dtypes import FLOAT_DTYPES, promote
+from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "smooth_l1_loss_backward"
 
@@ -16,7 +15,33 @@ OP = "smooth_l1_loss_backward"
 MAX_DIMS = 8
 
 
-def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0, *, out=None):
+def _relations(c: Call) -> None:
+    names = ("grad_out", "input", "target")
+    shapes = [c.shape_of(n) for n in names]
+    try:
+        shape = np.broadcast_shapes(*shapes)
+    except ValueError:
+        c.bad("input", "grad_out, input and target shapes that broadcast", ", ".join(map(str, shapes)))
+        return
+    c.outs["grad_input"] = OutSpec(shape, promote(*(c.a[n].dtype for n in names)), accept=FLOAT_DTYPES)
+
+
+DECL = OpDef(
+    name=OP,
+    aclnn="aclnnSmoothL1LossBackward",
+    inputs=tuple(
+        TensorDef(n, FLOAT_DTYPES, ndim=(0, MAX_DIMS), ext_ndim=(0, None)) for n in ("grad_out", "input", "target")
+    ),
+    attrs=(AttrDef("reduction", "reduction"), AttrDef("beta", "float", lo=0.0)),
+    outputs=("grad_input",),
+    relations=_relations,
+    source="seed 003; ops-nn loss/smooth_l1_loss_grad_v2 (op_api aclnn_smooth_l1_loss_backward.cpp)",
+)
+
+
+def smooth_l1_loss_backward(
+    grad_out: Any, input: Any, target: Any, reduction: str | int = "mean", beta: float = 1.0, *, out: Any = None
+) -> Any:
     """Gradient of the smooth L1 loss with respect to ``input``.
 
     Parameters
@@ -52,6 +77,14 @@ def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0,
         s = sign(d)             otherwise, with sign(0) = 0
         grad_input = s * grad_out * (1/N if reduction == "mean" else 1)
 
+    bit for bit as the ops-nn kernel (``SmoothL1LossGradV2OpDag``, Ascend 950): a
+    ``grad_out`` of more than one element compares strictly, so ``|d| == beta`` gives
+    ``d * fp32(1/beta)`` (``1 - 2**-24`` for beta = 1.7); a one-element ``grad_out`` takes
+    the scalar DAG (``|d| >= beta`` -> sign).  ``1/N`` is ``fp32(1/N)``, multiplied.  The
+    910B runs a TBE kernel instead, ``d / (beta + 1e-6)`` in the quadratic zone (~1e-6/beta
+    relative) and 0 for NaN ``d`` at beta = 0; below beta = 1e-6 the 950 gives NaN: fastgrad
+    keeps ``d/beta`` there, and 0 at beta = 0, d = 0 (docs/device_parity.md, rows 5-5e).
+
     rounded once (round-to-nearest-even) to the output dtype; 16-bit inputs are widened to
     fp32 exactly.  NaN in ``d`` or ``grad_out`` gives NaN.  When ``out``'s dtype differs from
     the promoted dtype, the result is rounded to the promoted dtype and then cast (the
@@ -82,35 +115,4 @@ def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0,
     ``loss/smooth_l1_loss_grad_v2`` (op_api ``aclnn_smooth_l1_loss_backward.cpp``, kernel
     DAG ``SmoothL1LossGradV2OpDag``).
     """
-    kind = arrays.kind_of(grad_out, input, target)
-    g = arrays.as_numpy(grad_out, "grad_out", op=OP)
-    x = arrays.as_numpy(input, "input", op=OP)
-    t = arrays.as_numpy(target, "target", op=OP)
-    for a, name in ((g, "grad_out"), (x, "input"), (t, "target")):
-        arrays.check_dtype(a, name, FLOAT_DTYPES, OP)
-    if _config.is_strict():
-        for a, name in ((g, "grad_out"), (x, "input"), (t, "target")):
-            if a.ndim > MAX_DIMS:
-                raise invalid(name, f"at most {MAX_DIMS} dimensions", f"shape {tuple(a.shape)}", OP)
-    red = parse_reduction(reduction, OP)
-    b = parse_float(beta, "beta", OP)
-    if not b >= 0:
-        raise invalid("beta", "a non-negative number", repr(beta), OP)
-    try:
-        shape = np.broadcast_shapes(g.shape, x.shape, t.shape)
-    except ValueError:
-        raise invalid("input", "grad_out, input and target shapes that broadcast",
-                      f"{tuple(g.shape)}, {tuple(x.shape)}, {tuple(t.shape)}", OP) from None
-    dt = promote(g.dtype, x.dtype, t.dtype)
-    out_dt = dt
-    if out is not None:
-        o = arrays.as_numpy(out, "out", op=OP)
-        if o.dtype not in FLOAT_DTYPES:
-            raise invalid("out", "dtype in (bfloat16, float16, float32)", dtype_name(o.dtype), OP)
-        if _config.is_strict() and o.ndim > MAX_DIMS:
-            raise invalid("out", f"at most {MAX_DIMS} dimensions", f"shape {tuple(o.shape)}", OP)
-        out_dt = o.dtype
-    checked = arrays.check_out(out, "out", shape, out_dt, OP)
-    buf = arrays.prepare_out(out, checked, shape, out_dt)
-    dispatch(OP)(grad_out=g, input=x, target=t, reduction=red, beta=b, out=buf.buffer)
-    return buf.result(kind)
+    return execute(DECL, dict(grad_out=grad_out, input=input, target=target, reduction=reduction, beta=beta), out)

@@ -1,14 +1,23 @@
 """float64 golden of ``cross_entropy_loss_grad`` (the oracle; obvious, slow, clear).
 
-Follows the device's formula (SPEC.md / ops-nn ``CrossEntropyLossGrad`` golden) in float64 and
-rounds the result once to ``log_prob``'s dtype.
+The device's path (``label_smoothing = 0``, no z-loss) follows the 910B kernel's order of
+operations, each step rounded to fp32 as the device rounds it (float64 arithmetic on fp32
+operands, rounded to fp32: exactly the IEEE fp32 result), with a correctly rounded ``exp``::
+
+    c_i = fl(fl(fl(g·(1-ls)) / W)·ignore_i)·w_i      (sum: fl(g·(1-ls)), none: fl(g_i·(1-ls)))
+    x   = fl(fl(exp(log_prob))·c_i);   at the target column x = fl(x - c_i)
+    out = x rounded to log_prob's dtype
+
+(ops-nn ``loss/cross_entropy_loss_grad/op_kernel``: ``cross_entropy_loss_grad_base.h:198-252``,
+``cross_entropy_loss_grad_weight_none.h:90-101,164-181``, ``..._weight_not_none.h:80-150,
+183-207``).  Ignored rows are ``p·c_i`` with ``c_i = ±0``: 0, NaN where ``p`` is NaN or inf.
+The extensions (label smoothing, z-loss), which the device does not compute, use the float64
+formula (docs/spec.md) rounded once to the dtype.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from ..backends import implements
 
 OP = "cross_entropy_loss_grad"
 
@@ -17,22 +26,69 @@ def _f64(a):
     return np.asarray(a).astype(np.float64)
 
 
-@implements("reference", OP)
-def cross_entropy_loss_grad_reference(*, grad_loss, log_prob, target, weight, reduction,
-                                      ignore_index, label_smoothing, grad_zloss, lse_for_zloss,
-                                      lse_square_scale_for_zloss, out):
+def _fl(a):
+    """Round float64 values to fp32 (and back): the device's fp32 rounding of one operation."""
+    return np.asarray(a, np.float64).astype(np.float32).astype(np.float64)
+
+
+def _device_path(grad_loss, log_prob, target, weight, reduction, ignore_index, out):
+    """ls = 0, no z-loss: the 910B kernel's fp32 order of operations (module docstring)."""
     n, c = log_prob.shape
     lp = _f64(log_prob)
     t = np.asarray(target).astype(np.int64)
+    m = (t != ignore_index).astype(np.float64)  # ignoreSelect
+    inside = (t >= 0) & (t < c)
+    if weight is None:
+        w_t = np.ones(n)
+    else:  # TargetWeight: 0 outside [0, C)
+        wc = _f64(weight)
+        w_t = np.where(inside, wc[np.where(inside, t, 0)] if c else 0.0, 0.0)
+    g = _f64(grad_loss)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if reduction == "none":
+            L = g.reshape(n) * 1.0  # fl(g_i·(1-ls)), ls = 0: exact
+        else:
+            L = np.full(n, g.reshape(()) * 1.0)
+            if reduction == "mean":
+                W = _fl((w_t * m).sum())  # Σ ignore_i·w_i, one fp32 value
+                L = _fl(L / W)
+        cf = _fl(_fl(m * L) * w_t)  # c_i (ignored rows: ±0, or NaN)
+        p = _fl(np.exp(lp))
+        x = _fl(p * cf[:, None])
+        rows = np.nonzero(inside)[0]  # subtract at t (ignored rows: ±0)
+        x[rows, t[rows]] = _fl(x[rows, t[rows]] - cf[rows])
+    out[...] = x.astype(np.float32).astype(out.dtype)
+    return out
+
+
+def cross_entropy_loss_grad_reference(
+    *,
+    grad_loss,
+    log_prob,
+    target,
+    weight,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    grad_zloss,
+    lse_for_zloss,
+    lse_square_scale_for_zloss,
+    out,
+):
+    n, c = log_prob.shape
+    if float(label_smoothing) == 0.0 and float(lse_square_scale_for_zloss) == 0.0:
+        return _device_path(grad_loss, log_prob, target, weight, reduction, ignore_index, out)
+    lp = _f64(log_prob)
+    t = np.asarray(target).astype(np.int64)
     wc = np.ones(c) if weight is None else _f64(weight)
-    keep = t != ignore_index                           # ignoreMask
+    keep = t != ignore_index  # ignoreMask
     m = keep.astype(np.float64)
     t_safe = np.where(keep, t, 0)
     w_t = np.where(keep, wc[t_safe] if c else 0.0, 0.0)  # weight of each row's target
     g = _f64(grad_loss)
     if reduction == "mean":
         with np.errstate(divide="ignore", invalid="ignore"):
-            s = np.full(n, g / w_t.sum())              # W = 0 -> inf/nan, as the device
+            s = np.full(n, g / w_t.sum())  # W = 0 -> inf/nan, as the device
     elif reduction == "sum":
         s = np.full(n, g)
     else:
@@ -44,8 +100,7 @@ def cross_entropy_loss_grad_reference(*, grad_loss, log_prob, target, weight, re
     with np.errstate(invalid="ignore"):
         # sm = s·m and the ignored-row zero through multiplication, as the device (NaN stays NaN)
         sm = (s * m)[:, None]
-        res = sm * ((1.0 - ls) * w_t[:, None] * (p - onehot)
-                    + (ls / c if c else 0.0) * (p * wc.sum() - wc[None, :]))
+        res = sm * ((1.0 - ls) * w_t[:, None] * (p - onehot) + (ls / c if c else 0.0) * (p * wc.sum() - wc[None, :]))
         zs = float(lse_square_scale_for_zloss)
         if zs != 0.0:
             gz = g if grad_zloss is None else g + _f64(grad_zloss)

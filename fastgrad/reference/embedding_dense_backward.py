@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends import implements
-
 OP = "embedding_dense_backward"
 
 
-@implements("reference", OP)
 def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out):
     nw, d = out.shape
     acc = np.zeros((nw, d), np.float64)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends import implements
+from ..vocab_parallel import smoothed_loss
 
 OP = "fused_cross_entropy_loss_with_max_sum"
 
 
-@implements("reference", OP)
-def fused_cross_entropy_loss_with_max_sum(*, logits_max, sum_exp_logits, predicted_logits,
-                                          label_smoothing, vocab_parallel_logits, out):
+def fused_cross_entropy_loss_with_max_sum(
+    *, logits_max, sum_exp_logits, predicted_logits, label_smoothing, vocab_parallel_logits, out
+):
     loss, softmax = out
     s = np.asarray(sum_exp_logits, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -20,3 +20,5 @@ def fused_cross_entropy_loss_with_max_sum(*, logits_max, sum_exp_logits, predict
             L = np.asarray(vocab_parallel_logits, dtype=np.float64)
             m = np.asarray(logits_max, dtype=np.float64)[:, None]
             softmax[...] = (np.exp(L - m) / s[:, None]).astype(np.float32)
+    if label_smoothing != 0.0 and softmax is not None:
+        loss[...] = smoothed_loss(loss, softmax, label_smoothing)

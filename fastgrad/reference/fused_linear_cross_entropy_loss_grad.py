@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends import implements
+from ..vocab_parallel import megatron_smoothing, unpack_target_mask
 
 OP = "fused_linear_cross_entropy_loss_grad"
 
@@ -18,14 +18,19 @@ def _round(a64: np.ndarray, dtype) -> np.ndarray:
     return a64.astype(np.float32).astype(dtype)
 
 
-def _mask_bits(target_mask, BT):
-    if target_mask.dtype == np.bool_:
-        return np.asarray(target_mask[:BT], dtype=bool)
-    return np.unpackbits(np.asarray(target_mask, dtype=np.uint8), bitorder="little")[:BT].astype(bool)
-
-
-def grad_logits(grad, input, weight, target_mask, masked_target, label_smoothing=0.0,
-                logits_max=None, sum_exp_logits=None, softmax=None, rows=None, cols=None):
+def grad_logits(
+    grad,
+    input,
+    weight,
+    target_mask,
+    masked_target,
+    label_smoothing=0.0,
+    logits_max=None,
+    sum_exp_logits=None,
+    softmax=None,
+    rows=None,
+    cols=None,
+):
     """float64 ``g`` (already rounded to the input dtype's values) for ``rows`` × ``cols``.
 
     ``rows``/``cols``: optional index arrays selecting a sub-block (for sampled checks of large
@@ -35,7 +40,7 @@ def grad_logits(grad, input, weight, target_mask, masked_target, label_smoothing
     V = weight.shape[0]
     rows = np.arange(BT) if rows is None else np.asarray(rows)
     cols = np.arange(V) if cols is None else np.asarray(cols)
-    masked = _mask_bits(target_mask, BT)[rows]
+    masked = unpack_target_mask(target_mask, BT)[rows]
     t = np.asarray(masked_target, dtype=np.int64)[rows]
     if softmax is None:
         X = np.asarray(input[rows], dtype=np.float64)
@@ -46,23 +51,20 @@ def grad_logits(grad, input, weight, target_mask, masked_target, label_smoothing
         p = np.exp(logits - m) / s
     else:
         p = np.asarray(softmax, dtype=np.float64)[np.ix_(rows, cols)]
-    a = float(label_smoothing)
+    s_, s_over_k = megatron_smoothing(float(label_smoothing), V)
     onehot = (cols[None, :] == t[:, None]) & (~masked)[:, None] & (t >= 0)[:, None] & (t < V)[:, None]
-    if a != 0.0 and V > 1:
-        s_ = a * V / (V - 1)
-        p = p - onehot * (1.0 - s_) - s_ / V
-    else:
-        p = p - onehot
+    p = p - onehot * (1.0 - s_) - s_over_k
     g = p * np.asarray(grad, dtype=np.float64)[rows][:, None]
     return _round(g, input.dtype).astype(np.float64)
 
 
-@implements("reference", OP)
-def fused_linear_cross_entropy_loss_grad(*, grad, input, weight, target_mask, masked_target,
-                                         label_smoothing, logits_max, sum_exp_logits, softmax, out):
+def fused_linear_cross_entropy_loss_grad(
+    *, grad, input, weight, target_mask, masked_target, label_smoothing, logits_max, sum_exp_logits, softmax, out
+):
     gi_out, gw_out = out
-    g = grad_logits(grad, input, weight, target_mask, masked_target, label_smoothing,
-                    logits_max, sum_exp_logits, softmax)
+    g = grad_logits(
+        grad, input, weight, target_mask, masked_target, label_smoothing, logits_max, sum_exp_logits, softmax
+    )
     X = np.asarray(input, dtype=np.float64)
     W = np.asarray(weight, dtype=np.float64)
     gi_out[...] = _round(g @ W, gi_out.dtype)

@@ -1,26 +1,26 @@
-"""float64 golden for FusedLinearOnlineMaxSum: logits rounded to the input dtype, then float64."""
+"""float64 golden for FusedLinearOnlineMaxSum: logits rounded to ``logits_dtype``, then float64."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..backends import implements
+from ..vocab_parallel import pack_target_mask, shard_target_mask
 
 OP = "fused_linear_online_max_sum"
 
 
-@implements("reference", OP)
-def fused_linear_online_max_sum(*, input, weight, target, vocab_start_index, vocab_end_index,
-                                return_logits, out):
+def fused_linear_online_max_sum(
+    *, input, weight, target, vocab_start_index, vocab_end_index, return_logits, logits_dtype, out
+):
     lmax, sexp, pred, tmask, mtarget, logits_out = out
     BT = input.shape[0]
     V = weight.shape[0]
     X = np.asarray(input, dtype=np.float64)
     W = np.asarray(weight, dtype=np.float64)
-    logits = (X @ W.T).astype(np.float32).astype(input.dtype)     # the device's matmul output
+    logits = (X @ W.T).astype(np.float32).astype(logits_dtype)  # the device's matmul output
     L = logits.astype(np.float64)
     t = np.asarray(target, dtype=np.int64)
-    masked = (t < vocab_start_index) | (t >= vocab_end_index)
+    masked = shard_target_mask(t, vocab_start_index, vocab_end_index)
     local = np.where(masked, 0, t - vocab_start_index)
     if V:
         m = L.max(axis=1) if BT else np.zeros(0)
@@ -36,8 +36,6 @@ def fused_linear_online_max_sum(*, input, weight, target, vocab_start_index, voc
     sexp[...] = s.astype(np.float32)
     pred[...] = picked.astype(np.float32)
     mtarget[...] = local.astype(mtarget.dtype)
-    bits = np.ones(tmask.shape[0] * 8, bool)
-    bits[:BT] = masked
-    tmask[...] = np.packbits(bits, bitorder="little")
+    tmask[...] = pack_target_mask(masked, vocab_start_index, vocab_end_index)
     if logits_out is not None:
         logits_out[...] = logits

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends import implements
-
 OP = "scaled_masked_softmax_backward"
 
 
-@implements("reference", OP)
 def scaled_masked_softmax_backward_reference(*, grad_output, y, mask, scale, fix_triu_mask, out):
     go = np.asarray(grad_output).astype(np.float64)
     yy = np.asarray(y).astype(np.float64)

@@ -2,32 +2,40 @@
 
 Computes in float64 on the broadcast inputs and rounds once to the promoted dtype (then casts
 to ``out``'s dtype when that differs, as the device's final Cast does).  ``beta`` is taken as
-the fp32 value the device receives.
+the fp32 value the device receives, and the quadratic zone multiplies by the device's fp32
+constant ``1/beta`` (ops-nn ``arch35/smooth_l1_loss_grad_v2_tiling.cpp:145``); the zone is
+``|d| <= beta`` for a tensor ``grad_out`` and ``|d| < beta`` for a one-element one (the two
+DAGs of ``op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..backends import implements
 from ..dtypes import promote
 
 OP = "smooth_l1_loss_backward"
 
 
-@implements("reference", OP)
 def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out):
     shape = out.shape
     g = np.broadcast_to(np.asarray(grad_out, dtype=np.float64), shape)
     x = np.broadcast_to(np.asarray(input, dtype=np.float64), shape)
     t = np.broadcast_to(np.asarray(target, dtype=np.float64), shape)
-    b = float(np.float32(beta))
+    b32 = np.float32(beta)
+    b = float(b32)
+    # the device's tiling constant 1/beta, an fp32 value (for an fp32-subnormal beta, where it
+    # overflows, the value it would have with an unbounded exponent)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv = float(np.float32(np.float32(1.0) / b32)) if b > 0 else 0.0
+    if not np.isfinite(inv):
+        inv = float(np.float32(1.0 / (b * 2.0**64))) * 2.0**64
+    # the tensor DAG (grad_out of more than one element) compares strictly, the scalar DAG not
+    strict = np.asarray(grad_out).size != 1
     with np.errstate(invalid="ignore", divide="ignore"):
         d = x - t
-        if b > 0:
-            s = np.where(np.abs(d) < b, d / b, np.sign(d))
-        else:
-            s = np.sign(d)  # sign(0) = 0, NaN stays NaN
+        lin = (np.abs(d) <= b) if strict else (np.abs(d) < b)
+        s = np.where(lin & (b > 0), d * inv + 0.0, np.sign(d))  # sign(0) = 0; NaN stays NaN
         r = s * g
         if reduction == "mean" and r.size:
             r = r / r.size

@@ -1,11 +1,12 @@
 """PyTorch integration: a fused linear cross-entropy loss for the LM head, vocabulary parallel.
 
 * :func:`linear_cross_entropy` — ``F.cross_entropy(hidden @ weight.T, target, ...)`` without ever
-  materializing the ``[BT, V]`` logits: forward through :func:`fastgrad.fused_linear_online_max_sum`
-  (+ :func:`fastgrad.fused_cross_entropy_loss_with_max_sum`), backward through the memory-saving
-  :func:`fastgrad.fused_linear_cross_entropy_loss_grad`.  With ``process_group=`` the weight is a
-  vocabulary shard and the statistics are all-reduced as Megatron's ``_VocabParallelCrossEntropy``.
+  materializing the ``[BT, V]`` logits, through :func:`fastgrad.linear_cross_entropy` (row
+  blocks, forward and backward fused; the aclnn pipeline with ``precision="device"``).  With
+  ``process_group=`` the weight is a vocabulary shard and the statistics are all-reduced as
+  Megatron's ``_VocabParallelCrossEntropy``.
 * :class:`LinearCrossEntropyLoss` — the ``nn.Module`` face.
+* :func:`apply_to` / ``apply_fastgrad_to_<arch>()`` — Hugging Face causal LMs train through it.
 * :mod:`fastgrad.torch.distributed` — shard layout helpers (:func:`split_vocab`,
   :func:`shard_weight`, :func:`vocab_shard_range`).
 
@@ -22,9 +23,32 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
         "or `pip install fastgrad[torch]`. The rest of fastgrad works without it."
     ) from _e
 
-from .functional import LinearCrossEntropyFunction, linear_cross_entropy
+from .distributed import shard_weight, split_vocab, vocab_shard_range
+from .functional import LinearCrossEntropyFunction, LinearCrossEntropyOutput, linear_cross_entropy
+from .hf import (
+    apply_fastgrad_to_gemma2,
+    apply_fastgrad_to_llama,
+    apply_fastgrad_to_mistral,
+    apply_fastgrad_to_qwen2,
+    apply_fastgrad_to_qwen3,
+    apply_to,
+    revert,
+)
 from .module import LinearCrossEntropyLoss
-from .distributed import split_vocab, shard_weight, vocab_shard_range
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropyLoss",
-           "split_vocab", "shard_weight", "vocab_shard_range"]
+__all__ = [
+    "linear_cross_entropy",
+    "LinearCrossEntropyFunction",
+    "LinearCrossEntropyOutput",
+    "LinearCrossEntropyLoss",
+    "split_vocab",
+    "shard_weight",
+    "vocab_shard_range",
+    "apply_to",
+    "revert",
+    "apply_fastgrad_to_llama",
+    "apply_fastgrad_to_qwen2",
+    "apply_fastgrad_to_qwen3",
+    "apply_fastgrad_to_mistral",
+    "apply_fastgrad_to_gemma2",
+]

@@ -4,7 +4,7 @@ Each rank of a process group holds the LM-head rows of a contiguous vocabulary r
 order: rank ``k`` owns ``[start_k, start_k + V_k)`` with ``start_k = V_0 + ... + V_{k-1}``.
 Shard sizes may differ (``split_vocab`` gives the first ``V % world`` ranks one extra row).
 
-The loss needs three all-reduces of per-row fp32 statistics (SPEC.md, "Combining shards"),
+The loss needs three all-reduces of per-row fp32 statistics (docs/spec.md, "Combining shards"),
 fused here into two collectives:
 
 1. ``gmax = max_k m_k``                                             (``ReduceOp.MAX``)
@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["split_vocab", "shard_weight", "vocab_shard_range", "combine_stats",
-           "all_reduce_sum_fp32"]
+from ..errors import invalid
+
+__all__ = ["split_vocab", "shard_weight", "vocab_shard_range", "combine_stats", "all_reduce_sum_fp32"]
 
 
 def split_vocab(vocab_size: int, world_size: int) -> list[int]:
@@ -32,14 +33,16 @@ def split_vocab(vocab_size: int, world_size: int) -> list[int]:
     """
     vocab_size, world_size = int(vocab_size), int(world_size)
     if vocab_size < 0 or world_size < 1:
-        raise ValueError(f"split_vocab: need vocab_size >= 0 and world_size >= 1, "
-                         f"got {vocab_size} and {world_size}")
+        raise invalid(
+            "vocab_size", "vocab_size >= 0 and world_size >= 1", f"{vocab_size} and {world_size}", "split_vocab"
+        )
     q, r = divmod(vocab_size, world_size)
     return [q + (1 if k < r else 0) for k in range(world_size)]
 
 
-def shard_weight(weight: torch.Tensor, rank: int | None = None, world_size: int | None = None,
-                 group=None) -> torch.Tensor:
+def shard_weight(
+    weight: torch.Tensor, rank: int | None = None, world_size: int | None = None, group=None
+) -> torch.Tensor:
     """This rank's rows of a full ``[V, H]`` LM-head weight (a view; ``.clone()`` it to own it).
 
     ``rank``/``world_size`` default to the process group's (``group``, default WORLD).
@@ -49,7 +52,7 @@ def shard_weight(weight: torch.Tensor, rank: int | None = None, world_size: int 
         world_size = dist.get_world_size(group) if world_size is None else world_size
     sizes = split_vocab(weight.shape[0], world_size)
     start = sum(sizes[:rank])
-    return weight[start:start + sizes[rank]]
+    return weight[start : start + sizes[rank]]
 
 
 def vocab_shard_range(local_vocab_size: int, group=None) -> tuple[int, int, int]:
@@ -62,15 +65,21 @@ def vocab_shard_range(local_vocab_size: int, group=None) -> tuple[int, int, int]
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     mine = torch.tensor([int(local_vocab_size)], dtype=torch.int64)
-    sizes = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(sizes, mine, group=group)
-    sizes = [int(s.item()) for s in sizes]
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    sizes = [int(s.item()) for s in gathered]
     start = sum(sizes[:rank])
     return start, start + sizes[rank], sum(sizes)
 
 
-def combine_stats(logits_max: torch.Tensor, sum_exp: torch.Tensor, predicted: torch.Tensor,
-                  owned: torch.Tensor, extra: torch.Tensor | None, group):
+def combine_stats(
+    logits_max: torch.Tensor,
+    sum_exp: torch.Tensor,
+    predicted: torch.Tensor,
+    owned: torch.Tensor,
+    extra: torch.Tensor | None,
+    group,
+):
     """Combine the shards' row statistics (all ranks of ``group`` must call it).
 
     Parameters
@@ -92,7 +101,7 @@ def combine_stats(logits_max: torch.Tensor, sum_exp: torch.Tensor, predicted: to
     """
     gmax = logits_max.clone()
     dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
-    shift = logits_max - gmax                       # -inf on an empty shard: exp -> 0
+    shift = logits_max - gmax  # -inf on an empty shard: exp -> 0
     rows = [sum_exp * torch.exp(shift), torch.where(owned, predicted + shift, predicted)]
     if extra is not None:
         rows.append(extra.to(sum_exp.dtype))
@@ -108,3 +117,40 @@ def all_reduce_sum_fp32(t: torch.Tensor, group) -> torch.Tensor:
         acc = t.clone()
     dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=group)
     return acc
+
+
+def block_combiner(group):
+    """The ``combine=`` hook of :func:`fastgrad.linear_cross_entropy` over ``group``.
+
+    Called once per row block with this shard's NumPy ``(max, sum_exp, z_target, z_sum,
+    argmax)``; returns the global values with three collectives (every rank plans the same
+    blocks: the block size comes from the global vocabulary):
+
+    1. ``gmax = max_k m_k`` (``MAX``);
+    2. ``[Σ_k s_k·exp(m_k - gmax), Σ_k z_target_k, Σ_k z_sum_k]`` (one ``SUM``; the target's
+       ``z`` is non-zero on its owner only) — the combination of
+       :func:`fastgrad.vocab_parallel.combine_shard_statistics`, on raw target logits;
+    3. the first global index attaining ``gmax`` (``MIN`` over the shards that attain it).
+    """
+    import numpy as np
+
+    def combine(m, s, zt, zs, am):
+        mt = torch.from_numpy(np.array(m))
+        gmax = mt.clone()
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        shift = mt - gmax
+        scaled = torch.where(
+            torch.from_numpy(np.asarray(s)) == 0,
+            torch.zeros_like(mt),
+            torch.from_numpy(np.asarray(s)) * torch.exp(shift),
+        )
+        buf = torch.stack([scaled, torch.from_numpy(np.asarray(zt)), torch.from_numpy(np.asarray(zs))])
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+        big = torch.iinfo(torch.int64).max
+        amt = torch.from_numpy(np.asarray(am))
+        cand = torch.where((mt == gmax) & (amt >= 0), amt, torch.full_like(amt, big))
+        dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)
+        cand = torch.where(cand == big, torch.full_like(cand, -1), cand)
+        return (gmax.numpy(), buf[0].numpy(), buf[1].numpy(), buf[2].numpy(), cand.numpy())
+
+    return combine

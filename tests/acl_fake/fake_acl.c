@@ -2,9 +2,10 @@
  * A fake CANN runtime for testing fastgrad's "acl" backend against the ABI, on a machine
  * without an NPU.
  *
- * It exports the C symbols the aclnn samples use, with the same signatures as the CANN
- * headers (acl/acl_base.h, acl/acl_rt.h, aclnn/acl_meta.h and the aclnnop headers), split
- * over three shared objects as in a real toolkit:
+ * It exports the C symbols the aclnn samples use, with the signatures of
+ * fastgrad/backends/aclnn_prototypes.h -- the same table the backend's ctypes prototypes are
+ * parsed from; it is #included below, so a definition here that disagrees with it is a compile
+ * error ("conflicting types") -- split over three shared objects as in a real toolkit:
  *
  *   libascendcl.so  (-DFAKE_PART_ACL)       aclInit, aclrt*, aclGetRecentErrMsg + the fake_*
  *                                           query API and all shared state
@@ -83,6 +84,10 @@ typedef struct FakeStream {
     int npending;
 } FakeStream;
 
+/* The prototypes, from the ONE table the backend binds (fastgrad/backends/aclnn_prototypes.h,
+ * found through -I): every definition below must agree with it or this file does not compile. */
+#include "aclnn_prototypes.h"
+
 /* ---------------------------------------------------------------- shared (exported by ACL) */
 FAKE_API void fake_logf(const char *fmt, ...);
 FAKE_API int fake_check_fail(const char *fn);
@@ -125,6 +130,7 @@ static struct {
     char *log; size_t len, cap;
     char *json; size_t json_cap;
     int init;                  /* aclInit called and not finalized */
+    uint64_t refcount;         /* aclInit reference count (recent CANN's aclInitRefCount) */
     int device;                /* set device id or -1 */
     Alloc allocs[8192]; int nallocs;
     FakeStream *streams[16]; int nstreams;
@@ -278,8 +284,11 @@ FAKE_API int aclInit(const char *configPath) {
     fake_logf("{\"fn\":\"aclInit\",\"config_null\":%d}", configPath == NULL);
     int f = fake_check_fail("aclInit");
     if (f) return f;
-    if (S.init) return 100002; /* ACL_ERROR_REPEAT_INITIALIZE */
+    /* recent CANN (acl.cpp aclInitImpl): a repeated aclInit takes a reference and still
+     * returns ACL_ERROR_REPEAT_INITIALIZE */
+    if (S.init) { S.refcount++; fake_count("init_repeat", 1); return 100002; }
     S.init = 1;
+    S.refcount = 1;
     fake_count("init", 1);
     return 0;
 }
@@ -288,8 +297,39 @@ FAKE_API int aclFinalize(void) {
     fake_logf("{\"fn\":\"aclFinalize\"}");
     if (!S.init) { fake_violation("aclFinalize without aclInit"); return 100037; }
     S.init = 0;
+    S.refcount = 0;
     fake_count("finalize", 1);
     exit_summary();
+    return 0;
+}
+
+/* acl.cpp aclFinalizeReferenceImpl: decrement; finalize for real at 1 -> 0 */
+FAKE_API int aclFinalizeReference(uint64_t *refCount) {
+    fake_logf("{\"fn\":\"aclFinalizeReference\",\"refcount\":%llu}", (unsigned long long)S.refcount);
+    fake_count("finalize_reference", 1);
+    if (S.refcount > 1) {
+        S.refcount--;
+        if (refCount) *refCount = S.refcount;
+        return 0;
+    }
+    if (S.refcount < 1) { if (refCount) *refCount = 0; return 100037; /* ACL_ERROR_REPEAT_FINALIZE */ }
+    S.refcount = 0;
+    S.init = 0;
+    if (refCount) *refCount = 0;
+    fake_count("finalize", 1);
+    exit_summary();
+    return 0;
+}
+
+FAKE_API uint64_t fake_refcount(void) { return S.refcount; }
+
+/* The CANN version: FAKE_ACL_VERSION (default 8.5.0); "none" -> ACL_ERROR_INVALID_FILE. */
+FAKE_API int aclsysGetVersionStr(char *pkgName, char *versionStr) {
+    const char *e = getenv("FAKE_ACL_VERSION");
+    const char *v = e ? e : "8.5.0";
+    fake_logf("{\"fn\":\"aclsysGetVersionStr\",\"pkg\":\"%s\"}", pkgName ? pkgName : "");
+    if (strcmp(v, "none") == 0) return 148049;
+    snprintf(versionStr, 128, "%s", v);
     return 0;
 }
 
@@ -441,6 +481,9 @@ FAKE_API int aclrtMalloc(void **devPtr, size_t size, int policy) {
 FAKE_API int aclrtFree(void *devPtr) {
     fake_logf("{\"fn\":\"aclrtFree\",\"ptr\":%llu}", (unsigned long long)(uintptr_t)devPtr);
     REQUIRE_INIT("aclrtFree");
+    for (int q = 0; q < S.nstreams; q++)
+        if (S.streams[q]->npending)
+            fake_violation("aclrtFree while work is pending on a stream (acl_rt.h: synchronize first)");
     int k = find_alloc(devPtr);
     if (k < 0) {
         fake_violation("aclrtFree of an unknown or already freed pointer");
@@ -735,11 +778,10 @@ static int stage_two(const char *fn, void *workspace, uint64_t workspaceSize, ac
         return 161002;
     }
     int f = fake_check_fail(fn);
-    if (f) {  /* the executor is consumed even on failure */
-        executor->magic = 0;
-        free(executor);
-        fake_count("executor_destroy", 1);
-        fake_count("live_executor", -1);
+    if (f) {  /* the executor is consumed even on failure; the launch may already be queued (an
+                 asynchronous error), so it stays pending -- computing nothing -- until a sync */
+        executor->op = 0;
+        fake_enqueue(stream, executor);
         return f;
     }
     if (workspaceSize > 0) memset(workspace, 0x5A, workspaceSize); /* the op uses its workspace */
@@ -1064,8 +1106,8 @@ FAKE_API int aclnnFusedLinearCrossEntropyLossGrad(void *workspace, uint64_t work
 
 FAKE_API int aclnnCrossEntropyLossGradGetWorkspaceSize(
     const aclTensor *gradLoss, const aclTensor *logProb, const aclTensor *target, const aclTensor *weightOptional,
-    const aclTensor *gradZlossOptional, const aclTensor *lseForZlossOptional, const char *reduction,
-    int64_t ignoreIndex, float labelSmoothing, float lseSquareScaleForZloss, aclTensor *xGradOut,
+    const aclTensor *gradZlossOptional, const aclTensor *lseForZlossOptional, char *reduction,
+    int64_t ignoreIndex, double labelSmoothing, double lseSquareScaleForZloss, const aclTensor *xGradOut,
     uint64_t *workspaceSize, aclOpExecutor **executor) {
     const char *fn = "aclnnCrossEntropyLossGradGetWorkspaceSize";
     B(gradLoss); B(logProb); B(target); B(weightOptional); B(gradZlossOptional); B(lseForZlossOptional); B(xGradOut);
@@ -1114,7 +1156,9 @@ FAKE_API int aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize(
     char sc[40];
     fmt_double(sc, sizeof sc, scale);
     int ret = stage_one_common(fn, workspaceSize, (void **)executor);
-    if (!ret && (!gradOutput || !y || !out)) ret = null_arg(fn, "a required tensor");
+    /* op_api aclnn_scaled_masked_softmax_backward.cpp:47-52,155: CheckNotNull(gradOutput, y, mask,
+     * out) -> ACLNN_ERR_PARAM_NULLPTR; the mask is required even with fixTriuMask */
+    if (!ret && (!gradOutput || !y || !mask || !out)) ret = null_arg(fn, "gradOutput, y, mask and out");
     aclOpExecutor *e = NULL;
     if (!ret) {
         const aclTensor *ts[] = {gradOutput, y, mask, out};

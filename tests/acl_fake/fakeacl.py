@@ -10,6 +10,10 @@ import subprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fake_acl.c")
+#: The one prototype table (vendored CANN header text) the backend parses; the fake is compiled
+#: against it, so a fake definition that disagrees with a binding fails to build.
+PROTO_DIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "fastgrad", "backends")
+PROTO_HEADER = os.path.join(PROTO_DIR, "aclnn_prototypes.h")
 SONAME_PREFIX = "libfastgrad_fake_"
 
 
@@ -31,7 +35,8 @@ def build(dest: str) -> str:
     if cc is None:
         raise RuntimeError("no C compiler")
     os.makedirs(dest, exist_ok=True)
-    common = [cc, "-shared", "-fPIC", "-O1", "-std=gnu11", "-Wall", "-fvisibility=hidden", SOURCE]
+    common = [cc, "-shared", "-fPIC", "-O1", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
+              "-fvisibility=hidden", "-I" + PROTO_DIR, SOURCE]
     rpath = "-Wl,-rpath,$ORIGIN"
     # Sonames of their own (with symlinks so $ORIGIN resolves them): once loaded, the fake
     # must never satisfy a later dlopen("libascendcl.so") by bare name in the same process.
@@ -73,6 +78,7 @@ class Fake:
         L.fake_live_allocations.restype = ctypes.c_int64
         L.aclInit.argtypes = [ctypes.c_char_p]
         L.aclFinalize.argtypes = []
+        L.fake_refcount.restype = ctypes.c_uint64
 
     def log(self) -> list[dict]:
         return json.loads(self.lib.fake_log_json().decode())
@@ -95,6 +101,9 @@ class Fake:
 
     def fail(self, fn: str | None, code: int = 0, nth: int = 1) -> None:
         self.lib.fake_fail(fn.encode() if fn else None, int(code), int(nth))
+
+    def refcount(self) -> int:
+        return int(self.lib.fake_refcount())
 
     def set_workspace(self, n: int) -> None:
         self.lib.fake_set_workspace(int(n))

@@ -1,0 +1,149 @@
+"""Hugging Face integration (fastgrad.torch.apply_to): a scaled-down Qwen2 trained under
+``Trainer`` patched and unpatched from the same seed, and the peak-memory saving."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")   # the Trainer needs it
+
+import fastgrad.torch as ft  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V = 32768
+
+
+def _text_ids(n_tokens: int) -> list[int]:
+    """Real text: the standard library's docstrings, two ASCII bytes per token (ids < 16384)."""
+    import inspect
+    import json as j
+    import os as o
+    docs = "\n".join(inspect.getdoc(m) or "" for m in (o, j, inspect, subprocess, sys))
+    b = [c & 127 for c in docs.encode()]
+    ids = [b[i] * 128 + b[i + 1] for i in range(0, len(b) - 1, 2)]
+    while len(ids) < n_tokens:
+        ids = ids + ids
+    return ids[:n_tokens]
+
+
+def _model(dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).to(dtype)
+
+
+def _train(patched: bool, dtype, steps=20, T=32):
+    from transformers import Trainer, TrainingArguments
+    ids = _text_ids(40 * T)
+    data = [{"input_ids": torch.tensor(ids[i * T:(i + 1) * T]),
+             "labels": torch.tensor(ids[i * T:(i + 1) * T])} for i in range(40)]
+    for k, d in enumerate(data):   # a few ignored labels, as padding would give
+        if k % 3 == 0:
+            d["labels"][-4:] = -100
+    model = _model(dtype)
+    if patched:
+        ft.apply_to(model)
+    args = TrainingArguments(output_dir="/tmp/fg-hf-trainer", per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=steps, learning_rate=1e-3,
+                             logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    tr = Trainer(model=model, args=args, train_dataset=data)
+    tr.train()
+    return [r["loss"] for r in tr.state.log_history if "loss" in r], model
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_trainer_patched_equals_unpatched(dtype, rtol):
+    ref, _ = _train(False, dtype)
+    got, model = _train(True, dtype)
+    assert len(got) == len(ref) == 20
+    for a, b in zip(got, ref):
+        assert abs(a - b) <= rtol * abs(b), (got, ref)
+    # eval / generation unchanged: logits come back outside training
+    model.eval()
+    x = torch.tensor([_text_ids(8)])
+    out = model(input_ids=x, labels=x)
+    assert out.logits is not None and out.logits.shape == (1, 8, V)
+    model.train()
+    out = model(input_ids=x, labels=x)
+    assert out.logits is None and out.loss.requires_grad
+
+
+def test_apply_to_arch_classes_and_revert():
+    from transformers.models.gemma2 import modeling_gemma2 as g2
+    cls = g2.Gemma2ForCausalLM
+    orig = cls.forward
+    ft.apply_fastgrad_to_gemma2()
+    try:
+        assert cls.forward is not orig
+        cfg = g2.Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=16, final_logit_softcapping=5.0)
+        torch.manual_seed(0)
+        m = cls(cfg).train()
+        x = torch.randint(0, 300, (2, 10))
+        got = m(input_ids=x, labels=x).loss
+        ft.revert(cls)
+        assert cls.forward is orig
+        ref = m(input_ids=x, labels=x).loss          # the model's own (softcapped) loss
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    finally:
+        ft.revert(cls)
+    for fn in (ft.apply_fastgrad_to_llama, ft.apply_fastgrad_to_qwen2, ft.apply_fastgrad_to_qwen3,
+               ft.apply_fastgrad_to_mistral):
+        c = fn()
+        ft.revert(c)
+
+
+_RSS_SCRIPT = r"""
+import json, sys, threading, time, psutil, torch
+sys.path.insert(0, {tests!r})
+from test_torch_hf import _model, _text_ids
+import fastgrad.torch as ft
+patched = sys.argv[1] == "1"
+torch.manual_seed(0)
+model = _model(torch.float32).train()
+if patched:
+    ft.apply_to(model)
+B, T = 4, 128
+x = torch.tensor(_text_ids(B * T)).reshape(B, T)
+def step():
+    model(input_ids=x, labels=x).loss.backward()
+    model.zero_grad(set_to_none=True)
+step(); step()                                  # warm-up (kernels compiled, buffers allocated)
+proc = psutil.Process()
+base = proc.memory_info().rss
+peak = [base]
+done = threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.001)
+th = threading.Thread(target=sample); th.start()
+step()
+done.set(); th.join()
+print(json.dumps({{"extra": peak[0] - base}}))
+"""
+
+
+def test_patched_step_peak_rss_smaller_by_logits():
+    pytest.importorskip("psutil")
+    code = _RSS_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
+    res = {}
+    for p in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", code, p], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        res[p] = json.loads(r.stdout.strip().splitlines()[-1])["extra"]
+    logits = 4 * 128 * V * 4
+    assert res["0"] - res["1"] >= logits, (res, logits)
