@@ -1,13 +1,10 @@
 """`fastgrad --filter-eps`: gradient filtering in the main job (memory-saving mode only)."""
 
 import json
-import subprocess
-import sys
 
+from cli_helpers import fastgrad_inprocess
 
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", "fastgrad", *args], capture_output=True, text=True,
-                          timeout=300)
+_run = fastgrad_inprocess
 
 
 def test_filter_eps_reports_the_skipped_fraction():

@@ -2,21 +2,18 @@
 downloaded), `--out`, `--check`, `--list-tensors`, and the golden check's sampling."""
 
 import json
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
+from cli_helpers import fastgrad_inprocess
 
 from fastgrad.cli import checkpoint as ck
 
 V, H, BT = 300, 24, 20
 
 
-def fastgrad(*args):
-    return subprocess.run([sys.executable, "-m", "fastgrad", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+fastgrad = fastgrad_inprocess
 
 
 def _model_dir(d, tensors, config, index=False):

@@ -6,12 +6,20 @@ import sys
 
 import numpy as np
 import pytest
+from cli_helpers import fastgrad_inprocess, fastgrad_subprocess
 
 from fastgrad.cli import run as cli_run
 
 
+def _run_subprocess(*args):
+    """``python -m fastgrad``: for what only a process of its own shows (its peak RSS)."""
+    p = fastgrad_subprocess(*args)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
 def _run(*args):
-    p = subprocess.run([sys.executable, "-m", "fastgrad", *args], capture_output=True, text=True, timeout=300)
+    p = fastgrad_inprocess(*args)
     assert p.returncode == 0, p.stderr
     return p.stdout
 
@@ -66,8 +74,8 @@ def test_human_report_mentions_every_metric(capsys):
 
 def test_memory_report_is_the_process_peak():
     args = ("--bt", "64", "--hidden", "32", "--vocab", "2000", "--json")
-    _run(*args)             # a cold Numba cache compiles in the job (LLVM's memory is not the job's)
-    r = json.loads(_run(*args))
+    _run_subprocess(*args)  # a cold Numba cache compiles in the job (LLVM's memory is not the job's)
+    r = json.loads(_run_subprocess(*args))
     m = r["memory"]
     phases = set(r["phases_s"])
     assert set(m["phase_peak_rss_bytes"]) == phases == set(m["process_peak_rss_bytes_after_phase"])

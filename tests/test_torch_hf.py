@@ -147,3 +147,30 @@ def test_patched_step_peak_rss_smaller_by_logits():
         res[p] = json.loads(r.stdout.strip().splitlines()[-1])["extra"]
     logits = 4 * 128 * V * 4
     assert res["0"] - res["1"] >= logits, (res, logits)
+
+
+@pytest.mark.parametrize("target", ["decoder", "whole"])
+def test_torch_compile(target):
+    """``torch.compile`` of the decoder (documented use), or of the whole patched model (the
+    loss is a graph break): same loss and gradients as the uncompiled patched model.  The
+    ``aot_eager`` backend traces forward and backward through dynamo/AOTAutograd without
+    needing a C++ compiler on the test machine."""
+    torch._dynamo.reset()
+    x = torch.tensor([_text_ids(24)]).reshape(2, 12)
+    ref_model, model = _model(torch.float32).train(), _model(torch.float32).train()
+    ft.apply_to(ref_model)
+    ft.apply_to(model)
+    if target == "decoder":
+        model.model = torch.compile(model.model, backend="aot_eager")
+        run = model
+    else:
+        run = torch.compile(model, backend="aot_eager")
+    for _ in range(2):   # the second call reuses the compiled graphs (gradient accumulation)
+        ref = ref_model(input_ids=x, labels=x).loss
+        got = run(input_ids=x, labels=x).loss
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        ref.backward()
+        got.backward()
+    for (n, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    torch._dynamo.reset()

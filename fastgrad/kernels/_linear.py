@@ -35,3 +35,14 @@ def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None) -
     if n and h:
         _widen_rows(np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
     return out
+
+
+def kept_blocks(keep: np.ndarray, fb: int, rb: int, nrows: int, ncols: int):
+    """Gradient filtering: for each row block ``k`` of ``keep`` [row blocks, column blocks] with
+    a kept column block, yield ``(r0, r1, cols)``: its rows and the kept columns (below ``ncols``)."""
+    for k in range(keep.shape[0]):
+        kb = np.flatnonzero(keep[k])
+        if kb.size == 0:
+            continue
+        cols = (kb[:, None] * fb + np.arange(fb)[None, :]).reshape(-1)
+        yield k * rb, min((k + 1) * rb, nrows), cols[cols < ncols]

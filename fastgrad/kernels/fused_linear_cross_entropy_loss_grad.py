@@ -34,7 +34,7 @@ from .._jit import pjit, prange
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
 from ._gemm import matmul_nn, matmul_nt, matmul_tn, single_threaded_blas
-from ._linear import fp32_block
+from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_f32
 
 OP = "fused_linear_cross_entropy_loss_grad"
@@ -100,13 +100,7 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs) -> None:
     nb, nv = G.shape
     H = W32.shape[1]
     g_c, w_c, q_c, p_c = bufs
-    for k in range(keep.shape[0]):
-        r0, r1 = k * rb, min((k + 1) * rb, nb)
-        kb = np.flatnonzero(keep[k])
-        if kb.size == 0:
-            continue
-        cols = (kb[:, None] * fb + np.arange(fb)[None, :]).reshape(-1)
-        cols = cols[cols < nv]
+    for r0, r1, cols in kept_blocks(keep, fb, rb, nb, nv):
         nk, nr = cols.size, r1 - r0
         Gc = g_c[: nr * nk].reshape(nr, nk)
         np.take(G[r0:r1], cols, axis=1, out=Gc)

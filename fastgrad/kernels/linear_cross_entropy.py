@@ -42,7 +42,7 @@ from .. import dtypes as D
 from .._jit import pjit, prange
 from ._gemm import _run as _run_tasks
 from ._gemm import matmul_nn, matmul_nt, matmul_tn, single_threaded_blas
-from ._linear import fp32_block
+from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_f32
 
 __all__ = ["linear_cross_entropy_cpu", "run"]
@@ -271,13 +271,7 @@ def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode,
     # per vocabulary column: its offset in the block's flat storage at row 0, its chunk's width
     chunk_w = np.repeat(widths, widths)
     coff = np.repeat(offs, widths) + np.arange(K) - np.repeat(offs // nb, widths)
-    for k in range(keep.shape[0]):
-        r0, r1 = k * rb, min((k + 1) * rb, nb)
-        kb = np.flatnonzero(keep[k])
-        if kb.size == 0:
-            continue
-        cols = (kb[:, None] * fb + np.arange(fb)[None, :]).reshape(-1)
-        cols = cols[cols < K]
+    for r0, r1, cols in kept_blocks(keep, fb, rb, nb, K):
         nr = r1 - r0
         for q0 in range(0, cols.size, vc):
             cq = cols[q0 : q0 + vc]
