@@ -140,7 +140,8 @@ def test_memory_limit_suggests_workspace():
     # default 256 MiB plan is ~156 MiB, ~134 MiB with 128 MiB tiles.
     job = ("--bt", 4096, "--hidden", 256, "--vocab", 65536, "--samples", 0, "--no-progress")
     first = assert_usage_error(fastgrad(*job, "--memory-limit-mb", 1), "needs about")
-    need = int(re.search(r"needs about (\d+) MiB", first).group(1))
+    num, unit = re.search(r"needs about ([\d.]+) (MiB|GiB)", first).groups()
+    need = int(float(num) * (1024 if unit == "GiB" else 1))
     p = fastgrad(*job, "--memory-limit-mb", need - 12)
     line = assert_usage_error(p, "needs about", "--memory-limit-mb")
     assert "--workspace-mb" in line and "would fit" in line

@@ -1,22 +1,10 @@
 """Tests of fg.embedding_dense_backward (seed 004, aclnnEmbeddingDenseBackward)."""
 
-import ml_dtypes
 import numpy as np
 import pytest
+from common import BF16, DTYPES, F16, F32, torch_dt
 
 import fastgrad as fg
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F16 = np.dtype(np.float16)
-F32 = np.dtype(np.float32)
-DTYPES = [F32, F16, BF16]
-
-
-def torch_dt(dtype):
-    """The torch dtype of a NumPy dtype (torch is optional: skips the test without it)."""
-    torch = pytest.importorskip("torch")
-    return {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[np.dtype(dtype)]
-
 
 INDEX_DTYPES = [np.int64, np.int32, np.int16, np.int8, np.uint8, np.float32, np.float16, np.float64]
 

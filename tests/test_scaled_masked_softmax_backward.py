@@ -7,20 +7,9 @@ Oracles: PyTorch autograd of ``softmax(masked_fill(x·scale))`` and PyTorch's
 import ml_dtypes
 import numpy as np
 import pytest
+from common import BF16, DTYPES, F16, F32, torch_dt
 
 import fastgrad as fg
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F16 = np.dtype(np.float16)
-F32 = np.dtype(np.float32)
-DTYPES = [F32, F16, BF16]
-
-
-def torch_dt(dtype):
-    """The torch dtype of a NumPy dtype (torch is optional: skips the test without it)."""
-    torch = pytest.importorskip("torch")
-    return {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[np.dtype(dtype)]
-
 
 EPS32 = 2.0 ** -24
 
