@@ -18,5 +18,5 @@ IMPLS = {
     "scaled_masked_softmax_backward": _K + "scaled_masked_softmax_backward:scaled_masked_softmax_backward_cpu",
     "smooth_l1_loss_backward": _K + "smooth_l1_loss_backward:smooth_l1_loss_backward",
     "embedding_dense_backward": _K + "embedding_dense_backward:embedding_dense_backward",
-    "linear_cross_entropy": "fastgrad.kernels.linear_cross_entropy:linear_cross_entropy_cpu",
+    "linear_cross_entropy": _K + "linear_cross_entropy:linear_cross_entropy_cpu",
 }

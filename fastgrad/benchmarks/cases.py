@@ -193,6 +193,19 @@ def _torch_flce(dtype_name):
     return make
 
 
+def _flce_grad(inp, **kw):
+    """The FLCE grad op on a case's inputs; ``kw``: the statistics (or ``softmax``), filter_eps, ..."""
+    import fastgrad as fg
+
+    return fg.fused_linear_cross_entropy_loss_grad(
+        inp["grad"], inp["input"], inp["weight"], inp["target_mask"], inp["masked_target"], **kw
+    )
+
+
+def _stats(inp) -> dict:
+    return {"logits_max": inp["logits_max"], "sum_exp_logits": inp["sum_exp_logits"]}
+
+
 def _flce_cases(BT, H, V, dtype, quick) -> list:
     import fastgrad as fg
 
@@ -201,31 +214,10 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
     io_bytes = float(2 * (BT * H + V * H) * s + BT * 16)  # read x, w; write gi, gw
 
     def ms(inp):
-        def run():
-            return fg.fused_linear_cross_entropy_loss_grad(
-                inp["grad"],
-                inp["input"],
-                inp["weight"],
-                inp["target_mask"],
-                inp["masked_target"],
-                logits_max=inp["logits_max"],
-                sum_exp_logits=inp["sum_exp_logits"],
-            )
-
-        return run
+        return lambda: _flce_grad(inp, **_stats(inp))
 
     def hp(inp):
-        def run():
-            return fg.fused_linear_cross_entropy_loss_grad(
-                inp["grad"],
-                inp["input"],
-                inp["weight"],
-                inp["target_mask"],
-                inp["masked_target"],
-                softmax=inp["softmax"],
-            )
-
-        return run
+        return lambda: _flce_grad(inp, softmax=inp["softmax"])
 
     def fwd(inp):
         V_ = inp["weight"].shape[0]
@@ -366,20 +358,9 @@ def _sparse_flce_cases(BT, H, V, dtype) -> list:
     """Issue 14: the filtered memory-saving grad (filter_eps="auto") against the dense grad and
     the three-GEMM bound over the entropy sweep; the filtered row's note gives the measured mean
     entropy, the fraction of blocks skipped and the error against the dense result."""
-    import fastgrad as fg
 
     def call(inp, eps, plan=False):
-        return fg.fused_linear_cross_entropy_loss_grad(
-            inp["grad"],
-            inp["input"],
-            inp["weight"],
-            inp["target_mask"],
-            inp["masked_target"],
-            logits_max=inp["logits_max"],
-            sum_exp_logits=inp["sum_exp_logits"],
-            filter_eps=eps,
-            return_plan=plan,
-        )
+        return _flce_grad(inp, **_stats(inp), filter_eps=eps, return_plan=plan)
 
     def filtered(inp):
         last = {}

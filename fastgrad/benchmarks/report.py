@@ -15,20 +15,16 @@ def save(report: dict, path: str) -> str:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=_json_default)
+        json.dump(report, f, indent=1, default=json_default)
         f.write("\n")
     return path
 
 
-def _json_default(o):
-    try:
-        import numpy as np
+def json_default(o):
+    """``json`` fallback: NumPy scalars as Python numbers, anything else as its ``str``."""
+    import numpy as np
 
-        if isinstance(o, np.generic):
-            return o.item()
-    except Exception:  # noqa: BLE001
-        pass
-    return str(o)
+    return o.item() if isinstance(o, np.generic) else str(o)
 
 
 def load(path: str) -> dict:

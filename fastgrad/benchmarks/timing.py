@@ -142,7 +142,11 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss() -> int:
-    """Peak resident set size in bytes since the last successful reset (or process start)."""
+    """Peak resident set size in bytes since the last successful reset (or process start):
+    Linux's ``VmHWM``, the high-water mark of this process image (what ``/usr/bin/time -v``
+    reports for a job it starts).  Not ``ru_maxrss`` where ``VmHWM`` exists: Linux carries that
+    across ``execve``, so a job started from a large process (a test runner, a notebook) would
+    report its parent's size.  Elsewhere ``ru_maxrss``."""
     hwm = _vmhwm()
     if hwm is not None:
         return hwm

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from ..benchmarks.report import json_default
+from ..benchmarks.timing import current_rss, peak_rss
 from . import CliError, OneLineParser
 from . import checkpoint as ck
 
@@ -46,42 +48,9 @@ RUN_DTYPES = ("bfloat16", "float16", "float32")
 # ------------------------------------------------------------------ memory: RSS, peaks
 
 
-def _status_kb(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def rss_bytes() -> int:
-    kb = _status_kb("VmRSS")
-    if kb is None:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    return kb * 1024
-
-
-def process_peak_bytes() -> int:
-    """The process's true peak RSS so far: Linux's ``VmHWM``, the high-water mark of this process
-    image (what ``/usr/bin/time -v`` reports for a job it starts).  Not ``ru_maxrss``: Linux
-    carries that across ``execve``, so a job started from a large process (a test runner, a
-    notebook) would report its parent's size.  Elsewhere ``ru_maxrss``.
-
-    Never reset here (the report's phases read it in order; it only goes up)."""
-    import resource
-
-    kb = _status_kb("VmHWM")
-    if kb is not None:
-        return kb * 1024
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if sys.platform == "darwin":
-        kb //= 1024
-    return int(kb) * 1024
+#: this process's RSS now / its high-water mark (``VmHWM``: never ``ru_maxrss``, see ``peak_rss``)
+rss_bytes = current_rss
+process_peak_bytes = peak_rss
 
 
 class PhaseMemory:
@@ -1048,16 +1017,10 @@ def write_outputs(out_dir: str, fmt: str, tensors: dict, report: dict) -> list[s
     }
     path = os.path.join(out_dir, "report.json")
     with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=_json_default)
+        json.dump(report, f, indent=1, default=json_default)
         f.write("\n")
     files.append(path)
     return files
-
-
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    return str(o)
 
 
 def _pct_of_blas(f: float) -> str:
@@ -1165,7 +1128,7 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(args.out, args.out_format, tensors, res)
         res["outputs"]["files"].append("report.json")
     if args.json:
-        print(json.dumps(res, indent=2, default=_json_default))
+        print(json.dumps(res, indent=2, default=json_default))
     else:
         print_report(res)
     if args.check and not res["check"]["passed"]:

@@ -130,7 +130,9 @@ def _epilogue_high_performance(S, G, row0, col0, grad, tcol, code, smooth, inv_k
             G[i, t] = D.round_f32((S[r, col0 + t] - one_minus_s - s_over_k) * g, code)
 
 
-def run(
+@single_threaded_blas()
+def fused_linear_cross_entropy_loss_grad(
+    *,
     grad,
     input,
     weight,
@@ -145,7 +147,9 @@ def run(
     progress=None,
     stats=None,
 ):
-    """Execute the op over a tile plan. ``out = (grad_input, grad_weight)`` C-contiguous.
+    """The ``"cpu"`` entry point (arguments validated by the op): the op over its tile plan, BLAS
+    single-threaded (the tile grid is the parallelism).  ``out = (grad_input, grad_weight)``,
+    C-contiguous.
 
     ``progress``: optional callable(done, total) invoked after each tile (the CLI's bar).
     ``stats``: optional dict receiving ``blocks_total`` / ``blocks_skipped`` (filtering).
@@ -246,38 +250,3 @@ def run(
         D.from_float32(gwt, gw_out.dtype, out=gw_out[v0:v1])
     D.from_float32(gi32, gi_out.dtype, out=gi_out)
     return plan
-
-
-def fused_linear_cross_entropy_loss_grad(
-    *,
-    grad,
-    input,
-    weight,
-    target_mask,
-    masked_target,
-    label_smoothing,
-    logits_max,
-    sum_exp_logits,
-    softmax,
-    out,
-    plan,
-    progress=None,
-    stats=None,
-):
-    """The ``"cpu"`` entry point (arguments validated by the op)."""
-    with single_threaded_blas():
-        run(
-            grad,
-            input,
-            weight,
-            target_mask,
-            masked_target,
-            label_smoothing,
-            logits_max,
-            sum_exp_logits,
-            softmax,
-            out,
-            plan,
-            progress,
-            stats,
-        )

@@ -45,7 +45,7 @@ from ._gemm import matmul_nn, matmul_nt, matmul_tn, single_threaded_blas
 from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_f32
 
-__all__ = ["linear_cross_entropy_cpu", "run"]
+__all__ = ["linear_cross_entropy_cpu"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +309,9 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
     return fp32_block(a, r0, r1, buf)
 
 
-def run(
+@single_threaded_blas()
+def linear_cross_entropy_cpu(
+    *,
     input,
     weight,
     target_cols,
@@ -326,7 +328,8 @@ def run(
     out,
     workspace=256 * 2**20,
 ):
-    """The block loop; see the module docstring.  Arrays are validated by the op.
+    """The ``cpu`` backend's implementation of ``fastgrad.linear_cross_entropy``: the block loop
+    (module docstring), BLAS single-threaded.  Arrays are validated by the op.
 
     ``params``: dict with softcap, temperature, eps, eps_over_V, eps_wsum_over_V, z_scale2,
     need_zsum, vocab_start_index (and optionally filter_eps, filter_rows, filter_cols).
@@ -526,42 +529,3 @@ def run(
                     matmul_tn(Gc, X, tw)
                     _add_into(gw[v0:v1], tw)
         first_w = False
-
-
-def linear_cross_entropy_cpu(
-    *,
-    input,
-    weight,
-    target_cols,
-    bias,
-    class_weight,
-    target_weight,
-    coef_ce,
-    coef_z,
-    params,
-    block_rows,
-    v_chunk,
-    lse,
-    combine,
-    out,
-    workspace=256 * 2**20,
-):
-    """The ``cpu`` backend's implementation of ``fastgrad.linear_cross_entropy`` (plain function)."""
-    with single_threaded_blas():
-        run(
-            input,
-            weight,
-            target_cols,
-            bias,
-            class_weight,
-            target_weight,
-            coef_ce,
-            coef_z,
-            params,
-            block_rows,
-            v_chunk,
-            lse,
-            combine,
-            out,
-            workspace,
-        )

@@ -266,6 +266,11 @@ def _adapt_inputs(op: OpDef, call: Call) -> None:
         )
 
 
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    """Do two arrays share an element?  The bounds test first; the exact (costlier) one after."""
+    return bool(a.size and b.size and np.may_share_memory(a, b) and np.shares_memory(a, b))
+
+
 def _check_outs(op: OpDef, call: Call, out) -> list:
     """Validate ``out=`` against the declared outputs; returns the checked NumPy views."""
     names = list(op.outputs)
@@ -296,14 +301,14 @@ def _check_outs(op: OpDef, call: Call, out) -> list:
             call.bad(label, f"shape {tuple(spec.shape)}", f"shape {tuple(a.shape)}")
         if not a.flags.writeable:
             call.bad(label, "a writable array", "a read-only array")
-        if a.size and any(b.size and np.may_share_memory(a, b) and np.shares_memory(a, b) for b in inputs):
+        if any(_overlap(a, b) for b in inputs):
             call.bad(
                 label,
                 "memory that overlaps no input (fastgrad never computes in place)",
                 "an array sharing memory with an input",
             )
         for j, prev in enumerate(checked):
-            if prev is not None and a.size and prev.size and np.shares_memory(a, prev):
+            if prev is not None and _overlap(a, prev):
                 call.bad(label, f"memory that overlaps no other output (out[{j}])", "overlapping outputs")
         checked.append(a)
     return checked
