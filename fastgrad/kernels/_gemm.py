@@ -13,14 +13,19 @@ thread count.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
 
-#: Fixed block sizes (output rows per BLAS call). Never derived from the thread count.
-ROW_BLOCK = 256
+#: The most output rows (resp. columns) per BLAS call.  A dimension is cut into equal parts of
+#: at most this size (``_spans``), so the tasks are balanced over the pool; never derived from
+#: the thread count.
+ROW_BLOCK = 512
+NT_COL_BLOCK = 512
+NN_COL_BLOCK = 512
 COL_BLOCK = 512
 
 _lock = threading.Lock()
@@ -60,19 +65,41 @@ def _run(tasks):
 
 
 def _spans(M: int, step: int) -> list[tuple[int, int]]:
-    return [(a, min(a + step, M)) for a in range(0, M, step)]
+    """``[0, M)`` cut into ``ceil(M / step)`` parts of equal size (±1): from the shape only."""
+    k = -(-M // step)
+    return [((i * M) // k, ((i + 1) * M) // k) for i in range(k)]
+
+
+def run_rows(kernel, n: int, *args, parts: int = 16) -> None:
+    """``kernel(lo, hi, *args)`` over ``[0, n)`` cut into at most ``parts`` equal spans, on the
+    pool: the element-wise passes of the fused loops run on the same threads as their GEMMs
+    (no OpenMP workers spinning beside the BLAS calls).  The spans come from ``n`` only."""
+    if n > 0:
+        _run([functools.partial(kernel, a, b, *args) for a, b in _spans(n, -(-n // parts))])
 
 
 def matmul_nt(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
-    """out[M, N] = A[M, K] · B[N, K]ᵀ, blocks of ROW_BLOCK rows of out."""
-    _run([(lambda a=a, b=b: np.matmul(A[a:b], B.T, out=out[a:b])) for a, b in _spans(A.shape[0], ROW_BLOCK)])
+    """out[M, N] = A[M, K] · B[N, K]ᵀ, tiles of ≤ ROW_BLOCK rows × ≤ NT_COL_BLOCK columns of out."""
+    _run(
+        [
+            (lambda a=a, b=b, c=c, d=d: np.matmul(A[a:b], B[c:d].T, out=out[a:b, c:d]))
+            for a, b in _spans(A.shape[0], ROW_BLOCK)
+            for c, d in _spans(B.shape[0], NT_COL_BLOCK)
+        ]
+    )
 
 
 def matmul_nn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
-    """out[M, N] = A[M, K] · B[K, N], blocks of ROW_BLOCK rows of out."""
-    _run([(lambda a=a, b=b: np.matmul(A[a:b], B, out=out[a:b])) for a, b in _spans(A.shape[0], ROW_BLOCK)])
+    """out[M, N] = A[M, K] · B[K, N], tiles of ≤ ROW_BLOCK rows × ≤ NN_COL_BLOCK columns of out."""
+    _run(
+        [
+            (lambda a=a, b=b, c=c, d=d: np.matmul(A[a:b], B[:, c:d], out=out[a:b, c:d]))
+            for a, b in _spans(A.shape[0], ROW_BLOCK)
+            for c, d in _spans(B.shape[1], NN_COL_BLOCK)
+        ]
+    )
 
 
 def matmul_tn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
-    """out[M, N] = A[K, M]ᵀ · B[K, N], blocks of COL_BLOCK rows of out (columns of A)."""
+    """out[M, N] = A[K, M]ᵀ · B[K, N], blocks of ≤ COL_BLOCK rows of out (columns of A)."""
     _run([(lambda a=a, b=b: np.matmul(A[:, a:b].T, B, out=out[a:b])) for a, b in _spans(A.shape[1], COL_BLOCK)])

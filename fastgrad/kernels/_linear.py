@@ -9,14 +9,15 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes as D
-from .._jit import pjit, prange
+from .._jit import tjit
+from ._gemm import run_rows
 
 
-@pjit
-def _widen_rows(src, code, dst):
-    """dst[i, :] = fp32(src[i, :]) for a C-contiguous uint16 [n, H] block."""
-    n, h = src.shape
-    for i in prange(n):
+@tjit
+def _widen_rows(lo, hi, src, code, dst):
+    """dst[i, :] = fp32(src[i, :]) for rows lo:hi of a C-contiguous uint16 [n, H] block."""
+    h = src.shape[1]
+    for i in range(lo, hi):
         for j in range(h):
             dst[i, j] = D.to_f32(src[i, j], code)
 
@@ -33,7 +34,7 @@ def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None) -
         return np.ascontiguousarray(blk)
     out = buf[: n * h].reshape(n, h) if buf is not None else np.empty((n, h), np.float32)
     if n and h:
-        _widen_rows(np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
+        run_rows(_widen_rows, n, np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
     return out
 
 

@@ -39,9 +39,9 @@ from numba import types
 from numba.extending import overload
 
 from .. import dtypes as D
-from .._jit import pjit, prange
+from .._jit import FASTMATH_SAFE, njit, tjit
 from ._gemm import _run as _run_tasks
-from ._gemm import matmul_nn, matmul_nt, matmul_tn, single_threaded_blas
+from ._gemm import _spans, matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
 from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_f32
 
@@ -69,64 +69,137 @@ def _exp_ol(x):
 # flags (int64):       0 has_softcap, 1 has_bias, 2 has_class_weight, 3 need_zsum
 
 
-@pjit
-def _stats_pass(L, offs, widths, nb, bias, cw, tcol, par, flags, m_out, s_out, zt_out, zs_out, am_out, col0):
-    """z = softcap(L + bias)/T in place, then row max/argmax, Σexp(z-m), z[t], Σ w z."""
-    nchunk = offs.shape[0]
+# Row helpers of the chunk passes: vectorized loops over one row of a chunk, given as a 1-D
+# slice (indexing ``L[base + j]`` makes Numba check for negative indices per element, which
+# stops LLVM from vectorizing).  Reductions use ``reassoc`` (a fixed order per build, so
+# results do not depend on the thread count); ``nnan`` only where NaN rows are handled by the
+# caller.
+
+
+@njit
+def _row_nan(r):
+    c = 0
+    for j in range(r.shape[0]):
+        x = r[j]
+        c += x != x
+    return c
+
+
+@njit(fastmath={"nnan", "nsz", "reassoc"})
+def _row_max(r, ninf):
+    """Row max of a NaN-free row."""
+    m = ninf
+    for j in range(r.shape[0]):
+        m = max(m, r[j])
+    return m
+
+
+@njit
+def _row_max_nan(r, ninf):
+    """Row max ignoring NaN (a NaN never becomes the max; it propagates through the sum)."""
+    m = ninf
+    for j in range(r.shape[0]):
+        x = r[j]
+        if x > m:
+            m = x
+    return m
+
+
+@njit
+def _row_first(r, m):
+    for j in range(r.shape[0]):
+        if r[j] == m:
+            return j
+    return -1
+
+
+@njit(fastmath=FASTMATH_SAFE)
+def _row_sumexp(r, m, zero):
+    acc = zero
+    for j in range(r.shape[0]):
+        acc += _exp(r[j] - m)
+    return acc
+
+
+@njit(fastmath=FASTMATH_SAFE)
+def _row_sum(r, zero):
+    acc = zero
+    for j in range(r.shape[0]):
+        acc += r[j]
+    return acc
+
+
+@njit(fastmath=FASTMATH_SAFE)
+def _row_wsum(r, cw, zero):
+    acc = zero
+    for j in range(r.shape[0]):
+        acc += cw[j] * r[j]
+    return acc
+
+
+@njit
+def _row_transform(r, bias, par, flags):
+    """z = softcap(L + bias) / T in place (``bias`` the row's slice of the bias)."""
     cap = par[0]
     icap = par[1]
     it = par[2]
-    zero = par[10]
+    for j in range(r.shape[0]):
+        x = r[j]
+        if flags[1]:
+            x = x + bias[j]
+        if flags[0]:
+            x = cap * np.tanh(x * icap)
+        r[j] = x * it
+
+
+@njit
+def _row_grad_plain(r, a, e, lz, it):
+    """The common gradient (no softcap, no class weights, z stored): ``(a·p - e)/T``."""
+    for j in range(r.shape[0]):
+        r[j] = (a * _exp(r[j] - lz) - e) * it
+
+
+@tjit
+def _stats_chunk(lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transform, m_io, s_io, zt_io, zs_io, am_io):
+    """One vocabulary chunk of the block (``L[off:off + nb·width]``, rows of ``width`` columns
+    starting at column ``v0 = off // nb``), while it is hot in cache: ``z = softcap(L + bias)/T``
+    in place (only with ``transform``), then the running row statistics are updated online:
+    max and its first index, ``Σ exp(z - max)`` (rescaled when the max grows), the target's
+    ``z`` and ``Σ_v w_v z_v``.  NaN never becomes the max and propagates through the sum."""
     ninf = par[8]
-    for i in prange(nb):
-        m = ninf
-        am = -1
-        for c in range(nchunk):
-            base = offs[c] + i * widths[c]
-            v0 = offs[c] // nb
-            for j in range(widths[c]):
-                x = L[base + j]
-                if flags[1]:
-                    x = x + bias[v0 + j]
-                if flags[0]:
-                    x = cap * np.tanh(x * icap)
-                x = x * it
-                L[base + j] = x
-                if x > m:
-                    m = x
-                    am = v0 + j
-        s = zero
-        zs = zero
-        for c in range(nchunk):
-            base = offs[c] + i * widths[c]
-            v0 = offs[c] // nb
-            if m == ninf:
-                break
-            for j in range(widths[c]):
-                x = L[base + j]
-                s += _exp(x - m)
-            if flags[3]:
-                if flags[2]:
-                    for j in range(widths[c]):
-                        zs += cw[v0 + j] * L[base + j]
-                else:
-                    for j in range(widths[c]):
-                        zs += L[base + j]
-        m_out[i] = m
-        s_out[i] = s
-        zs_out[i] = zs
-        am_out[i] = am + col0 if am >= 0 else -1
+    zero = par[10]
+    v0 = off // nb
+    for i in range(lo, hi):
+        r = L[off + i * width : off + (i + 1) * width]
+        if transform:
+            _row_transform(r, bias[v0 : v0 + width] if flags[1] else bias, par, flags)
+        if _row_nan(r) == 0:
+            cm = _row_max(r, ninf)
+        else:
+            cm = _row_max_nan(r, ninf)
+        m = m_io[i]
+        s = s_io[i]
+        if cm > m:
+            if m != ninf:
+                s = s * _exp(m - cm)
+            m = cm
+            am_io[i] = v0 + _row_first(r, cm)
+        if m != ninf:
+            s += _row_sumexp(r, m, zero)
+        m_io[i] = m
+        s_io[i] = s
+        if flags[3]:
+            if flags[2]:
+                zs_io[i] += _row_wsum(r, cw[v0 : v0 + width], zero)
+            else:
+                zs_io[i] += _row_sum(r, zero)
         t = tcol[i]
-        zt_out[i] = zero
-        if t >= 0:
-            for c in range(nchunk):
-                v0 = offs[c] // nb
-                if t >= v0 and t < v0 + widths[c]:
-                    zt_out[i] = L[offs[c] + i * widths[c] + (t - v0)]
+        if t >= v0 and t < v0 + width:
+            zt_io[i] = r[t - v0]
 
 
-@pjit
-def _grad_pass(L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, par, flags, recompute, bias):
+@tjit
+def _grad_pass(lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, par, flags, recompute, bias):
     """Overwrite z (or, with ``recompute``, the raw logits) by dloss/dL."""
     nchunk = offs.shape[0]
     cap = par[0]
@@ -135,7 +208,7 @@ def _grad_pass(L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, par, fla
     T = par[3]
     one = par[9]
     one_m_eps = one - par[4]
-    for i in prange(nb):
+    for i in range(lo, hi):
         cc = coef_ce[i]
         cz = coef_z[i]
         lz = lse[i]
@@ -143,12 +216,25 @@ def _grad_pass(L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, par, fla
         b = cc * one_m_eps * wt[i]
         e = cc * par[5]
         t = tcol[i]
+        plain = not recompute and not flags[0] and not flags[2]
         for c in range(nchunk):
             base = offs[c] + i * widths[c]
             v0 = offs[c] // nb
             if a == 0 and b == 0 and e == 0:
                 for j in range(widths[c]):
                     L[base + j] = par[10]
+                continue
+            if plain:
+                # the target column's term is applied after the vectorized loop, in the same
+                # order of operations as the general loop below
+                tin = t >= v0 and t < v0 + widths[c]
+                xt = L[base + t - v0] if tin else par[10]
+                _row_grad_plain(L[base : base + widths[c]], a, e, lz, it)
+                if tin:
+                    g = a * _exp(xt - lz)
+                    g -= e
+                    g -= b
+                    L[base + t - v0] = g * it
                 continue
             for j in range(widths[c]):
                 x = L[base + j]
@@ -171,30 +257,30 @@ def _grad_pass(L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, par, fla
                 L[base + j] = g * it
 
 
-@pjit
-def _add_into(dst, src):
+@tjit
+def _add_into(lo, hi, dst, src):
     n, h = dst.shape
-    for i in prange(n):
+    for i in range(lo, hi):
         for j in range(h):
             dst[i, j] += src[i, j]
 
 
-@pjit
-def _colsum_into(L, off, width, nb, out, v0):
-    for j in prange(width):
+@tjit
+def _colsum_into(lo, hi, L, off, width, nb, out, v0):
+    for j in range(lo, hi):
         acc = out[v0 + j]
         for i in range(nb):
             acc += L[off + i * width + j]
         out[v0 + j] = acc
 
 
-@pjit
-def _filter_flags(L, offs, widths, nb, tcol, thr, fb, flags):
+@tjit
+def _filter_flags(lo, hi, L, offs, widths, nb, tcol, thr, fb, flags):
     """``flags[i, jb]`` = 1 when some ``|G[i, v]|`` of column block ``jb`` (``fb`` columns) is
     not below ``thr[i]`` (NaN included) or the block holds row i's target column.  Read-only."""
     nchunk = offs.shape[0]
     nblk = flags.shape[1]
-    for i in prange(nb):
+    for i in range(lo, hi):
         th = thr[i]
         for jb in range(nblk):
             flags[i, jb] = False
@@ -217,42 +303,42 @@ def _filter_flags(L, offs, widths, nb, tcol, thr, fb, flags):
             flags[i, t // fb] = True  # the target column is never filtered
 
 
-@pjit
-def _gather_cols(L, coff, cw, r0, r1, out):
+@tjit
+def _gather_cols(lo, hi, L, coff, cw, r0, r1, out):
     """out[i, q] = G[r0 + i, col q] from the chunked block layout (``coff``/``cw``: each gathered
     column's offset in its chunk's flat storage and the chunk's width)."""
     nq = coff.shape[0]
-    for i in prange(r1 - r0):
+    for i in range(lo, hi):
         r = r0 + i
         for q in range(nq):
             out[i, q] = L[coff[q] + r * cw[q]]
 
 
-@pjit
-def _gather_rows(src, rows, dst):
+@tjit
+def _gather_rows(lo, hi, src, rows, dst):
     """dst[q, :] = src[rows[q], :] (same dtype)."""
     h = src.shape[1]
-    for q in prange(rows.shape[0]):
+    for q in range(lo, hi):
         r = rows[q]
         for j in range(h):
             dst[q, j] = src[r, j]
 
 
-@pjit
-def _gather_rows_widen(src, rows, code, dst):
+@tjit
+def _gather_rows_widen(lo, hi, src, rows, code, dst):
     """dst[q, :] = fp32(src[rows[q], :]) for a uint16 (bf16/fp16 bits) source, exactly."""
     h = src.shape[1]
-    for q in prange(rows.shape[0]):
+    for q in range(lo, hi):
         r = rows[q]
         for j in range(h):
             dst[q, j] = D.to_f32(src[r, j], code)
 
 
-@pjit
-def _scatter_add_rows(dst, rows, src):
+@tjit
+def _scatter_add_rows(lo, hi, dst, rows, src):
     """dst[rows[q], :] += src[q, :] (rows distinct)."""
     h = dst.shape[1]
-    for q in prange(rows.shape[0]):
+    for q in range(lo, hi):
         r = rows[q]
         for j in range(h):
             dst[r, j] += src[q, j]
@@ -277,29 +363,27 @@ def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode,
             cq = cols[q0 : q0 + vc]
             nq = cq.size
             Gc = g_buf[: nr * nq].reshape(nr, nq)
-            _gather_cols(Lbuf, coff[cq], chunk_w[cq], r0, r1, Gc)
+            run_rows(_gather_cols, r1 - r0, Lbuf, coff[cq], chunk_w[cq], r0, r1, Gc)
             tasks: list = []
             if gi_rows is not None:
                 Wc = w_buf[: nq * H].reshape(nq, H)
                 if wcode is None:
-                    _gather_rows(wsrc, cq, Wc)
+                    run_rows(_gather_rows, nq, wsrc, cq, Wc)
                 else:
-                    _gather_rows_widen(wsrc, cq, wcode, Wc)
+                    run_rows(_gather_rows_widen, nq, wsrc, cq, wcode, Wc)
                 # rows r0:r1 of grad_input are zero until this row block's first chunk: write it
                 P = gi_rows[r0:r1] if q0 == 0 else p_buf[: nr * H].reshape(nr, H)
-                for a in range(0, H, _FILTER_H_BLOCK):
-                    b = min(a + _FILTER_H_BLOCK, H)
+                for a, b in _spans(H, _FILTER_H_BLOCK):
                     tasks.append(functools.partial(np.matmul, Gc, Wc[:, a:b], out=P[:, a:b]))
             if gw is not None:
                 Q = q_buf[: nq * H].reshape(nq, H)
-                for a in range(0, nq, _FILTER_Q_BLOCK):
-                    b = min(a + _FILTER_Q_BLOCK, nq)
+                for a, b in _spans(nq, _FILTER_Q_BLOCK):
                     tasks.append(functools.partial(np.matmul, Gc[:, a:b].T, X[r0:r1], out=Q[a:b]))
             _run_tasks(tasks)
             if gi_rows is not None and q0 > 0:
-                _add_into(gi_rows[r0:r1], P)
+                run_rows(_add_into, nr, gi_rows[r0:r1], P)
             if gw is not None:
-                _scatter_add_rows(gw, cq, Q)
+                run_rows(_scatter_add_rows, nq, gw, cq, Q)
 
 
 def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
@@ -370,10 +454,14 @@ def linear_cross_entropy_cpu(
     coef_z = coef_z.astype(cdt) if coef_z is not None else np.zeros(BT, cdt)
     col0 = int(params["vocab_start_index"])
     tcol = np.ascontiguousarray(target_cols, dtype=np.int64)
-    if gi is not None:
-        gi[...] = 0
-    if gw is not None:
-        gw[...] = 0
+    # the dense products write every element of grad_input / grad_weight (the first chunk, the
+    # first row block) in parallel: no serial first touch of fresh memory; zeros only where
+    # something may be left unwritten (filtering skips blocks; K = 0 or BT = 0 writes nothing)
+    if params.get("filter_eps") is not None or K == 0 or BT == 0:
+        if gi is not None:
+            gi[...] = 0
+        if gw is not None:
+            gw[...] = 0
     if gb is not None:
         gb[...] = 0
     if not recompute:
@@ -430,45 +518,38 @@ def linear_cross_entropy_cpu(
     else:
         feps = None
     empty_i = np.zeros(0, np.int64)
+    transform = bool(flags[0] or flags[1] or par[2] != 1)
+    nblocks = -(-BT // nb_max)
     first_w = True
-    for b0 in range(0, BT, nb_max):
-        b1 = min(BT, b0 + nb_max)
+
+    def products(b0, b1, v0, v1, off, first):
+        """Dense: ``grad_input[b] (+)= G·W[v]``, ``grad_weight[v] (+)= Gᵀ·X[b]`` for one chunk."""
         nb = b1 - b0
-        X = _block(input, b0, b1, cdt, xbuf)
-        offs = np.array([nb * v0 for v0, _ in chunks], np.int64) if chunks else empty_i
-        widths = np.array([v1 - v0 for v0, v1 in chunks], np.int64) if chunks else empty_i
-        for (v0, v1), off in zip(chunks, offs):
-            Lc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
-            matmul_nt(X, wchunk(v0, v1), Lc)
-        if not recompute:
-            m = np.empty(nb, cdt)
-            s = np.empty(nb, cdt)
-            zt = np.empty(nb, cdt)
-            zs = np.empty(nb, cdt)
-            am = np.empty(nb, np.int64)
-            if K:
-                _stats_pass(Lbuf, offs, widths, nb, bias_c, cw_c, tcol[b0:b1], par, flags, m, s, zt, zs, am, col0)
+        Gc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
+        if gi is not None:
+            Wc = wchunk(v0, v1)
+            if v0 == 0:
+                matmul_nn(Gc, Wc, gi[b0:b1])
             else:
-                m[:] = -np.inf
-                s[:] = 0
-                zt[:] = 0
-                zs[:] = 0
-                am[:] = -1
-            if combine is not None:
-                m, s, zt, zs, am = combine(m, s, zt, zs, am)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                lse_b = (m + np.log(s)).astype(cdt)
-            lse_all[b0:b1] = lse_b
-            for key, val in (("max", m), ("sum_exp", s), ("z_target", zt), ("z_sum", zs), ("argmax", am)):
-                if out.get(key) is not None:
-                    out[key][b0:b1] = val
-        if not want_grad or not K:
-            continue
-        _grad_pass(
+                th = tmp_h[: nb * H].reshape(nb, H)
+                matmul_nn(Gc, Wc, th)
+                run_rows(_add_into, nb, gi[b0:b1], th)
+        if gw is not None:
+            if first:
+                matmul_tn(Gc, X, gw[v0:v1])
+            else:
+                tw = tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
+                matmul_tn(Gc, X, tw)
+                run_rows(_add_into, v1 - v0, gw[v0:v1], tw)
+
+    def grad(b0, b1, offs, widths):
+        run_rows(
+            _grad_pass,
+            b1 - b0,
             Lbuf,
             offs,
             widths,
-            nb,
+            b1 - b0,
             cw_c,
             tcol[b0:b1],
             wt_c[b0:b1],
@@ -481,51 +562,97 @@ def linear_cross_entropy_cpu(
             bias_c,
         )
         if gb is not None:
-            for (v0, v1), off in zip(chunks, offs):
-                _colsum_into(Lbuf, off, v1 - v0, nb, gb, v0)
-        if feps is not None:
-            F = fflags[:nb]
-            _filter_flags(Lbuf, offs, widths, nb, tcol[b0:b1], thr_all[b0:b1], fb, F)
-            keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
-            n_keep = int(keep.sum())
-            if fstats is not None:
-                fstats["blocks_total"] += keep.size
-                fstats["blocks_skipped"] += keep.size - n_keep
-            if n_keep < keep.size:
-                _filtered_products(
-                    Lbuf,
-                    offs,
-                    widths,
+            for off, w in zip(offs, widths):
+                run_rows(_colsum_into, w, Lbuf, off, w, b1 - b0, gb, off // (b1 - b0))
+
+    # equal row blocks of at most nb_max rows (balanced; from BT and the budget only)
+    for k in range(nblocks):
+        b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks
+        nb = b1 - b0
+        X = _block(input, b0, b1, cdt, xbuf)
+        offs = np.array([nb * v0 for v0, _ in chunks], np.int64) if chunks else empty_i
+        widths = np.array([v1 - v0 for v0, v1 in chunks], np.int64) if chunks else empty_i
+        # dense gradient, chunk by chunk while the chunk is hot in cache
+        interleave = want_grad and K > 0 and feps is None
+        if not recompute:
+            m = np.full(nb, -np.inf, cdt)
+            s = np.zeros(nb, cdt)
+            zt = np.zeros(nb, cdt)
+            zs = np.zeros(nb, cdt)
+            am = np.full(nb, -1, np.int64)
+        for c, ((v0, v1), off) in enumerate(zip(chunks, offs)):
+            Lc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
+            matmul_nt(X, wchunk(v0, v1), Lc)
+            if not recompute:
+                run_rows(
+                    _stats_chunk,
                     nb,
-                    keep,
-                    fb,
-                    rb,
-                    K,
-                    vc,
-                    fwsrc,
-                    fwcode,
-                    X,
-                    None if gi is None else gi[b0:b1],
-                    gw,
-                    fbufs,
+                    Lbuf,
+                    off,
+                    v1 - v0,
+                    nb,
+                    bias_c,
+                    cw_c,
+                    tcol[b0:b1],
+                    par,
+                    flags,
+                    transform,
+                    m,
+                    s,
+                    zt,
+                    zs,
+                    am,
                 )
-                first_w = False
-                continue
-        for (v0, v1), off in zip(chunks, offs):
-            Gc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
-            if gi is not None:
-                Wc = wchunk(v0, v1)
-                if v0 == 0:
-                    matmul_nn(Gc, Wc, gi[b0:b1])
-                else:
-                    th = tmp_h[: nb * H].reshape(nb, H)
-                    matmul_nn(Gc, Wc, th)
-                    _add_into(gi[b0:b1], th)
-            if gw is not None:
-                if first_w:
-                    matmul_tn(Gc, X, gw[v0:v1])
-                else:
-                    tw = tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
-                    matmul_tn(Gc, X, tw)
-                    _add_into(gw[v0:v1], tw)
+            elif interleave:
+                grad(b0, b1, offs[c : c + 1], widths[c : c + 1])
+                products(b0, b1, v0, v1, off, first_w)
+        if not recompute:
+            zs[m == -np.inf] = 0  # a row without a finite logit: Σ w z is 0, as Σ exp
+            am = np.where(am >= 0, am + col0, -1)
+            if combine is not None:
+                m, s, zt, zs, am = combine(m, s, zt, zs, am)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                lse_b = (m + np.log(s)).astype(cdt)
+            lse_all[b0:b1] = lse_b
+            for key, val in (("max", m), ("sum_exp", s), ("z_target", zt), ("z_sum", zs), ("argmax", am)):
+                if out.get(key) is not None:
+                    out[key][b0:b1] = val
+            if interleave:
+                for c, ((v0, v1), off) in enumerate(zip(chunks, offs)):
+                    grad(b0, b1, offs[c : c + 1], widths[c : c + 1])
+                    products(b0, b1, v0, v1, off, first_w)
+        if interleave:
+            first_w = False
+            continue
+        if not want_grad or not K:
+            continue
+        grad(b0, b1, offs, widths)
+        F = fflags[:nb]
+        run_rows(_filter_flags, nb, Lbuf, offs, widths, nb, tcol[b0:b1], thr_all[b0:b1], fb, F)
+        keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
+        n_keep = int(keep.sum())
+        if fstats is not None:
+            fstats["blocks_total"] += keep.size
+            fstats["blocks_skipped"] += keep.size - n_keep
+        if n_keep < keep.size:
+            _filtered_products(
+                Lbuf,
+                offs,
+                widths,
+                nb,
+                keep,
+                fb,
+                rb,
+                K,
+                vc,
+                fwsrc,
+                fwcode,
+                X,
+                None if gi is None else gi[b0:b1],
+                gw,
+                fbufs,
+            )
+        else:
+            for (v0, v1), off in zip(chunks, offs):
+                products(b0, b1, v0, v1, off, first_w)
         first_w = False
