@@ -50,9 +50,6 @@ def set_num_threads(n: int) -> None:
     import numba
     from threadpoolctl import threadpool_limits
 
-    from ._jit import start_threads
-
-    start_threads()
     n = int(n)
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
@@ -63,9 +60,6 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     import numba
 
-    from ._jit import start_threads
-
-    start_threads()
     return numba.get_num_threads()
 
 
@@ -75,9 +69,6 @@ def num_threads(n: int):
     import numba
     from threadpoolctl import threadpool_limits
 
-    from ._jit import start_threads
-
-    start_threads()
     old = numba.get_num_threads()
     numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     try:

@@ -78,31 +78,3 @@ def tjit(fn):
 
 
 prange = numba.prange
-
-_threads_started = False
-
-
-def start_threads() -> None:
-    """Start Numba's thread pool once, with GNU OpenMP's workers waiting passively.
-
-    libgomp's workers spin for a while after each parallel region (its default wait policy).
-    The fused kernels alternate short parallel regions with BLAS calls on a pool of Python
-    threads; the spinning workers take the cores from those GEMMs (measured: the train step at
-    the Qwen2.5-0.5B head 17.1 s spinning, 13.7 s passive, on 2 cores).  So unless the user set
-    ``OMP_WAIT_POLICY``, the pool is started with it set to ``PASSIVE`` and the variable is
-    removed again at once: libgomp reads it when it is loaded, and other OpenMP runtimes in the
-    process (PyTorch bundles its own) keep their defaults.  No effect when Numba's thread pool
-    was already started (the layer reads its environment once).
-    """
-    global _threads_started
-    if _threads_started:
-        return
-    _threads_started = True
-    if "OMP_WAIT_POLICY" in os.environ:
-        numba.get_num_threads()
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        numba.get_num_threads()  # loads the threading layer: libgomp reads its environment now
-    finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)

@@ -88,3 +88,32 @@ def test_every_op_has_a_declaration_and_every_backend_a_table():
         assert mod.DECL.name == op and mod.DECL.aclnn.startswith("aclnn")
         assert getattr(fg, op).__doc__ and "Raises" in getattr(fg, op).__doc__
         assert op in cpu.IMPLS and op in reference.IMPLS
+
+
+def test_gemm_spans_are_balanced_and_cover():
+    """The fixed partitions of the pool: equal parts (±1) covering [0, M), from the shape only."""
+    from fastgrad.kernels._gemm import _spans
+
+    for M in (0, 1, 2, 7, 255, 256, 257, 440, 2048, 151936):
+        for step in (1, 64, 256, 512):
+            sp = _spans(M, step)
+            assert len(sp) == -(-M // step)
+            assert [a for a, _ in sp[1:]] == [b for _, b in sp[:-1]]
+            if sp:
+                assert sp[0][0] == 0 and sp[-1][1] == M
+                sizes = [b - a for a, b in sp]
+                assert max(sizes) <= step and max(sizes) - min(sizes) <= 1
+
+
+def test_fused_loops_run_no_openmp_region():
+    """The passes between the GEMMs of the fused kernels are serial nogil kernels run on the GEMM
+    pool (``run_rows``), never Numba parallel kernels: OpenMP workers spinning after a parallel
+    region took the cores from the next BLAS calls (docs in ``kernels/_gemm.py``)."""
+    import fastgrad.kernels._linear as lin
+    import fastgrad.kernels.fused_linear_cross_entropy_loss_grad as flce
+    import fastgrad.kernels.fused_linear_online_max_sum as online
+    import fastgrad.kernels.linear_cross_entropy as lce
+
+    for mod in (lce, flce, online, lin):
+        src = pathlib.Path(mod.__file__).read_text()
+        assert "prange" not in src and "@pjit" not in src, mod.__name__

@@ -30,23 +30,23 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes as D
-from .._jit import pjit, prange
+from .._jit import tjit
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
-from ._gemm import matmul_nn, matmul_nt, matmul_tn, single_threaded_blas
+from ._gemm import matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
 from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_f32
 
 OP = "fused_linear_cross_entropy_loss_grad"
 
 
-@pjit
-def _epilogue_memory_saving(L, row0, col0, logits_max, sum_exp, grad, tcol, code, smooth, inv_k):
+@tjit
+def _epilogue_memory_saving(lo, hi, L, row0, col0, logits_max, sum_exp, grad, tcol, code, smooth, inv_k):
     """In place on the fp32 logits tile L [nb, nv]: L <- round((softmax - onehot·(1-s) - s/K)·grad)."""
     nb, nv = L.shape
     one_minus_s = np.float32(1.0) - smooth
     s_over_k = smooth * inv_k
-    for i in prange(nb):
+    for i in range(lo, hi):
         r = row0 + i
         m = logits_max[r]
         se = sum_exp[r]
@@ -70,8 +70,8 @@ def _epilogue_memory_saving(L, row0, col0, logits_max, sum_exp, grad, tcol, code
                 L[i, t] = D.round_f32(pt * g, code)
 
 
-@pjit
-def _block_flags(L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flags):
+@tjit
+def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flags):
     """``flags[i, jb]`` = 1 when a logit of row i in column block jb (``fb`` columns) is >=
     ``logits_max[r] + log(lim·sum_exp[r])`` — i.e. its softmax value may reach ``lim`` — or is
     NaN, or the block holds the row's target column.  Reads the fp32 logits tile L [nb, nv]
@@ -79,7 +79,7 @@ def _block_flags(L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flags):
     block without a flag has every value strictly below the filtering threshold."""
     nb, nv = L.shape
     nblk = flags.shape[1]
-    for i in prange(nb):
+    for i in range(lo, hi):
         r = row0 + i
         thr = np.float32(logits_max[r] + np.log(np.float64(lim) * np.float64(sum_exp[r])))
         for jb in range(nblk):
@@ -114,13 +114,13 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs) -> None:
         gwt[cols] += Q
 
 
-@pjit
-def _epilogue_high_performance(S, G, row0, col0, grad, tcol, code, smooth, inv_k):
+@tjit
+def _epilogue_high_performance(lo, hi, S, G, row0, col0, grad, tcol, code, smooth, inv_k):
     """G [nb, nv] <- round((S[row0+i, col0+j] - onehot·(1-s) - s/K)·grad); S is not written."""
     nb, nv = G.shape
     one_minus_s = np.float32(1.0) - smooth
     s_over_k = smooth * inv_k
-    for i in prange(nb):
+    for i in range(lo, hi):
         r = row0 + i
         g = grad[r]
         t = tcol[r] - col0
@@ -217,8 +217,8 @@ def fused_linear_cross_entropy_loss_grad(
                 if eps is not None:
                     nblk = -(-nv // fb)
                     F = flags[: nb * nblk].reshape(nb, nblk)
-                    _block_flags(G, b0, v0, lmax, sexp, tcol, lim, fb, F)
-                _epilogue_memory_saving(G, b0, v0, lmax, sexp, grad32, tcol, code, smooth, inv_k)
+                    run_rows(_block_flags, G.shape[0], G, b0, v0, lmax, sexp, tcol, lim, fb, F)
+                run_rows(_epilogue_memory_saving, G.shape[0], G, b0, v0, lmax, sexp, grad32, tcol, code, smooth, inv_k)
                 if eps is not None:
                     keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
                     n_keep = int(keep.sum())
@@ -227,7 +227,7 @@ def fused_linear_cross_entropy_loss_grad(
                     if n_keep == keep.size:
                         keep = None  # nothing negligible: the dense path
             else:
-                _epilogue_high_performance(S, G, b0, v0, grad32, tcol, code, smooth, inv_k)
+                run_rows(_epilogue_high_performance, S.shape[0], S, G, b0, v0, grad32, tcol, code, smooth, inv_k)
             if keep is not None:
                 if first:
                     gwt[...] = 0

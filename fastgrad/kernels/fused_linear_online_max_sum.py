@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes as D
-from .._jit import FASTMATH_SAFE, njit, pjit, prange
+from .._jit import FASTMATH_SAFE, njit, tjit
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
-from ._gemm import matmul_nt, single_threaded_blas
+from ._gemm import matmul_nt, run_rows, single_threaded_blas
 from ._linear import fp32_block
 from ._vmath import exp_f32
 
@@ -54,11 +54,11 @@ def _sum_exp(L, i, mt):
     return acc
 
 
-@pjit
-def _online_tile(L, row0, col0, code, m_run, s_run, tcol, picked):
+@tjit
+def _online_tile(lo, hi, L, row0, col0, code, m_run, s_run, tcol, picked):
     """Round L [nb, nv] to the input dtype in place; fold it into the running max/sum."""
     nb, nv = L.shape
-    for i in prange(nb):
+    for i in range(lo, hi):
         r = row0 + i
         if code != 0:
             _round_row(L, i, code)
@@ -124,7 +124,7 @@ def run(
                 nb = b1 - b0
                 Lt = l_buf[: nb * nv].reshape(nb, nv)
                 matmul_nt(X32[b0:b1], W32, Lt)
-                _online_tile(Lt, b0, v0, code, lmax, sexp, tcol, picked)
+                run_rows(_online_tile, Lt.shape[0], Lt, b0, v0, code, lmax, sexp, tcol, picked)
                 if logits is not None:
                     D.from_float32(Lt, logits.dtype, out=logits[b0:b1, v0:v1])
                 done += 1

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _config, _jit, arrays
+from .. import _config, arrays
 from ..backends import backend_takes_plan, dispatch, get_backend
 from ..dtypes import dtype_name, parse_dtype
 from ..enums import REDUCTIONS
@@ -340,7 +340,6 @@ def _allocate(call: Call, users: list, checked: list) -> list[arrays.Out | None]
 
 def execute(op: OpDef, args: dict, out: Any = None) -> Any:
     """Run ``op`` on ``args`` (its inputs and attributes by name): check, plan, compute, wrap."""
-    _jit.start_threads()
     call = Call(op, _config.is_strict(), args)
     _adapt_inputs(op, call)
     for d in op.attrs:
