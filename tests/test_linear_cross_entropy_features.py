@@ -238,3 +238,88 @@ def test_bf16_accuracy_target(shape, gen):
         fgm, f32, b16 = e["fastgrad"][i], e["torch-fp32"][i], e["torch-bf16"][i]
         assert fgm <= 2 * f32 + 1e-12, (name, e)
         assert fgm <= b16, (name, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# accum_dtype (Liger's name): grad_weight accumulated in the 16-bit dtype itself
+# ---------------------------------------------------------------------------------------------
+
+
+def _plain_grad_weight_f64(x, W, t):
+    """float64 oracle from the contract: G = (softmax - onehot)/n, dW = Gᵀ·X; also |G|ᵀ·|X|."""
+    X = np.asarray(x, np.float64)
+    Wd = np.asarray(W, np.float64)
+    z = X @ Wd.T
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    valid = t != IGN
+    rows = np.flatnonzero(valid)
+    p[rows, t[rows]] -= 1.0
+    G = np.where(valid[:, None], p, 0.0) / valid.sum()
+    return G.T @ X, np.abs(G).T @ np.abs(X)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("budget_rows", [None, 7])
+def test_accum_dtype_16bit(dtype, budget_rows):
+    """One row block: the fp32 accumulation rounded once, bitwise.  Many row blocks (a budget of
+    7 rows): within one rounding per block of the float64 gradient, ``n·u·|G|ᵀ|X|``."""
+    import ml_dtypes
+
+    from fastgrad import tiling
+
+    V, H = 301, 24
+    h, w, b, cw, t = _data(2, 53, H, V, dtype, seed=11)
+    x, W, tt = h.reshape(-1, H), w, t.reshape(-1)
+    BT = x.shape[0]
+    np16 = ml_dtypes.bfloat16 if dtype == torch.bfloat16 else np.float16
+    if budget_rows:
+        tiling.set_workspace_budget(budget_rows * V * 4)
+    try:
+        ref = fg.linear_cross_entropy(x, W, tt, return_grad=True)
+        acc = fg.linear_cross_entropy(x, W, tt, return_grad=True, accum_dtype=dtype)
+        # filtering: the gathered products of the kept blocks, rounded per block
+        ref_f = fg.linear_cross_entropy(x, W, tt, return_grad=True, filter_eps=0.3)
+        filt = fg.linear_cross_entropy(x, W, tt, return_grad=True, accum_dtype=dtype, filter_eps=0.3)
+    finally:
+        tiling.set_workspace_budget(None)
+    gw = acc.grad_weight.float().numpy()
+    assert acc.grad_weight.dtype == dtype and acc.grad_input.dtype == torch.float32
+    np.testing.assert_array_equal(acc.grad_input.numpy(), ref.grad_input.numpy())
+    np.testing.assert_array_equal(acc.loss.numpy(), ref.loss.numpy())
+    if budget_rows is None:
+        once = ref.grad_weight.numpy().astype(np16).astype(np.float32)
+        np.testing.assert_array_equal(gw, once)
+    else:
+        n_blocks = -(-BT // budget_rows)
+        u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        exact, absprod = _plain_grad_weight_f64(x.float().numpy(), W.float().numpy(), tt.numpy())
+        for got, want in ((gw, exact), (filt.grad_weight.float().numpy(), ref_f.grad_weight.numpy())):
+            err = np.abs(got - want)
+            assert np.all(err <= n_blocks * u * absprod + 1e-6 * absprod + 1e-30)
+        assert filt.filter_stats["blocks_skipped"] > 0
+        assert filt.filter_stats == ref_f.filter_stats
+        # and it is a real change from the fp32 accumulation (the rounding per block happened)
+        assert not np.array_equal(gw, ref.grad_weight.numpy().astype(np16).astype(np.float32))
+
+
+def test_accum_dtype_torch_and_refusals():
+    h, w, b, cw, t = _data(2, 9, 16, 40, torch.bfloat16, seed=3)
+    grads = {}
+    for acc in (None, torch.bfloat16, torch.float32):
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        ft.linear_cross_entropy(hh, ww, t, accum_dtype=acc).backward()
+        assert ww.grad.dtype == torch.bfloat16
+        grads[acc] = (hh.grad, ww.grad)
+    assert torch.equal(grads[None][1], grads[torch.float32][1])
+    # one row block at this size: the bf16 accumulation is the fp32 one rounded once
+    assert torch.equal(grads[None][1], grads[torch.bfloat16][1])
+    m = ft.LinearCrossEntropyLoss(accum_dtype=torch.bfloat16)
+    assert m.accum_dtype == torch.bfloat16
+    for bad in (torch.float16, "int32", "nonsense"):
+        with pytest.raises(fg.AclnnError) as e:
+            fg.linear_cross_entropy(h.reshape(-1, 16), w, t.reshape(-1), return_grad=True, accum_dtype=bad)
+        assert e.value.status == 161002 and e.value.param == "accum_dtype"
+    with pytest.raises(fg.AclnnError) as e:
+        ft.linear_cross_entropy(h, w, t, accum_dtype=torch.bfloat16, precision="device")
+    assert e.value.param == "accum_dtype"

@@ -344,13 +344,41 @@ def _scatter_add_rows(lo, hi, dst, rows, src):
             dst[r, j] += src[q, j]
 
 
+@tjit
+def _store_rounded(lo, hi, dst, src, code):
+    """dst[i, :] = round(src[i, :]) to the 16-bit format ``code`` (dst: its uint16 bits)."""
+    h = dst.shape[1]
+    for i in range(lo, hi):
+        for j in range(h):
+            dst[i, j] = D.from_f32(src[i, j], code)
+
+
+@tjit
+def _add_rounded(lo, hi, dst, src, code):
+    """dst[i, :] = round(dst[i, :] + src[i, :]): accumulation in the 16-bit format ``code``."""
+    h = dst.shape[1]
+    for i in range(lo, hi):
+        for j in range(h):
+            dst[i, j] = D.from_f32(D.to_f32(dst[i, j], code) + src[i, j], code)
+
+
+@tjit
+def _scatter_add_rounded(lo, hi, dst, rows, src, code):
+    """dst[rows[q], :] = round(dst[rows[q], :] + src[q, :]) (rows distinct; 16-bit bits)."""
+    h = dst.shape[1]
+    for q in range(lo, hi):
+        r = rows[q]
+        for j in range(h):
+            dst[r, j] = D.from_f32(D.to_f32(dst[r, j], code) + src[q, j], code)
+
+
 #: output columns of grad_input (resp. rows of grad_weight) per BLAS call of the filtered
 #: products: fixed, never from the thread count (bitwise reproducible, as ``_gemm``)
 _FILTER_H_BLOCK = 128
 _FILTER_Q_BLOCK = 512
 
 
-def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode, X, gi_rows, gw, bufs) -> None:
+def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode, X, gi_rows, gw, bufs, gw_code) -> None:
     """``gi_rows += G·W`` and ``gw += Gᵀ·X`` over the kept blocks only (module docstring)."""
     g_buf, w_buf, p_buf, q_buf = bufs
     H = X.shape[1]
@@ -383,7 +411,10 @@ def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode,
             if gi_rows is not None and q0 > 0:
                 run_rows(_add_into, nr, gi_rows[r0:r1], P)
             if gw is not None:
-                run_rows(_scatter_add_rows, nq, gw, cq, Q)
+                if gw_code is None:
+                    run_rows(_scatter_add_rows, nq, gw, cq, Q)
+                else:
+                    run_rows(_scatter_add_rounded, nq, gw, cq, Q, gw_code)
 
 
 def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
@@ -425,6 +456,9 @@ def linear_cross_entropy_cpu(
     K = weight.shape[0]
     cdt = np.float64 if input.dtype == np.float64 else np.float32
     gi, gw, gb = out.get("grad_input"), out.get("grad_weight"), out.get("grad_bias")
+    # grad_weight in a 16-bit dtype (``accum_dtype``): its bits, accumulated with rounding
+    gw_code = D.code_of(gw.dtype) if (gw is not None and gw.dtype != cdt) else None
+    gw_acc = gw.view(np.uint16) if gw_code is not None else gw
     want_grad = gi is not None or gw is not None or gb is not None
     recompute = lse is not None
     softcap = params.get("softcap")
@@ -535,12 +569,15 @@ def linear_cross_entropy_cpu(
                 matmul_nn(Gc, Wc, th)
                 run_rows(_add_into, nb, gi[b0:b1], th)
         if gw is not None:
-            if first:
+            if first and gw_code is None:
                 matmul_tn(Gc, X, gw[v0:v1])
             else:
                 tw = tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
                 matmul_tn(Gc, X, tw)
-                run_rows(_add_into, v1 - v0, gw[v0:v1], tw)
+                if gw_code is None:
+                    run_rows(_add_into, v1 - v0, gw[v0:v1], tw)
+                else:  # accum_dtype: accumulated (rounded) in the 16-bit output itself
+                    run_rows(_store_rounded if first else _add_rounded, v1 - v0, gw_acc[v0:v1], tw, gw_code)
 
     def grad(b0, b1, offs, widths):
         run_rows(
@@ -649,8 +686,9 @@ def linear_cross_entropy_cpu(
                 fwcode,
                 X,
                 None if gi is None else gi[b0:b1],
-                gw,
+                gw_acc,
                 fbufs,
+                gw_code,
             )
         else:
             for (v0, v1), off in zip(chunks, offs):

@@ -137,6 +137,7 @@ def linear_cross_entropy(
     lse=None,
     combine: Callable | None = None,
     filter_eps: float | str | None = None,
+    accum_dtype=None,
 ) -> LinearCrossEntropyResult:
     r"""Cross-entropy of ``z = softcap(input·weightᵀ + bias)/temperature`` without ``[BT, V]``.
 
@@ -180,6 +181,16 @@ def linear_cross_entropy(
         ``|Δgrad_weight[v, h]| <= filter_eps·Σ_{r skipped for v} |c_r|·|input[r, h]|``, up to
         the compute dtype's summation-order rounding.  When nothing is skipped in a row block
         the dense path runs, bitwise unchanged.  The counts are in ``filter_stats``.
+    accum_dtype : None or a dtype (any spelling, torch's included) — Liger-Kernel's
+        ``accum_dtype``: the dtype in which ``grad_weight`` is accumulated over the row blocks
+        and returned.  None (default) or the compute dtype: fp32 (fp64 for fp64 inputs).  The
+        input's 16-bit dtype: each row block's fp32 product is added to the 16-bit
+        ``grad_weight`` and rounded (RNE), so no fp32 ``[K, H]`` accumulator is held (half the
+        memory of the default; Liger's behaviour with ``accum_dtype=None``).  Its error: one
+        rounding per row block instead of one in all — with ``n`` row blocks (``BT /
+        block_rows``, ``block_rows`` from the workspace budget), ``|Δgrad_weight| <= n·u·Σ_b
+        |partial_b|`` with ``u`` the format's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹); with one
+        row block the result is the default's rounded once, bitwise.  Anything else: 161002.
 
     Returns
     -------
@@ -254,6 +265,15 @@ def linear_cross_entropy(
     feps = parse_filter_eps(filter_eps, x.dtype)
 
     cdt = np.float64 if x.dtype == D.FLOAT64 else np.float32
+    gw_dt = np.dtype(cdt)
+    if accum_dtype is not None:
+        try:
+            gw_dt = D.parse_dtype(accum_dtype)
+        except Exception:
+            raise invalid("accum_dtype", "None or a dtype", repr(accum_dtype), OP) from None
+        if gw_dt not in (np.dtype(cdt), np.dtype(x.dtype)):
+            allowed = " / ".join(sorted({D.dtype_name(cdt), D.dtype_name(x.dtype)}))
+            raise invalid("accum_dtype", f"None or {allowed}", D.dtype_name(gw_dt), OP)
     tl = np.asarray(t).astype(np.int64, copy=False)
     valid = tl != ign
     bad = valid & ((tl < 0) | (tl >= V))
@@ -320,7 +340,7 @@ def linear_cross_entropy(
         "z_sum": None if recompute else np.empty(BT, cdt),
         "argmax": None if recompute else np.empty(BT, np.int64),
         "grad_input": np.empty((BT, H), cdt) if need[0] else None,
-        "grad_weight": np.empty((K, H), cdt) if need[1] else None,
+        "grad_weight": np.empty((K, H), gw_dt) if need[1] else None,
         "grad_bias": np.empty(K, cdt) if need[2] else None,
         "filter_stats": fstats,
     }

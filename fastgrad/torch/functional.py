@@ -69,6 +69,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             vocab_start_index=cfg["start"],
             vocab_size=cfg["V"],
             filter_eps=cfg.get("filter_eps"),
+            accum_dtype=cfg.get("accum_dtype"),
         )
         r = _lce_op(
             h.detach(),
@@ -230,6 +231,7 @@ def linear_cross_entropy(
     vocab_start_index=None,
     vocab_size=None,
     filter_eps=None,
+    accum_dtype=None,
 ):
     r"""``F.cross_entropy(softcap(hidden @ weight.T + bias) / temperature, target, ...)`` (+ z-loss)
     without ever materializing the ``[BT, V]`` logits.
@@ -272,6 +274,12 @@ def linear_cross_entropy(
         dtype's eps / 32 (bf16 2⁻¹²).  The loss is exact; the error bound and the skipped-block
         counts: :func:`fastgrad.linear_cross_entropy`.  Not with ``precision="device"`` nor in
         strict mode (161002).
+    accum_dtype : None | torch.float32 | hidden's dtype — Liger-Kernel's ``accum_dtype``, the
+        dtype in which ``weight``'s gradient is accumulated over the row blocks of the fused
+        step.  None (default): fp32, rounded once at the end.  ``hidden.dtype`` (bf16/fp16):
+        accumulated in the gradient itself, rounded per row block — no fp32 ``[V, H]``
+        accumulator (half its memory), as Liger does by default; the error bound is in
+        :func:`fastgrad.linear_cross_entropy`.  Not with ``precision="device"`` (161002).
 
     Returns
     -------
@@ -338,6 +346,8 @@ def linear_cross_entropy(
         used = [k for k, v in extras.items() if v]
         if filter_eps is not None:
             used.append("filter_eps")
+        if accum_dtype is not None:
+            used.append("accum_dtype")
         if used:
             raise _bad(used[0], "the plain loss with precision='device' (the aclnn pipeline)", used)
         if eps != 0.0 and is_strict():
@@ -367,6 +377,7 @@ def linear_cross_entropy(
         "group": process_group,
         "fused": fused_ok,
         "filter_eps": filter_eps,
+        "accum_dtype": accum_dtype,
     }
     cw = None if ce_weight is None else ce_weight.detach()
     loss, z_loss, acc = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)

@@ -24,7 +24,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     reduction : {"mean", "sum", "none"}, default "mean"
     label_smoothing : float in [0, 1], default 0 (PyTorch's meaning, global vocabulary)
     ce_weight, softcap, temperature, lse_square_scale, return_z_loss, return_token_accuracy,
-    shift, precision, fused, filter_eps
+    shift, precision, fused, filter_eps, accum_dtype
         As :func:`fastgrad.torch.linear_cross_entropy` (Liger / CCE names); ``forward`` takes
         an optional LM-head ``bias``.
     process_group : torch.distributed.ProcessGroup, optional
@@ -61,6 +61,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         precision: str | None = None,
         fused: bool | None = None,
         filter_eps: float | str | None = None,
+        accum_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.ce_weight = ce_weight
@@ -73,6 +74,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.precision = precision
         self.fused = fused
         self.filter_eps = filter_eps
+        self.accum_dtype = accum_dtype
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -127,6 +129,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             precision=self.precision,
             fused=self.fused,
             filter_eps=self.filter_eps,
+            accum_dtype=self.accum_dtype,
         )
 
     def extra_repr(self) -> str:
