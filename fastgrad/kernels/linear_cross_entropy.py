@@ -345,24 +345,6 @@ def _scatter_add_rows(lo, hi, dst, rows, src):
 
 
 @tjit
-def _store_rounded(lo, hi, dst, src, code):
-    """dst[i, :] = round(src[i, :]) to the 16-bit format ``code`` (dst: its uint16 bits)."""
-    h = dst.shape[1]
-    for i in range(lo, hi):
-        for j in range(h):
-            dst[i, j] = D.from_f32(src[i, j], code)
-
-
-@tjit
-def _add_rounded(lo, hi, dst, src, code):
-    """dst[i, :] = round(dst[i, :] + src[i, :]): accumulation in the 16-bit format ``code``."""
-    h = dst.shape[1]
-    for i in range(lo, hi):
-        for j in range(h):
-            dst[i, j] = D.from_f32(D.to_f32(dst[i, j], code) + src[i, j], code)
-
-
-@tjit
 def _scatter_add_rounded(lo, hi, dst, rows, src, code):
     """dst[rows[q], :] = round(dst[rows[q], :] + src[q, :]) (rows distinct; 16-bit bits)."""
     h = dst.shape[1]
@@ -459,6 +441,7 @@ def linear_cross_entropy_cpu(
     # grad_weight in a 16-bit dtype (``accum_dtype``): its bits, accumulated with rounding
     gw_code = D.code_of(gw.dtype) if (gw is not None and gw.dtype != cdt) else None
     gw_acc = gw.view(np.uint16) if gw_code is not None else gw
+    all_rows = np.arange(K, dtype=np.int64)
     want_grad = gi is not None or gw is not None or gb is not None
     recompute = lse is not None
     softcap = params.get("softcap")
@@ -494,8 +477,8 @@ def linear_cross_entropy_cpu(
     if params.get("filter_eps") is not None or K == 0 or BT == 0:
         if gi is not None:
             gi[...] = 0
-        if gw is not None:
-            gw[...] = 0
+    if gw is not None and (gw_code is not None or params.get("filter_eps") is not None or K == 0 or BT == 0):
+        gw[...] = 0
     if gb is not None:
         gb[...] = 0
     if not recompute:
@@ -576,8 +559,8 @@ def linear_cross_entropy_cpu(
                 matmul_tn(Gc, X, tw)
                 if gw_code is None:
                     run_rows(_add_into, v1 - v0, gw[v0:v1], tw)
-                else:  # accum_dtype: accumulated (rounded) in the 16-bit output itself
-                    run_rows(_store_rounded if first else _add_rounded, v1 - v0, gw_acc[v0:v1], tw, gw_code)
+                else:  # accum_dtype: accumulated (rounded) in the 16-bit output itself (zeroed)
+                    run_rows(_scatter_add_rounded, v1 - v0, gw_acc, all_rows[v0:v1], tw, gw_code)
 
     def grad(b0, b1, offs, widths):
         run_rows(
