@@ -30,8 +30,6 @@ import numpy as np
 #: at most this size (``_spans``), so the tasks are balanced over the pool; never derived from
 #: the thread count.
 ROW_BLOCK = 512
-NT_COL_BLOCK = 512
-NN_COL_BLOCK = 512
 COL_BLOCK = 512
 
 _lock = threading.Lock()
@@ -85,23 +83,23 @@ def run_rows(kernel, n: int, *args, parts: int = 16) -> None:
 
 
 def matmul_nt(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
-    """out[M, N] = A[M, K] · B[N, K]ᵀ, tiles of ≤ ROW_BLOCK rows × ≤ NT_COL_BLOCK columns of out."""
+    """out[M, N] = A[M, K] · B[N, K]ᵀ, tiles of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
     _run(
         [
             (lambda a=a, b=b, c=c, d=d: np.matmul(A[a:b], B[c:d].T, out=out[a:b, c:d]))
             for a, b in _spans(A.shape[0], ROW_BLOCK)
-            for c, d in _spans(B.shape[0], NT_COL_BLOCK)
+            for c, d in _spans(B.shape[0], COL_BLOCK)
         ]
     )
 
 
 def matmul_nn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
-    """out[M, N] = A[M, K] · B[K, N], tiles of ≤ ROW_BLOCK rows × ≤ NN_COL_BLOCK columns of out."""
+    """out[M, N] = A[M, K] · B[K, N], tiles of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
     _run(
         [
             (lambda a=a, b=b, c=c, d=d: np.matmul(A[a:b], B[:, c:d], out=out[a:b, c:d]))
             for a, b in _spans(A.shape[0], ROW_BLOCK)
-            for c, d in _spans(B.shape[1], NN_COL_BLOCK)
+            for c, d in _spans(B.shape[1], COL_BLOCK)
         ]
     )
 

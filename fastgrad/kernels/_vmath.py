@@ -4,8 +4,10 @@ scalar libm call per element; this one is branch-free, so LLVM vectorizes the lo
 from __future__ import annotations
 
 import numpy as np
+from numba import types
+from numba.extending import overload
 
-from .._jit import njit
+from .._jit import FASTMATH_SAFE, njit
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # Cody-Waite split of ln 2 (Cephes expf)
@@ -52,3 +54,47 @@ def exp_f32(x):
     s1 = np.int32((k1 + np.int32(127)) << np.int32(23)).view(np.float32)
     s2 = np.int32((k2 + np.int32(127)) << np.int32(23)).view(np.float32)
     return (p * s1) * s2
+
+
+def exp_c(x):  # pragma: no cover - replaced by the overload inside jitted code
+    """``exp`` in the compute dtype: :func:`exp_f32` for fp32, libm for fp64 (jitted code only)."""
+    return np.exp(x)
+
+
+@overload(exp_c, jit_options={"fastmath": {"contract"}})
+def _exp_c_ol(x):
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        return lambda x: exp_f32(x)
+    return lambda x: np.exp(x)
+
+
+# Row reductions over a 1-D row (a slice: indexing ``L[base + j]`` instead makes Numba check each
+# index for negative wraparound, which stops LLVM from vectorizing).  ``reassoc``: a fixed order
+# per build, so results do not depend on the thread count.
+
+
+@njit
+def row_nan_count(r):
+    c = 0
+    for j in range(r.shape[0]):
+        x = r[j]
+        c += x != x
+    return c
+
+
+@njit(fastmath={"nnan", "nsz", "reassoc"})
+def row_max(r, ninf):
+    """Row max, vectorized; only for a NaN-free row (``nnan``: see ``row_nan_count``)."""
+    m = ninf
+    for j in range(r.shape[0]):
+        m = max(m, r[j])
+    return m
+
+
+@njit(fastmath=FASTMATH_SAFE)
+def row_sum_exp(r, m, zero):
+    """``Σ_j exp(r[j] - m)`` in the dtype of ``zero``."""
+    acc = zero
+    for j in range(r.shape[0]):
+        acc += exp_c(r[j] - m)
+    return acc

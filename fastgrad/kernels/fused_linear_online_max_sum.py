@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes as D
-from .._jit import FASTMATH_SAFE, njit, tjit
+from .._jit import njit, tjit
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
 from ._gemm import matmul_nt, run_rows, single_threaded_blas
 from ._linear import fp32_block
-from ._vmath import exp_f32
+from ._vmath import exp_f32, row_max, row_nan_count, row_sum_exp
 
 OP = "fused_linear_online_max_sum"
 
@@ -28,32 +28,6 @@ def _round_row(L, i, code):
         L[i, j] = D.round_f32(L[i, j], code)
 
 
-@njit
-def _nan_count(L, i):
-    c = 0
-    for j in range(L.shape[1]):
-        x = L[i, j]
-        c += x != x
-    return c
-
-
-@njit(fastmath={"nnan", "nsz", "reassoc"})
-def _max_row(L, i):
-    """Row max, vectorized (nnan is safe here: a NaN row is detected by ``_nan_count``)."""
-    m = np.float32(-np.inf)
-    for j in range(L.shape[1]):
-        m = max(m, L[i, j])
-    return m
-
-
-@njit(fastmath=FASTMATH_SAFE)
-def _sum_exp(L, i, mt):
-    acc = np.float32(0.0)
-    for j in range(L.shape[1]):
-        acc += exp_f32(L[i, j] - mt)
-    return acc
-
-
 @tjit
 def _online_tile(lo, hi, L, row0, col0, code, m_run, s_run, tcol, picked):
     """Round L [nb, nv] to the input dtype in place; fold it into the running max/sum."""
@@ -62,10 +36,10 @@ def _online_tile(lo, hi, L, row0, col0, code, m_run, s_run, tcol, picked):
         r = row0 + i
         if code != 0:
             _round_row(L, i, code)
-        mt = _max_row(L, i)
-        if _nan_count(L, i):
+        mt = row_max(L[i], np.float32(-np.inf))
+        if row_nan_count(L[i]):
             mt = np.float32(np.nan)
-        st = _sum_exp(L, i, mt)
+        st = row_sum_exp(L[i], mt, np.float32(0.0))
         m0 = m_run[r]
         if m0 >= mt:
             mnew = m0

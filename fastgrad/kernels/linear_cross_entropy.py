@@ -35,15 +35,13 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import types
-from numba.extending import overload
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
 from ._gemm import _run as _run_tasks
 from ._gemm import _spans, matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
 from ._linear import fp32_block, kept_blocks
-from ._vmath import exp_f32
+from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
 
 __all__ = ["linear_cross_entropy_cpu"]
 
@@ -53,45 +51,13 @@ __all__ = ["linear_cross_entropy_cpu"]
 # ----------------------------------------------------------------------------------------------
 
 
-def _exp(x):  # pragma: no cover - replaced by the overload inside jitted code
-    return np.exp(x)
-
-
-@overload(_exp, jit_options={"fastmath": {"contract"}})
-def _exp_ol(x):
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-        return lambda x: exp_f32(x)
-    return lambda x: np.exp(x)
-
-
 # par (compute dtype): 0 softcap, 1 1/softcap, 2 1/temperature, 3 temperature,
 #                      4 eps, 5 eps/V, 6 eps*Wsum/V, 7 2*lse_square_scale, 8 -inf, 9 one, 10 zero
 # flags (int64):       0 has_softcap, 1 has_bias, 2 has_class_weight, 3 need_zsum
 
 
-# Row helpers of the chunk passes: vectorized loops over one row of a chunk, given as a 1-D
-# slice (indexing ``L[base + j]`` makes Numba check for negative indices per element, which
-# stops LLVM from vectorizing).  Reductions use ``reassoc`` (a fixed order per build, so
-# results do not depend on the thread count); ``nnan`` only where NaN rows are handled by the
-# caller.
-
-
-@njit
-def _row_nan(r):
-    c = 0
-    for j in range(r.shape[0]):
-        x = r[j]
-        c += x != x
-    return c
-
-
-@njit(fastmath={"nnan", "nsz", "reassoc"})
-def _row_max(r, ninf):
-    """Row max of a NaN-free row."""
-    m = ninf
-    for j in range(r.shape[0]):
-        m = max(m, r[j])
-    return m
+# Row helpers of the chunk passes (besides ``_vmath.row_*``): loops over one row of a chunk given
+# as a 1-D slice, so that they vectorize (see ``_vmath``).
 
 
 @njit
@@ -111,14 +77,6 @@ def _row_first(r, m):
         if r[j] == m:
             return j
     return -1
-
-
-@njit(fastmath=FASTMATH_SAFE)
-def _row_sumexp(r, m, zero):
-    acc = zero
-    for j in range(r.shape[0]):
-        acc += _exp(r[j] - m)
-    return acc
 
 
 @njit(fastmath=FASTMATH_SAFE)
@@ -156,7 +114,7 @@ def _row_transform(r, bias, par, flags):
 def _row_grad_plain(r, a, e, lz, it):
     """The common gradient (no softcap, no class weights, z stored): ``(a·p - e)/T``."""
     for j in range(r.shape[0]):
-        r[j] = (a * _exp(r[j] - lz) - e) * it
+        r[j] = (a * exp_c(r[j] - lz) - e) * it
 
 
 @tjit
@@ -173,19 +131,19 @@ def _stats_chunk(lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transfor
         r = L[off + i * width : off + (i + 1) * width]
         if transform:
             _row_transform(r, bias[v0 : v0 + width] if flags[1] else bias, par, flags)
-        if _row_nan(r) == 0:
-            cm = _row_max(r, ninf)
+        if row_nan_count(r) == 0:
+            cm = row_max(r, ninf)
         else:
             cm = _row_max_nan(r, ninf)
         m = m_io[i]
         s = s_io[i]
         if cm > m:
             if m != ninf:
-                s = s * _exp(m - cm)
+                s = s * exp_c(m - cm)
             m = cm
             am_io[i] = v0 + _row_first(r, cm)
         if m != ninf:
-            s += _row_sumexp(r, m, zero)
+            s += row_sum_exp(r, m, zero)
         m_io[i] = m
         s_io[i] = s
         if flags[3]:
@@ -231,7 +189,7 @@ def _grad_pass(lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, 
                 xt = L[base + t - v0] if tin else par[10]
                 _row_grad_plain(L[base : base + widths[c]], a, e, lz, it)
                 if tin:
-                    g = a * _exp(xt - lz)
+                    g = a * exp_c(xt - lz)
                     g -= e
                     g -= b
                     L[base + t - v0] = g * it
@@ -244,7 +202,7 @@ def _grad_pass(lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, 
                     if flags[0]:
                         x = cap * np.tanh(x * icap)
                     x = x * it
-                g = a * _exp(x - lz)
+                g = a * exp_c(x - lz)
                 if flags[2]:
                     g -= e * cw[v0 + j]
                 else:
@@ -441,7 +399,7 @@ def linear_cross_entropy_cpu(
     # grad_weight in a 16-bit dtype (``accum_dtype``): its bits, accumulated with rounding
     gw_code = D.code_of(gw.dtype) if (gw is not None and gw.dtype != cdt) else None
     gw_acc = gw.view(np.uint16) if gw_code is not None else gw
-    all_rows = np.arange(K, dtype=np.int64)
+    all_rows = np.arange(K, dtype=np.int64) if gw_code is not None else None
     want_grad = gi is not None or gw is not None or gb is not None
     recompute = lse is not None
     softcap = params.get("softcap")
@@ -474,10 +432,10 @@ def linear_cross_entropy_cpu(
     # the dense products write every element of grad_input / grad_weight (the first chunk, the
     # first row block) in parallel: no serial first touch of fresh memory; zeros only where
     # something may be left unwritten (filtering skips blocks; K = 0 or BT = 0 writes nothing)
-    if params.get("filter_eps") is not None or K == 0 or BT == 0:
-        if gi is not None:
-            gi[...] = 0
-    if gw is not None and (gw_code is not None or params.get("filter_eps") is not None or K == 0 or BT == 0):
+    partial = params.get("filter_eps") is not None or K == 0 or BT == 0
+    if gi is not None and partial:
+        gi[...] = 0
+    if gw is not None and (partial or gw_code is not None):  # 16-bit: accumulated from zero
         gw[...] = 0
     if gb is not None:
         gb[...] = 0
