@@ -16,9 +16,8 @@ import fastgrad.torch as ft  # noqa: E402
 IGN = -100
 
 
-def _oracle(h, w, t, *, bias=None, ce_weight=None, label_smoothing=0.0, softcap=None,
-            temperature=1.0, lse_square_scale=0.0, reduction="mean", shift=0, dtype=torch.float64):
-    """(loss, z_loss, accuracy, logits) of the materialized computation in ``dtype`` (autograd)."""
+def _oracle_logits(h, w, t, bias, softcap, temperature, shift):
+    """(z [BT, V], the shifted targets) of the materialized computation (autograd)."""
     if shift:
         tt = torch.full_like(t, IGN)
         tt[..., :-shift] = t[..., shift:]
@@ -29,7 +28,13 @@ def _oracle(h, w, t, *, bias=None, ce_weight=None, label_smoothing=0.0, softcap=
         z = z + bias
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    z = z / temperature
+    return z / temperature, t
+
+
+def _oracle(h, w, t, *, bias=None, ce_weight=None, label_smoothing=0.0, softcap=None,
+            temperature=1.0, lse_square_scale=0.0, reduction="mean", shift=0, dtype=torch.float64):
+    """(loss, z_loss, accuracy) of the materialized computation in ``dtype`` (autograd)."""
+    z, t = _oracle_logits(h, w, t, bias, softcap, temperature, shift)
     tf = t.reshape(-1)
     valid = tf != IGN
     cw = None if ce_weight is None else ce_weight.to(dtype)
@@ -323,3 +328,168 @@ def test_accum_dtype_torch_and_refusals():
     with pytest.raises(fg.AclnnError) as e:
         ft.linear_cross_entropy(h, w, t, accum_dtype=torch.bfloat16, precision="device")
     assert e.value.param == "accum_dtype"
+
+
+# ---------------------------------------------------------------------------------------------
+# entropy (verl's RL output) and predicted tokens (Liger's), against float64 autograd
+# ---------------------------------------------------------------------------------------------
+
+
+def _entropy_oracle(h, w, t, *, bias=None, softcap=None, temperature=1.0, reduction="mean", shift=0,
+                    keep_cols=None):
+    """(entropy reduced like the z-loss, predicted tokens) of the materialized float64 logits,
+    written from the contract: ``H = -Σ p log p`` per token, 0 / excluded where the target is
+    ignored; prediction = first argmax, -1 where ignored.  ``keep_cols``: the columns whose
+    probability can be non-zero (a bias of -inf masks the others: they are left out here, where
+    autograd would turn ``0·log 0`` into NaN)."""
+    z, t = _oracle_logits(h, w, t, bias, softcap, temperature, shift)
+    cols = torch.arange(z.shape[1]) if keep_cols is None else keep_cols
+    zk = z[:, cols]
+    logp = torch.log_softmax(zk, 1)
+    ent = -(logp.exp() * logp).sum(1)
+    tf = t.reshape(-1)
+    valid = tf != IGN
+    ent = torch.where(valid, ent, torch.zeros_like(ent))
+    pred = torch.where(valid, cols[zk.argmax(1)], torch.full_like(tf, -1))
+    if reduction == "mean":
+        ent = ent.sum() / valid.sum()
+    elif reduction == "sum":
+        ent = ent.sum()
+    shp = tuple(t.shape)
+    pred = pred.reshape(shp)
+    if reduction == "none":
+        ent = ent.reshape(shp)
+    if shift:
+        pred = pred[..., :-shift]
+        if reduction == "none":
+            ent = ent[..., :-shift]
+    return ent, pred
+
+
+ENTROPY_FEATURES = [
+    {},
+    {"softcap": 3.0, "temperature": 0.6, "bias": True},
+    {"label_smoothing": 0.1, "ce_weight": True, "lse_square_scale": 1e-2, "temperature": 1.7},
+    {"shift": 2},
+]
+
+
+@pytest.mark.parametrize("feat", ENTROPY_FEATURES,
+                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()) or "plain")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_and_predicted_tokens_match_float64_autograd(feat, reduction, dtype):
+    """``loss·g + entropy·g_h`` backpropagated (both upstream gradients non-trivial): values and
+    gradients against float64 autograd on the same (rounded) inputs."""
+    h, w, b, cw, t = _data(2, 11, 24, 83, dtype, seed=5 + len(str(feat)))
+    kw = _kw(feat, b, cw)
+    n = t.shape[1] - feat.get("shift", 0)
+    shp = (t.shape[0], n) if reduction == "none" else ()
+    g = torch.Generator().manual_seed(1)
+    go = torch.rand(shp, generator=g, dtype=torch.float64) + 0.5
+    gh = torch.randn(shp, generator=g, dtype=torch.float64)
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    bb = kw["bias"].detach().clone().requires_grad_() if kw["bias"] is not None else None
+    out = ft.linear_cross_entropy(hh, ww, t, reduction=reduction, return_entropy=True,
+                                  return_predicted_tokens=True, **{**kw, "bias": bb})
+    assert out.entropy.dtype == torch.float32 and out.predicted_tokens.dtype == torch.int64
+    (out.loss * go.float()).sum().add((out.entropy * gh.float()).sum()).backward()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    b64 = kw["bias"].double().requires_grad_() if kw["bias"] is not None else None
+    k64 = {**kw, "bias": b64}
+    loss, _, _ = _oracle(h64, w64, t, reduction=reduction, **k64)
+    ent, pred = _entropy_oracle(h64, w64, t, reduction=reduction,
+                                **{k: v for k, v in k64.items() if k in ("bias", "softcap", "temperature", "shift")})
+    ((loss * go).sum() + (ent * gh).sum()).backward()
+    assert out.entropy.shape == ent.shape and torch.equal(out.predicted_tokens, pred)
+    np.testing.assert_allclose(out.entropy.detach().double(), ent.detach(), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(out.loss.detach().double(), loss.detach(), rtol=2e-5, atol=2e-6)
+    # fp32 arithmetic on the same inputs, the gradient rounded once to the input dtype
+    rel = 2e-5 if dtype == torch.float32 else 2.0 ** -8
+    for a, r in ((hh.grad, h64.grad), (ww.grad, w64.grad)) + (((bb.grad, b64.grad),) if bb is not None else ()):
+        assert a.dtype == dtype
+        bound = rel * r.abs() + 2e-5 * r.abs().max().item()
+        assert ((a.double() - r).abs() <= bound).all(), (a.double() - r).abs().max().item()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_entropy_gradcheck_float64(reduction):
+    h, w, b, cw, t = _data(2, 3, 4, 7, torch.float64, seed=8)
+    args = (h.requires_grad_(), w.requires_grad_(), b.requires_grad_())
+
+    def fn(a, c, d):
+        out = ft.linear_cross_entropy(a, c, t, reduction=reduction, bias=d, softcap=2.0, temperature=0.8,
+                                      return_entropy=True)
+        return out.loss, out.entropy
+
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_entropy_with_a_masked_vocabulary_is_finite(dtype):
+    """A bias of -inf on some columns (a masked vocabulary): p = 0 there and ``0·(-inf)`` must
+    not turn the entropy or its gradient into NaN; equal to the oracle on the other columns."""
+    h, w, b, cw, t = _data(1, 13, 16, 40, dtype, seed=2)
+    masked = torch.tensor([0, 5, 6, 39])
+    keep = torch.tensor([v for v in range(40) if v not in set(masked.tolist())])
+    b = b.clone()
+    b[masked] = -float("inf")
+    t = torch.where(torch.isin(t, masked), keep[0], t)
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = ft.linear_cross_entropy(hh, ww, t, bias=b, return_entropy=True, reduction="sum")
+    (out.loss + 0.5 * out.entropy).backward()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    wk = w64[keep]
+    loss = F.cross_entropy(h64.reshape(-1, 16) @ wk.T + b.double()[keep],
+                           torch.searchsorted(keep, t.reshape(-1).clamp(min=0)).where(t.reshape(-1) != IGN, IGN),
+                           ignore_index=IGN, reduction="sum")
+    ent, _ = _entropy_oracle(h64, w64, t, bias=b.double(), reduction="sum", keep_cols=keep)
+    (loss + 0.5 * ent).backward()
+    assert torch.isfinite(out.entropy) and torch.isfinite(hh.grad).all() and torch.isfinite(ww.grad).all()
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    np.testing.assert_allclose(out.entropy.item(), ent.item(), rtol=tol)
+    assert (ww.grad[masked] == 0).all()
+    for a, r in ((hh.grad, h64.grad), (ww.grad, w64.grad)):
+        assert (a.double() - r).abs().max().item() <= tol * r.abs().max().item()
+
+
+def test_entropy_numpy_op_recompute_and_refusals():
+    h, w, b, cw, t = _data(1, 30, 16, 200, torch.float32, seed=6)
+    x, W, bb, tt = h[0].numpy(), w.numpy(), b.numpy(), t[0].numpy()
+    gh = np.random.default_rng(0).standard_normal(30)
+    kw = dict(reduction="none", softcap=4.0, temperature=0.9)
+    r = fg.linear_cross_entropy(x, W, tt, bb, return_grad=True, return_entropy=True, grad_entropy=gh, **kw)
+    r2 = fg.linear_cross_entropy(x, W, tt, bb, return_grad=True, grad_entropy=gh, lse=r.lse, z_mean=r.z_mean, **kw)
+    for a, c in ((r.grad_input, r2.grad_input), (r.grad_weight, r2.grad_weight), (r.grad_bias, r2.grad_bias)):
+        np.testing.assert_array_equal(a, c)
+    # the entropy's gradient is really in there
+    r0 = fg.linear_cross_entropy(x, W, tt, bb, return_grad=True, **kw)
+    assert not np.allclose(r0.grad_input, r.grad_input)
+    bad = [
+        (dict(return_grad=True, grad_entropy=gh, lse=r.lse), "z_mean"),
+        (dict(return_grad=True, grad_entropy=gh[:5]), "grad_entropy"),
+        (dict(return_grad=True, grad_entropy=gh, filter_eps=0.1), "filter_eps"),
+        (dict(return_entropy=1), "return_entropy"),
+    ]
+    for extra, param in bad:
+        with pytest.raises(fg.AclnnError) as e:
+            fg.linear_cross_entropy(x, W, tt, bb, **{**kw, **extra})
+        assert e.value.status == 161002 and e.value.param == param
+    for extra, param in ((dict(filter_eps="auto"), "filter_eps"), (dict(precision="device"), "return_entropy"),
+                         (dict(return_predicted_tokens="yes"), "return_predicted_tokens")):
+        with pytest.raises(fg.AclnnError) as e:
+            ft.linear_cross_entropy(h, w, t, return_entropy=extra.get("return_predicted_tokens") is None,
+                                    **extra)
+        assert e.value.status == 161002 and e.value.param == param
+
+
+def test_entropy_module_face_and_no_fusion():
+    """The module passes the new keywords; with the entropy the step is the recompute path
+    (its upstream gradient is unknown in the forward), equal to fused=False."""
+    h, w, b, cw, t = _data(2, 5, 8, 11, torch.float32, seed=2)
+    m = ft.LinearCrossEntropyLoss(return_entropy=True, return_predicted_tokens=True, temperature=0.5)
+    out = m(h, w, t)
+    ref = ft.linear_cross_entropy(h, w, t, temperature=0.5, return_entropy=True, return_predicted_tokens=True,
+                                  fused=False)
+    assert torch.equal(out.entropy, ref.entropy) and torch.equal(out.predicted_tokens, ref.predicted_tokens)
+    assert out.z_loss is None and out.token_accuracy is None

@@ -42,7 +42,9 @@ TIMEOUT_S = 150
 
 # (name, dtype, reduction, label_smoothing, shard sizes or None for split_vocab, api)
 #   api: "fn" (layout all-gathered), "fn_explicit" (vocab_start_index/vocab_size given),
-#        "module" (LinearCrossEntropyLoss, layout cached), "3d" (hidden [2, BT/2, H])
+#        "module" (LinearCrossEntropyLoss, layout cached), "3d" (hidden [2, BT/2, H]),
+#        "entropy" (loss - 0.5·entropy at temperature 0.8, softcap 6: the entropy's statistic
+#        combined across shards and its gradient)
 CONFIGS = {
     2: [
         ("f64_mean", torch.float64, "mean", 0.0, None, "fn"),
@@ -51,6 +53,8 @@ CONFIGS = {
         ("f32_none", torch.float32, "none", 0.0, [10, 91], "3d"),
         ("bf16_mean", torch.bfloat16, "mean", 0.0, None, "fn"),
         ("bf16_sum_ls", torch.bfloat16, "sum", 0.1, None, "fn_explicit"),
+        ("f32_none_entropy", torch.float32, "none", 0.0, [10, 91], "entropy"),
+        ("f64_mean_entropy", torch.float64, "mean", 0.1, None, "entropy"),
     ],
     3: [
         ("f64_none_ls", torch.float64, "none", 0.1, None, "fn"),
@@ -59,6 +63,7 @@ CONFIGS = {
         ("f32_ls_tiny", torch.float32, "mean", 0.2, [1, 0, 100], "fn"),
         ("bf16_mean_ls", torch.bfloat16, "mean", 0.1, None, "fn"),
         ("fp16_none", torch.float16, "none", 0.0, None, "3d"),
+        ("f64_entropy_tiny", torch.float64, "none", 0.0, [1, 0, 100], "entropy"),
     ],
 }
 BT, H, V = 24, 16, 101
@@ -87,6 +92,10 @@ def _loss(h, w, t, reduction, ls, api, group=None, start=None, module=None):
         h, t = h.reshape(2, BT // 2, H), t.reshape(2, BT // 2)
     if api == "module":
         return module(h, w, t)
+    if api == "entropy":
+        out = ft.linear_cross_entropy(h, w, t, reduction=reduction, label_smoothing=ls, process_group=group,
+                                      temperature=0.8, softcap=6.0, return_entropy=True)
+        return out.loss - 0.5 * out.entropy
     kw = {}
     if api == "fn_explicit" and group is not None:
         kw = dict(vocab_start_index=start, vocab_size=V)

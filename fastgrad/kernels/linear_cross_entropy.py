@@ -7,12 +7,13 @@ memory budget, never from BT or the thread count):
    BLAS, vocabulary chunk by vocabulary chunk (16-bit weights widened exactly per chunk);
 2. a parallel Numba pass turns the logits into ``z = softcap(L + bias) / temperature`` in place
    and computes this shard's row statistics: max (and its first index), ``Σ exp(z - max)``, the
-   target's ``z``, ``Σ_v w_v z_v`` (label smoothing);
+   target's ``z``, ``Σ_v w_v z_v`` (label smoothing) and, for the entropy,
+   ``Σ exp(z - max)·(z - max)``;
 3. ``combine`` (optional, the caller's all-reduce for vocabulary parallelism) makes them global;
 4. when gradients are wanted, a second pass overwrites ``z`` with ``dloss/dL``
-   (``G = (a·p - b·onehot - e·w)·dz/dL``, ``p = exp(z - lse)`` from the *same* logits as the
-   statistics, not rounded) and two GEMMs accumulate ``grad_input[b] = G·W`` and
-   ``grad_weight += Gᵀ·X[b]`` in the compute dtype.
+   (``G = (a·p - b·onehot - e·w + h·p·(μ - z))·dz/dL``, ``p = exp(z - lse)`` from the *same*
+   logits as the statistics, not rounded; ``h·p·(μ - z)`` the entropy's term, ``μ = Σ p·z``) and two
+   GEMMs accumulate ``grad_input[b] = G·W`` and ``grad_weight += Gᵀ·X[b]`` in the compute dtype.
 
 Three GEMMs per row block.  With ``lse`` given (the backward of a forward that did not compute
 the gradient) step 2-3 are skipped: the gradient is recomputed from the saved ``lse``.
@@ -53,7 +54,8 @@ __all__ = ["linear_cross_entropy_cpu"]
 
 # par (compute dtype): 0 softcap, 1 1/softcap, 2 1/temperature, 3 temperature,
 #                      4 eps, 5 eps/V, 6 eps*Wsum/V, 7 2*lse_square_scale, 8 -inf, 9 one, 10 zero
-# flags (int64):       0 has_softcap, 1 has_bias, 2 has_class_weight, 3 need_zsum
+# flags (int64):       0 has_softcap, 1 has_bias, 2 has_class_weight, 3 need_zsum,
+#                      4 need the entropy's statistic, 5 has an entropy gradient
 
 
 # Row helpers of the chunk passes (besides ``_vmath.row_*``): loops over one row of a chunk given
@@ -95,6 +97,17 @@ def _row_wsum(r, cw, zero):
     return acc
 
 
+@njit(fastmath=FASTMATH_SAFE)
+def _row_sum_exp_dz(r, m, zero):
+    """``Σ_j exp(r[j] - m)·(r[j] - m)``; a term whose ``exp`` is 0 adds 0 (``r[j] = -inf``)."""
+    acc = zero
+    for j in range(r.shape[0]):
+        d = r[j] - m
+        e = exp_c(d)
+        acc += e * d if e != zero else zero
+    return acc
+
+
 @njit
 def _row_transform(r, bias, par, flags):
     """z = softcap(L + bias) / T in place (``bias`` the row's slice of the bias)."""
@@ -117,13 +130,26 @@ def _row_grad_plain(r, a, e, lz, it):
         r[j] = (a * exp_c(r[j] - lz) - e) * it
 
 
+@njit
+def _row_grad_entropy(r, a, e, h, mu, lz, it):
+    """With the entropy's term: ``(p·(a + h·(μ - z)) - e)/T`` (0·anything = 0 where p = 0)."""
+    for j in range(r.shape[0]):
+        x = r[j]
+        p = exp_c(x - lz)
+        q = p * (a + h * (mu - x))
+        r[j] = ((q if p != 0 else p) - e) * it
+
+
 @tjit
-def _stats_chunk(lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transform, m_io, s_io, zt_io, zs_io, am_io):
+def _stats_chunk(
+    lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transform, m_io, s_io, zt_io, zs_io, am_io, sz_io
+):
     """One vocabulary chunk of the block (``L[off:off + nb·width]``, rows of ``width`` columns
     starting at column ``v0 = off // nb``), while it is hot in cache: ``z = softcap(L + bias)/T``
     in place (only with ``transform``), then the running row statistics are updated online:
-    max and its first index, ``Σ exp(z - max)`` (rescaled when the max grows), the target's
-    ``z`` and ``Σ_v w_v z_v``.  NaN never becomes the max and propagates through the sum."""
+    max and its first index, ``Σ exp(z - max)`` and (``flags[4]``) ``Σ exp(z - max)·(z - max)``
+    (both rescaled when the max grows), the target's ``z`` and ``Σ_v w_v z_v``.  NaN never
+    becomes the max and propagates through the sums."""
     ninf = par[8]
     zero = par[10]
     v0 = off // nb
@@ -137,15 +163,23 @@ def _stats_chunk(lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transfor
             cm = _row_max_nan(r, ninf)
         m = m_io[i]
         s = s_io[i]
+        sz = sz_io[i] if flags[4] else zero
         if cm > m:
             if m != ninf:
-                s = s * exp_c(m - cm)
+                f = exp_c(m - cm)
+                # Σ e'·(z - m') with e' = e·f and z - m' = (z - m) + (m - m')
+                sz = f * (sz + (m - cm) * s)
+                s = s * f
             m = cm
             am_io[i] = v0 + _row_first(r, cm)
         if m != ninf:
             s += row_sum_exp(r, m, zero)
+            if flags[4]:
+                sz += _row_sum_exp_dz(r, m, zero)
         m_io[i] = m
         s_io[i] = s
+        if flags[4]:
+            sz_io[i] = sz
         if flags[3]:
             if flags[2]:
                 zs_io[i] += _row_wsum(r, cw[v0 : v0 + width], zero)
@@ -157,8 +191,11 @@ def _stats_chunk(lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transfor
 
 
 @tjit
-def _grad_pass(lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, par, flags, recompute, bias):
-    """Overwrite z (or, with ``recompute``, the raw logits) by dloss/dL."""
+def _grad_pass(
+    lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, coef_h, zmean, par, flags, recompute, bias
+):
+    """Overwrite z (or, with ``recompute``, the raw logits) by dloss/dL (``coef_h``, ``zmean``:
+    the entropy's upstream coefficient and ``μ = Σ p·z`` per row, read with ``flags[5]``)."""
     nchunk = offs.shape[0]
     cap = par[0]
     icap = par[1]
@@ -174,11 +211,13 @@ def _grad_pass(lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, 
         b = cc * one_m_eps * wt[i]
         e = cc * par[5]
         t = tcol[i]
+        h = coef_h[i] if flags[5] else par[10]
+        mu = zmean[i] if flags[5] else par[10]
         plain = not recompute and not flags[0] and not flags[2]
         for c in range(nchunk):
             base = offs[c] + i * widths[c]
             v0 = offs[c] // nb
-            if a == 0 and b == 0 and e == 0:
+            if a == 0 and b == 0 and e == 0 and h == 0:
                 for j in range(widths[c]):
                     L[base + j] = par[10]
                 continue
@@ -187,9 +226,15 @@ def _grad_pass(lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, 
                 # order of operations as the general loop below
                 tin = t >= v0 and t < v0 + widths[c]
                 xt = L[base + t - v0] if tin else par[10]
-                _row_grad_plain(L[base : base + widths[c]], a, e, lz, it)
+                if h == 0:
+                    _row_grad_plain(L[base : base + widths[c]], a, e, lz, it)
+                else:
+                    _row_grad_entropy(L[base : base + widths[c]], a, e, h, mu, lz, it)
                 if tin:
-                    g = a * exp_c(xt - lz)
+                    p = exp_c(xt - lz)
+                    g = a * p
+                    if h != 0 and p != 0:
+                        g = p * (a + h * (mu - xt))
                     g -= e
                     g -= b
                     L[base + t - v0] = g * it
@@ -202,7 +247,10 @@ def _grad_pass(lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, 
                     if flags[0]:
                         x = cap * np.tanh(x * icap)
                     x = x * it
-                g = a * exp_c(x - lz)
+                p = exp_c(x - lz)
+                g = a * p
+                if h != 0 and p != 0:
+                    g = p * (a + h * (mu - x))
                 if flags[2]:
                     g -= e * cw[v0 + j]
                 else:
@@ -377,6 +425,8 @@ def linear_cross_entropy_cpu(
     coef_z,
     params,
     block_rows,
+    coef_h=None,
+    z_mean=None,
     v_chunk,
     lse,
     combine,
@@ -388,9 +438,13 @@ def linear_cross_entropy_cpu(
 
     ``params``: dict with softcap, temperature, eps, eps_over_V, eps_wsum_over_V, z_scale2,
     need_zsum, vocab_start_index (and optionally filter_eps, filter_rows, filter_cols).
+    ``coef_h`` [BT]: the entropy's upstream coefficient per row (None: no entropy term in the
+    gradient); ``z_mean`` [BT]: ``μ = Σ p·z`` for the recompute (with ``lse``).
     ``out``: dict of preallocated outputs (``lse``, ``max``, ``sum_exp``, ``z_target``,
-    ``z_sum``, ``argmax``, ``grad_input``, ``grad_weight``, ``grad_bias``; absent or None: not
-    computed) and ``filter_stats``, a dict receiving ``blocks_total`` / ``blocks_skipped``.
+    ``z_sum``, ``argmax``, ``z_mean``, ``entropy``, ``grad_input``, ``grad_weight``, ``grad_bias``; absent or
+    None: not computed) and ``filter_stats``, a dict receiving ``blocks_total`` /
+    ``blocks_skipped``.  With ``z_mean`` or ``entropy`` (or ``coef_h`` in the forward) the statistics
+    include ``Σ exp(z - max)·(z - max)`` and ``combine`` takes and returns it as a sixth value.
     """
     BT, H = input.shape
     K = weight.shape[0]
@@ -419,14 +473,24 @@ def linear_cross_entropy_cpu(
         ],
         cdt,
     )
+    need_ent = not recompute and (coef_h is not None or any(out.get(k) is not None for k in ("z_mean", "entropy")))
     flags = np.array(
-        [softcap is not None, bias is not None, class_weight is not None, bool(params["need_zsum"])], np.int64
+        [
+            softcap is not None,
+            bias is not None,
+            class_weight is not None,
+            bool(params["need_zsum"]),
+            need_ent,
+            coef_h is not None,
+        ],
+        np.int64,
     )
     bias_c = bias.astype(cdt) if bias is not None else np.zeros(1, cdt)
     cw_c = class_weight.astype(cdt) if class_weight is not None else np.zeros(1, cdt)
     wt_c = target_weight.astype(cdt)
     coef_ce = coef_ce.astype(cdt) if coef_ce is not None else np.zeros(BT, cdt)
     coef_z = coef_z.astype(cdt) if coef_z is not None else np.zeros(BT, cdt)
+    coef_h = coef_h.astype(cdt) if coef_h is not None else np.zeros(1, cdt)
     col0 = int(params["vocab_start_index"])
     tcol = np.ascontiguousarray(target_cols, dtype=np.int64)
     # the dense products write every element of grad_input / grad_weight (the first chunk, the
@@ -441,8 +505,14 @@ def linear_cross_entropy_cpu(
         gb[...] = 0
     if not recompute:
         lse_all = out["lse"]
+        zmean_all = out.get("z_mean")
+        if zmean_all is None and need_ent:
+            zmean_all = np.empty(BT, cdt)
     else:
         lse_all = np.ascontiguousarray(lse, dtype=cdt)
+        zmean_all = np.ascontiguousarray(z_mean, dtype=cdt) if flags[5] else None
+    if zmean_all is None:
+        zmean_all = np.zeros(1, cdt)
     if BT == 0:
         return
     nb_max = max(1, min(int(block_rows), BT))
@@ -534,6 +604,8 @@ def linear_cross_entropy_cpu(
             lse_all[b0:b1],
             coef_ce[b0:b1],
             coef_z[b0:b1],
+            coef_h[b0:b1] if flags[5] else coef_h,
+            zmean_all[b0:b1] if flags[5] else zmean_all,
             par,
             flags,
             recompute,
@@ -558,6 +630,7 @@ def linear_cross_entropy_cpu(
             zt = np.zeros(nb, cdt)
             zs = np.zeros(nb, cdt)
             am = np.full(nb, -1, np.int64)
+            sz = np.zeros(nb if need_ent else 1, cdt)
         for c, ((v0, v1), off) in enumerate(zip(chunks, offs)):
             Lc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
             matmul_nt(X, wchunk(v0, v1), Lc)
@@ -580,6 +653,7 @@ def linear_cross_entropy_cpu(
                     zt,
                     zs,
                     am,
+                    sz,
                 )
             elif interleave:
                 grad(b0, b1, offs[c : c + 1], widths[c : c + 1])
@@ -588,9 +662,17 @@ def linear_cross_entropy_cpu(
             zs[m == -np.inf] = 0  # a row without a finite logit: Σ w z is 0, as Σ exp
             am = np.where(am >= 0, am + col0, -1)
             if combine is not None:
-                m, s, zt, zs, am = combine(m, s, zt, zs, am)
+                if need_ent:
+                    m, s, zt, zs, am, sz = combine(m, s, zt, zs, am, sz)
+                else:
+                    m, s, zt, zs, am = combine(m, s, zt, zs, am)
             with np.errstate(divide="ignore", invalid="ignore"):
                 lse_b = (m + np.log(s)).astype(cdt)
+                if need_ent:  # μ = Σ p·z = max + Σ e·(z - max) / Σ e; entropy = lse - μ
+                    dz = np.asarray(sz) / s
+                    zmean_all[b0:b1] = (m + dz).astype(cdt)
+                    if out.get("entropy") is not None:
+                        out["entropy"][b0:b1] = np.log(s) - dz
             lse_all[b0:b1] = lse_b
             for key, val in (("max", m), ("sum_exp", s), ("z_target", zt), ("z_sum", zs), ("argmax", am)):
                 if out.get(key) is not None:

@@ -69,6 +69,8 @@ class LinearCrossEntropyResult(NamedTuple):
     n_valid: int  #: rows whose target is not ignore_index
     weight_sum: float  #: Σ ce_weight[target] over those rows (= n_valid without ce_weight)
     filter_stats: Any = None  #: with ``filter_eps`` and a gradient: {filter_eps, blocks_total, blocks_skipped}
+    entropy: Any = None  #: with ``return_entropy``: the entropy of softmax(z), reduced like ``z_loss``
+    z_mean: Any = None  #: with ``return_entropy``: [BT] ``μ = Σ_v p_v·z_v`` (compute dtype; for the recompute)
 
 
 def _impl() -> Callable:
@@ -138,6 +140,9 @@ def linear_cross_entropy(
     combine: Callable | None = None,
     filter_eps: float | str | None = None,
     accum_dtype=None,
+    return_entropy: bool = False,
+    grad_entropy=None,
+    z_mean=None,
 ) -> LinearCrossEntropyResult:
     r"""Cross-entropy of ``z = softcap(input·weightᵀ + bias)/temperature`` without ``[BT, V]``.
 
@@ -191,6 +196,20 @@ def linear_cross_entropy(
         block_rows``, ``block_rows`` from the workspace budget), ``|Δgrad_weight| <= n·u·Σ_b
         |partial_b|`` with ``u`` the format's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹); with one
         row block the result is the default's rounded once, bitwise.  Anything else: 161002.
+    return_entropy : bool — also return the entropy ``-Σ_v p_v·log p_v = lse - Σ_v p_v·z_v`` of
+        each row's softmax over the global vocabulary (nats; for RL fine-tuning, as verl's fused
+        linear cross-entropy returns it with the per-token log-probabilities ``-loss`` of
+        ``reduction="none"``), reduced like the z-loss: mean over the non-ignored rows (not
+        weighted by ``ce_weight``), sum, or per row (0 for ignored rows).  Computed online in
+        the same pass as ``lse`` (``Σ exp(z - max)·(z - max)`` per row, rescaled when the max
+        grows; ``combine`` then takes and returns it as a sixth value: SUM of
+        ``exp(m_k - gmax)·(sz_k + (m_k - gmax)·s_k)``), and ``z_mean`` (``μ``) with it.
+    grad_entropy : the upstream gradient of the entropy output (scalar; ``[BT]`` for 'none'),
+        optional: adds ``h·p_v·(μ - z_v)`` to ``dloss/dz_v`` (``h`` the row's upstream
+        coefficient, ``1/n_valid`` for mean; 0 on ignored rows) — the exact derivative of the
+        entropy.  With ``lse`` (the recompute) ``z_mean`` is required.  Not with
+        ``filter_eps`` (161002: the filter's threshold is on the cross-entropy's coefficient).
+    z_mean : [BT], optional — the saved ``μ`` for the recompute with ``grad_entropy``.
 
     Returns
     -------
@@ -263,6 +282,10 @@ def linear_cross_entropy(
     if combine is not None and not callable(combine):
         raise invalid("combine", "a callable or None", type(combine).__name__, OP)
     feps = parse_filter_eps(filter_eps, x.dtype)
+    if not isinstance(return_entropy, (bool, np.bool_)):
+        raise invalid("return_entropy", "a bool", repr(return_entropy), OP)
+    if grad_entropy is not None and feps is not None:
+        raise invalid("filter_eps", "None with grad_entropy (the filter is on the cross-entropy term)", feps, OP)
 
     cdt = np.float64 if x.dtype == D.FLOAT64 else np.float32
     gw_dt = np.dtype(cdt)
@@ -298,15 +321,22 @@ def linear_cross_entropy(
 
     recompute = lse is not None
     want_grad = any(need)
-    coef_ce = coef_z = None
+    coef_ce = coef_z = coef_h = None
+    want = () if red != "none" else (BT,)
     if want_grad:
         if grad_output is None:
             go = np.float64(1.0) if red != "none" else np.ones(BT)
         else:
             go = np.asarray(arrays.as_numpy(grad_output, "grad_output", op=OP), dtype=np.float64)
-            want = () if red != "none" else (BT,)
             if go.shape != want:
                 raise invalid("grad_output", f"shape {want}", f"shape {go.shape}", OP)
+        if grad_entropy is not None:
+            gh = np.asarray(arrays.as_numpy(grad_entropy, "grad_entropy", op=OP), dtype=np.float64)
+            if gh.shape != want:
+                raise invalid("grad_entropy", f"shape {want}", f"shape {gh.shape}", OP)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ch = gh / n_valid if (red == "mean" and n_valid) else (gh * np.inf if red == "mean" else gh)
+            coef_h = np.where(valid, ch, 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             if red == "mean":
                 cc = go / weight_sum if weight_sum else go * np.inf
@@ -319,6 +349,12 @@ def linear_cross_entropy(
         lse_a = np.asarray(arrays.as_numpy(lse, "lse", op=OP))
         if lse_a.shape != (BT,):
             raise invalid("lse", f"shape ({BT},)", f"shape {lse_a.shape}", OP)
+        if coef_h is not None:
+            if z_mean is None:
+                raise invalid("z_mean", "the saved z_mean with grad_entropy and lse", None, OP)
+            zm_a = np.asarray(arrays.as_numpy(z_mean, "z_mean", op=OP))
+            if zm_a.shape != (BT,):
+                raise invalid("z_mean", f"shape ({BT},)", f"shape {zm_a.shape}", OP)
 
     params = {
         "softcap": cap,
@@ -339,6 +375,8 @@ def linear_cross_entropy(
         "z_target": None if recompute else np.empty(BT, cdt),
         "z_sum": None if recompute else np.empty(BT, cdt),
         "argmax": None if recompute else np.empty(BT, np.int64),
+        "z_mean": np.empty(BT, cdt) if (return_entropy and not recompute) else None,
+        "entropy": np.empty(BT, np.float64) if (return_entropy and not recompute) else None,
         "grad_input": np.empty((BT, H), cdt) if need[0] else None,
         "grad_weight": np.empty((K, H), gw_dt) if need[1] else None,
         "grad_bias": np.empty(K, cdt) if need[2] else None,
@@ -355,6 +393,8 @@ def linear_cross_entropy(
         target_weight=wt,
         coef_ce=coef_ce,
         coef_z=coef_z,
+        coef_h=coef_h,
+        z_mean=zm_a if (recompute and coef_h is not None) else None,
         params=params,
         block_rows=plan_block_rows(max(V, 1), itemsize, budget),
         v_chunk=V_CHUNK,
@@ -385,6 +425,16 @@ def linear_cross_entropy(
         zl = np.where(valid, zsc * lse_r * lse_r, 0.0) if zsc else np.zeros(BT)
     am = out["argmax"]
     hit = (valid & (am == tl)).astype(np.float64)
+    ent = None
+    if return_entropy:
+        ent_r = np.where(valid, out["entropy"], 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if red == "none":
+                ent = ent_r.astype(cdt)
+            else:
+                tot = ent_r.sum()
+                ent = np.asarray(tot if red == "sum" else (tot / n_valid if n_valid else np.nan), cdt)
+        ent = wrap(ent)
     with np.errstate(divide="ignore", invalid="ignore"):
         if red == "mean":
             ce_red = ce.sum() / weight_sum if weight_sum else np.float64(np.nan)
@@ -401,5 +451,15 @@ def linear_cross_entropy(
             zred = zl.astype(cdt)
             acc = hit.astype(cdt)
     return LinearCrossEntropyResult(
-        wrap(loss), wrap(zred), wrap(out["lse"]), wrap(am), wrap(acc), *grads, n_valid, weight_sum, fstats
+        wrap(loss),
+        wrap(zred),
+        wrap(out["lse"]),
+        wrap(am),
+        wrap(acc),
+        *grads,
+        n_valid,
+        weight_sum,
+        fstats,
+        ent,
+        None if out["z_mean"] is None else wrap(out["z_mean"]),
     )

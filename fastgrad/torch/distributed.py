@@ -131,26 +131,32 @@ def block_combiner(group):
        ``z`` is non-zero on its owner only) — the combination of
        :func:`fastgrad.vocab_parallel.combine_shard_statistics`, on raw target logits;
     3. the first global index attaining ``gmax`` (``MIN`` over the shards that attain it).
+
+    With the entropy (``return_entropy``) it also takes and returns ``sz = Σ exp(z - m)·(z - m)``,
+    combined in the same ``SUM`` as ``Σ_k exp(m_k - gmax)·(sz_k + (m_k - gmax)·s_k)``.
     """
     import numpy as np
 
-    def combine(m, s, zt, zs, am):
+    def combine(m, s, zt, zs, am, sz=None):
         mt = torch.from_numpy(np.array(m))
         gmax = mt.clone()
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
         shift = mt - gmax
-        scaled = torch.where(
-            torch.from_numpy(np.asarray(s)) == 0,
-            torch.zeros_like(mt),
-            torch.from_numpy(np.asarray(s)) * torch.exp(shift),
-        )
-        buf = torch.stack([scaled, torch.from_numpy(np.asarray(zt)), torch.from_numpy(np.asarray(zs))])
+        st = torch.from_numpy(np.asarray(s))
+        empty = st == 0  # no finite logit on this shard (m = -inf): contributes nothing
+        f = torch.where(empty, torch.zeros_like(mt), torch.exp(torch.where(empty, torch.zeros_like(mt), shift)))
+        rows = [st * f, torch.from_numpy(np.asarray(zt)), torch.from_numpy(np.asarray(zs))]
+        if sz is not None:
+            d = torch.where(empty, torch.zeros_like(mt), shift)
+            rows.append(f * (torch.from_numpy(np.asarray(sz)) + d * st))
+        buf = torch.stack(rows)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
         big = torch.iinfo(torch.int64).max
         amt = torch.from_numpy(np.asarray(am))
         cand = torch.where((mt == gmax) & (amt >= 0), amt, torch.full_like(amt, big))
         dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)
         cand = torch.where(cand == big, torch.full_like(cand, -1), cand)
-        return (gmax.numpy(), buf[0].numpy(), buf[1].numpy(), buf[2].numpy(), cand.numpy())
+        res = (gmax.numpy(), buf[0].numpy(), buf[1].numpy(), buf[2].numpy(), cand.numpy())
+        return res if sz is None else (*res, buf[3].numpy())
 
     return combine

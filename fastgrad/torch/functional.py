@@ -40,18 +40,22 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 class LinearCrossEntropyOutput(NamedTuple):
-    """Returned when ``return_z_loss`` or ``return_token_accuracy`` is set (Liger's order)."""
+    """Returned when ``return_z_loss``, ``return_token_accuracy``, ``return_predicted_tokens``
+    or ``return_entropy`` is set (Liger's order, then the entropy)."""
 
     loss: torch.Tensor
     z_loss: torch.Tensor | None
     token_accuracy: torch.Tensor | None
+    predicted_tokens: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd Function behind :func:`linear_cross_entropy` (arguments already validated).
 
     ``forward(ctx, hidden2d, weight, bias, ce_weight, target1d, cfg)`` returns
-    ``(loss, z_loss, token_accuracy)``; the last two are not differentiable.
+    ``(loss, z_loss, token_accuracy, predicted_tokens, entropy)``; ``loss`` and ``entropy``
+    (None unless ``cfg["return_entropy"]``) are differentiable.
     """
 
     @staticmethod
@@ -71,6 +75,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             filter_eps=cfg.get("filter_eps"),
             accum_dtype=cfg.get("accum_dtype"),
         )
+        ent = bool(cfg.get("return_entropy"))
         r = _lce_op(
             h.detach(),
             weight.detach(),
@@ -79,6 +84,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ce_weight,
             return_grad=need if fused else False,
             combine=None if group is None else _vp.block_combiner(group),
+            return_entropy=ent,
             **kw,
         )
         ctx.cfg, ctx.kw, ctx.fused, ctx.need = cfg, kw, fused, need
@@ -90,14 +96,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(h, weight, bias)
         else:
             ctx.grads = None
-            ctx.save_for_backward(h, weight, bias, ce_weight, t, r.lse)
+            ctx.save_for_backward(h, weight, bias, ce_weight, t, r.lse, r.z_mean)
         acc = r.token_accuracy
-        ctx.mark_non_differentiable(r.z_loss, acc)
-        return r.loss, r.z_loss, acc
+        # Liger's predicted tokens: the argmax, -1 where the target is ignored
+        pred = torch.where(t == cfg["ignore_index"], torch.full_like(r.predicted, -1), r.predicted)
+        ctx.mark_non_differentiable(r.z_loss, acc, pred)
+        return r.loss, r.z_loss, acc, pred, r.entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss, _gz=None, _ga=None):
+    def backward(ctx, grad_loss, _gz=None, _ga=None, _gp=None, grad_entropy=None):
         if not any(ctx.needs_input_grad[:3]):
             return (None,) * 6
         if ctx.fused:
@@ -121,8 +129,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 None,
             )
         else:
-            h, weight, bias, ce_weight, t, lse = ctx.saved_tensors
+            h, weight, bias, ce_weight, t, lse, z_mean = ctx.saved_tensors
             need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+            with_h = grad_entropy is not None and z_mean is not None
             r = _lce_op(
                 h.detach(),
                 weight.detach(),
@@ -132,6 +141,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 return_grad=need,
                 grad_output=grad_loss.detach().double(),
                 lse=lse,
+                grad_entropy=grad_entropy.detach().double() if with_h else None,
+                z_mean=z_mean if with_h else None,
                 **ctx.kw,
             )
             gi, gw, gb = r.grad_input, r.grad_weight, r.grad_bias
@@ -225,6 +236,8 @@ def linear_cross_entropy(
     lse_square_scale=0.0,
     return_z_loss=False,
     return_token_accuracy=False,
+    return_predicted_tokens=False,
+    return_entropy=False,
     shift=False,
     precision=None,
     fused=None,
@@ -255,7 +268,19 @@ def linear_cross_entropy(
         like it (mean over the non-ignored tokens, not weighted by ``ce_weight``)
     return_z_loss, return_token_accuracy : bool — also return the reduced z-loss / the fraction
         of non-ignored tokens whose argmax is the target (per token for ``"none"``); then the
-        result is a :class:`LinearCrossEntropyOutput` ``(loss, z_loss, token_accuracy)``
+        result is a :class:`LinearCrossEntropyOutput` ``(loss, z_loss, token_accuracy,
+        predicted_tokens, entropy)``, the fields not asked for None
+    return_predicted_tokens : bool — Liger's predicted tokens: the argmax of the final logits
+        per token (int64, the first index on ties; -1 where the target is ignored), shaped like
+        ``target`` (shifted as the loss with ``shift``); not differentiable
+    return_entropy : bool — the entropy ``-Σ_v p_v log p_v`` (nats) of each token's softmax at
+        the given ``temperature`` and ``softcap`` (verl's fused linear cross-entropy returns it
+        with the per-token log-probabilities ``-loss`` of ``reduction="none"``), reduced like the
+        z-loss (mean over the non-ignored tokens, sum, or per token with 0 where the target is
+        ignored); **differentiable** — its exact gradient ``p_v·(μ - z_v)``, ``μ = Σ p·z``,
+        is added in the same recompute pass as the loss's.  The entropy's upstream gradient is
+        unknown in the forward, so the step is never fused with it (four GEMMs: forward, then
+        recompute + two in the backward).  Not with ``filter_eps`` nor ``precision="device"``.
     shift : bool or int — CCE's ``shift``: position ``i`` predicts ``target[..., i + shift]``
         (the last ``shift`` positions are ignored; ``"none"`` returns ``[..., T - shift]``)
     precision : "accurate" (default) | "device" — ``"device"`` (the default in strict mode) runs
@@ -342,6 +367,8 @@ def linear_cross_entropy(
             "lse_square_scale": lse_square_scale != 0.0,
             "return_z_loss": return_z_loss,
             "return_token_accuracy": return_token_accuracy,
+            "return_predicted_tokens": return_predicted_tokens,
+            "return_entropy": return_entropy,
         }
         used = [k for k, v in extras.items() if v]
         if filter_eps is not None:
@@ -359,12 +386,19 @@ def linear_cross_entropy(
             loss = loss[..., : target.shape[-1] - n_shift]
         return loss
 
+    for name, flag in (("return_predicted_tokens", return_predicted_tokens), ("return_entropy", return_entropy)):
+        if not isinstance(flag, bool):
+            raise _bad(name, "a bool", repr(flag))
+    if return_entropy and filter_eps is not None:
+        raise _bad("filter_eps", "None with return_entropy (the filter is on the cross-entropy term)", filter_eps)
     H = hidden.shape[-1]
     h = hidden.reshape(-1, H)
+    # the upstream gradients must be known in the forward: a reduced loss, no entropy output
+    fusable = reduction != "none" and not return_entropy
     if fused is None:
-        fused_ok = torch.is_grad_enabled() and reduction != "none"
+        fused_ok = torch.is_grad_enabled() and fusable
     else:
-        fused_ok = bool(fused) and reduction != "none"
+        fused_ok = bool(fused) and fusable
     cfg = {
         "ignore_index": int(ignore_index),
         "reduction": reduction,
@@ -378,15 +412,27 @@ def linear_cross_entropy(
         "fused": fused_ok,
         "filter_eps": filter_eps,
         "accum_dtype": accum_dtype,
+        "return_entropy": return_entropy,
     }
     cw = None if ce_weight is None else ce_weight.detach()
-    loss, z_loss, acc = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)
+    loss, z_loss, acc, pred, ent = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)
+    shape = tuple(target.shape)
+    keep = max(target.shape[-1] - n_shift, 0) if target.dim() else 0
+
+    def per_token(x):
+        x = x.reshape(shape)
+        return x[..., :keep] if n_shift else x
+
+    pred = per_token(pred)
     if reduction == "none":
-        shape = tuple(target.shape)
-        loss, z_loss, acc = (x.reshape(shape) for x in (loss, z_loss, acc))
-        if n_shift:
-            keep = target.shape[-1] - n_shift
-            loss, z_loss, acc = (x[..., : max(keep, 0)] for x in (loss, z_loss, acc))
-    if return_z_loss or return_token_accuracy:
-        return LinearCrossEntropyOutput(loss, z_loss if return_z_loss else None, acc if return_token_accuracy else None)
+        loss, z_loss, acc = (per_token(x) for x in (loss, z_loss, acc))
+        ent = None if ent is None else per_token(ent)
+    if return_z_loss or return_token_accuracy or return_predicted_tokens or return_entropy:
+        return LinearCrossEntropyOutput(
+            loss,
+            z_loss if return_z_loss else None,
+            acc if return_token_accuracy else None,
+            pred if return_predicted_tokens else None,
+            ent,
+        )
     return loss

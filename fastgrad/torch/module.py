@@ -24,7 +24,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     reduction : {"mean", "sum", "none"}, default "mean"
     label_smoothing : float in [0, 1], default 0 (PyTorch's meaning, global vocabulary)
     ce_weight, softcap, temperature, lse_square_scale, return_z_loss, return_token_accuracy,
-    shift, precision, fused, filter_eps, accum_dtype
+    return_predicted_tokens, return_entropy, shift, precision, fused, filter_eps, accum_dtype
         As :func:`fastgrad.torch.linear_cross_entropy` (Liger / CCE names); ``forward`` takes
         an optional LM-head ``bias``.
     process_group : torch.distributed.ProcessGroup, optional
@@ -57,6 +57,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         lse_square_scale: float = 0.0,
         return_z_loss: bool = False,
         return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
+        return_entropy: bool = False,
         shift: bool | int = False,
         precision: str | None = None,
         fused: bool | None = None,
@@ -70,6 +72,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.lse_square_scale = lse_square_scale
         self.return_z_loss = return_z_loss
         self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
+        self.return_entropy = return_entropy
         self.shift = shift
         self.precision = precision
         self.fused = fused
@@ -125,6 +129,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             lse_square_scale=self.lse_square_scale,
             return_z_loss=self.return_z_loss,
             return_token_accuracy=self.return_token_accuracy,
+            return_predicted_tokens=self.return_predicted_tokens,
+            return_entropy=self.return_entropy,
             shift=self.shift,
             precision=self.precision,
             fused=self.fused,
