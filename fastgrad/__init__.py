@@ -11,10 +11,12 @@ Public ops (aclnn names in snake_case; contract in docs/spec.md):
 * :func:`embedding_dense_backward`               (aclnnEmbeddingDenseBackward)
 
 Backends: ``available_backends``, ``set_backend``, ``use_backend``; strict device parity:
-``strict``; errors: :class:`AclnnError` with ``.status``.
+``strict``; errors: :class:`AclnnError` with ``.status``; large fresh outputs on recycled memory:
+``output_cache``, ``set_output_cache_limit``, ``empty_cache``, ``output_cache_info``.
 """
 
 from ._config import get_num_threads, is_strict, num_threads, progress, set_num_threads, set_strict, strict
+from ._outcache import empty_cache, output_cache, output_cache_info, set_output_cache_limit
 from ._version import __version__
 from .backends import available_backends, get_backend, set_backend, use_backend
 from .compare import compare
@@ -53,6 +55,10 @@ __all__ = [
     "get_num_threads",
     "num_threads",
     "progress",
+    "empty_cache",
+    "output_cache",
+    "output_cache_info",
+    "set_output_cache_limit",
     "available_backends",
     "set_backend",
     "get_backend",

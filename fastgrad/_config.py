@@ -45,6 +45,18 @@ def strict(enabled: bool = True):
         _STRICT.reset(token)
 
 
+def env_bytes(name: str, default_mib: float, minimum: int) -> int:
+    """A size from the environment variable ``name`` in MiB (bytes, at least ``minimum``);
+    ``default_mib`` when unset or not a number."""
+    mb = os.environ.get(name)
+    if mb:
+        try:
+            return max(minimum, int(float(mb) * 2**20))
+        except ValueError:
+            pass
+    return int(default_mib * 2**20)
+
+
 def set_num_threads(n: int) -> None:
     """Set the threads used by the Numba kernels and by NumPy's BLAS (threadpoolctl)."""
     import numba

@@ -13,6 +13,7 @@ from typing import Any, Literal, overload
 import ml_dtypes
 import numpy as np
 
+from . import _outcache
 from .errors import invalid, null_error
 
 NUMPY, TORCH = "numpy", "torch"
@@ -185,7 +186,7 @@ def check_out(out: Any, name: str, shape, dtype, op: str | None = None) -> np.nd
 def prepare_out(user: Any, checked: np.ndarray | None, shape, dtype) -> Out:
     """Make the buffer the backend writes (the user's array when contiguous, else scratch)."""
     if checked is None:
-        buf = np.empty(shape, dtype)
+        buf = _outcache.empty(shape, dtype)  # large outputs on recycled memory
         return Out(None, buf, buf)
     if checked.flags.c_contiguous:
         return Out(user, checked, checked)

@@ -17,8 +17,9 @@ Budget: ``FASTGRAD_WORKSPACE_MB`` (default 256 MiB) or :func:`set_workspace_budg
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from ._config import env_bytes
 
 #: The device's base block (ops-nn MemFriendlyTilingFunc: baseBT = 128, baseV = 256).
 BASE_BT = 128
@@ -39,13 +40,7 @@ def set_workspace_budget(nbytes: int | None) -> None:
 def workspace_budget() -> int:
     if _budget_override is not None:
         return _budget_override
-    mb = os.environ.get("FASTGRAD_WORKSPACE_MB")
-    if mb:
-        try:
-            return max(1, int(float(mb) * 2**20))
-        except ValueError:
-            pass
-    return 256 * 2**20
+    return env_bytes("FASTGRAD_WORKSPACE_MB", 256, 1)
 
 
 def _round_down(x: int, m: int) -> int:

@@ -29,6 +29,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .. import _outcache
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
@@ -508,14 +510,29 @@ def _with_out(call, out_shape_dtype):
     return make
 
 
-def _alloc(call):
+def _alloc(call, cache_mb=None):
+    """Without ``out=``: a new output per call (``cache_mb=0``: on fresh pages, the output cache
+    off for the call — what an allocation costs without it)."""
+
     def make(inp):
         def run():
-            return call(inp, None)
+            if cache_mb is None:
+                return call(inp, None)
+            with _outcache.output_cache(cache_mb):
+                return call(inp, None)
 
         return run
 
     return make
+
+
+def _fastgrad_runners(call, out_shape_dtype):
+    """The bandwidth ops' fastgrad rows: a new output (recycled memory), ``out=``, fresh pages."""
+    return [
+        Runner("fastgrad", "fastgrad", _alloc(call)),
+        Runner("fastgrad", "fastgrad", _with_out(call, out_shape_dtype), "out="),
+        Runner("fastgrad", "fastgrad", _alloc(call, cache_mb=0), "fresh-pages"),
+    ]
 
 
 def _fce_case(BT, V, dtype) -> Case:
@@ -607,8 +624,7 @@ def _ce_case(N, C, dtype) -> Case:
         {"N": N, "C": C},
         inputs,
         [
-            Runner("fastgrad", "fastgrad", _alloc(call)),
-            Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (i["log_prob"].shape, dt)), "out="),
+            *_fastgrad_runners(call, lambda i: (i["log_prob"].shape, dt)),
             Runner("torch", "baseline", torch_run, needs_torch=True),
         ],
         bytes=float(2 * N * C * dt.itemsize + N * 8),
@@ -652,8 +668,7 @@ def _softmax_case(B, N, S1, S2, dtype) -> Case:
         {"B": B, "N": N, "S1": S1, "S2": S2},
         inputs,
         [
-            Runner("fastgrad", "fastgrad", _alloc(call)),
-            Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (i["y"].shape, dt)), "out="),
+            *_fastgrad_runners(call, lambda i: (i["y"].shape, dt)),
             Runner("torch", "baseline", torch_run, needs_torch=True),
         ],
         bytes=float(3 * E * dt.itemsize + B * S1 * S2),
@@ -693,8 +708,7 @@ def _smooth_l1_case(n, dtype) -> Case:
         {"n": n},
         inputs,
         [
-            Runner("fastgrad", "fastgrad", _alloc(call)),
-            Runner("fastgrad", "fastgrad", _with_out(call, lambda i: (shape, dt)), "out="),
+            *_fastgrad_runners(call, lambda i: (shape, dt)),
             Runner("torch", "baseline", torch_run, needs_torch=True),
         ],
         bytes=float(3 * n * dt.itemsize),
@@ -730,8 +744,7 @@ def _embedding_case(T, W, Dm, dtype) -> Case:
         {"tokens": T, "num_weights": W, "D": Dm},
         inputs,
         [
-            Runner("fastgrad", "fastgrad", _alloc(call)),
-            Runner("fastgrad", "fastgrad", _with_out(call, lambda i: ((W, Dm), dt)), "out="),
+            *_fastgrad_runners(call, lambda i: ((W, Dm), dt)),
             Runner("torch", "baseline", torch_run, needs_torch=True),
         ],
         bytes=float(T * Dm * dt.itemsize + T * 8 + W * Dm * dt.itemsize),

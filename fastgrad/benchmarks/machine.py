@@ -22,13 +22,14 @@ from .timing import time_fn
 
 @pjit
 def _copy(src, dst):
+    # slices, not ``dst[i] = src[i]``: an indexed loop checks each index for negative
+    # wraparound and does not vectorize (3x slower here: 9 GB/s against np.copyto's 27)
     n = src.shape[0]
     nb = (n + 65535) // 65536
     for b in prange(nb):
         lo = b * 65536
         hi = min(n, lo + 65536)
-        for i in range(lo, hi):
-            dst[i] = src[i]
+        dst[lo:hi] = src[lo:hi]
 
 
 def copy_bandwidth(nbytes: int = 512 * 2**20, repeat: int = 7, budget_s: float = 5.0) -> dict:

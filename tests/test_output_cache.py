@@ -1,0 +1,175 @@
+"""The ops' large fresh outputs on recycled memory (fastgrad/_outcache.py).
+
+Safety first: a block is handed out again only when no array, view or tensor of an earlier
+output refers to it; values of what the caller keeps never change.  Then: reuse happens (the
+same memory, no fresh pages), the cap holds, ``empty_cache`` releases only free blocks, and
+outputs are the same numbers with the cache on or off.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import fastgrad as fg
+from fastgrad import _outcache
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Cache outputs from 64 KiB (the default 16 MiB would make every test slow); a clean cache."""
+    monkeypatch.setattr(_outcache, "MIN_BYTES", 64 * 2**10)
+    monkeypatch.setattr(_outcache, "GRANULE", 4096)
+    fg.empty_cache()
+    yield
+    fg.set_output_cache_limit(None)
+    fg.empty_cache()
+
+
+N = 100_003  # a prime: 400 KB fp32 outputs, not a multiple of the granule
+
+
+def _grad(seed, n=N):
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal(n).astype(np.float32)
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    return g, x, y
+
+
+def _sl1(args):
+    g, x, y = args
+    return fg.smooth_l1_loss_backward(g, x, y, reduction="none", beta=1.0)
+
+
+def _oracle(args):
+    """The contract in fp32 (beta = 1, reduction none): ``g·clamp(x - y, -1, 1)``."""
+    g, x, y = args
+    return g * np.clip(x - y, np.float32(-1), np.float32(1))
+
+
+def _span(a):
+    lo = a.__array_interface__["data"][0]
+    return lo, lo + a.nbytes
+
+
+def _overlap(a, b):
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def test_reuses_memory_once_nothing_refers_to_it():
+    a = _sl1(_grad(0))
+    ptr = _span(a)[0]
+    del a
+    b = _sl1(_grad(1))
+    assert _span(b)[0] == ptr, "the free block was not reused"
+    np.testing.assert_array_equal(b, _oracle(_grad(1)))
+    info = fg.output_cache_info()
+    assert info["hits"] >= 1 and info["blocks"] == 1 and info["free_blocks"] == 0
+
+
+@pytest.mark.parametrize("keep", ["view", "slice", "reshape", "torch", "astype-none"])
+def test_never_reuses_memory_something_still_refers_to(keep):
+    a = _sl1(_grad(0))
+    want = _oracle(_grad(0))
+    if keep == "view":
+        kept = a.view(np.int32)
+    elif keep == "slice":
+        kept = a[17:-3:2]
+    elif keep == "reshape":
+        kept = a[:100_000].reshape(100, 1000).T
+    elif keep == "torch":
+        torch = pytest.importorskip("torch")
+        kept = torch.from_numpy(a)
+    else:
+        kept = a.astype(np.float32, copy=False)
+    del a  # only the derived object is left
+    outs = [_sl1(_grad(s)) for s in range(2, 6)]
+    for o in outs:
+        assert not _overlap(o, np.asarray(kept)), keep
+    back = np.asarray(kept)
+    if keep == "view":
+        np.testing.assert_array_equal(back.view(np.float32), want)
+    elif keep == "slice":
+        np.testing.assert_array_equal(back, want[17:-3:2])
+    elif keep == "reshape":
+        np.testing.assert_array_equal(back, want[:100_000].reshape(100, 1000).T)
+    else:
+        np.testing.assert_array_equal(back, want)
+
+
+def test_torch_outputs_are_recycled_only_after_the_tensor_dies():
+    torch = pytest.importorskip("torch")
+    g, x, y = (torch.from_numpy(a) for a in _grad(3))
+    t1 = fg.smooth_l1_loss_backward(g, x, y, reduction="none", beta=1.0)
+    keep = t1.clone()
+    t2 = fg.smooth_l1_loss_backward(g, x, y, reduction="none", beta=1.0)
+    assert t1.data_ptr() != t2.data_ptr() and torch.equal(t1, keep)
+    p1 = t1.data_ptr()
+    del t1
+    t3 = fg.smooth_l1_loss_backward(g, x, y, reduction="none", beta=1.0)
+    assert t3.data_ptr() == p1 and torch.equal(t3, keep) and torch.equal(t2, keep)
+
+
+def test_cap_and_empty_cache():
+    fg.set_output_cache_limit(1.0)  # 1 MiB: two 400 KB blocks fit, a third does not
+    held = [_sl1(_grad(s)) for s in range(3)]
+    info = fg.output_cache_info()
+    assert info["blocks"] == 2 and info["bytes"] <= 2**20
+    for i, h in enumerate(held):  # the one past the cap is a plain array, still correct
+        np.testing.assert_array_equal(h, _oracle(_grad(i)))
+    del held[0]
+    assert fg.empty_cache() > 0  # the freed block is released, the one in use is not
+    assert fg.output_cache_info()["blocks"] == 1
+    np.testing.assert_array_equal(held[0], _oracle(_grad(1)))
+    with fg.output_cache(0):  # off: fresh memory every time, nothing cached
+        a = _sl1(_grad(4))
+        assert fg.output_cache_info()["blocks"] == 1 and _span(a)[0] not in {_span(h)[0] for h in held}
+    assert _outcache.output_cache_limit() == 2**20
+
+
+def test_small_outputs_are_plain_arrays():
+    a = _sl1(_grad(0, n=1000))
+    assert a.base is None and fg.output_cache_info()["blocks"] == 0
+
+
+def test_concurrent_calls_get_distinct_memory():
+    results = {}
+
+    def work(k):
+        results[k] = [_sl1(_grad(k)) for _ in range(3)]
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    live = [o for k in results for o in results[k]]
+    for i in range(len(live)):
+        for j in range(i + 1, len(live)):
+            assert not _overlap(live[i], live[j])
+    for k, outs in results.items():
+        for o in outs:
+            np.testing.assert_array_equal(o, _oracle(_grad(k)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_same_numbers_with_the_cache_on_and_off(dtype):
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(7)
+    logp = np.log(rng.dirichlet(np.ones(257), size=301)).astype(dt)  # 301 x 257: prime sizes
+    target = rng.integers(0, 257, 301)
+    gl = np.asarray(1.0, dt)
+    with fg.output_cache(0):
+        ref = fg.cross_entropy_loss_grad(gl, logp, target, reduction="mean")
+    for _ in range(3):
+        got = fg.cross_entropy_loss_grad(gl, logp, target, reduction="mean")
+        assert got.dtype == dt and got.flags.c_contiguous and got.shape == logp.shape
+        np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
+        del got
+    assert fg.output_cache_info()["hits"] >= 2
