@@ -119,3 +119,28 @@ def test_full_cases_cover_the_issues():
     flce = B.find_case(want[0], quick=False)
     assert [r.name for r in flce.runners] == ["fastgrad", "torch-fp32", "torch-bf16", "bound"]
     assert flce.memory and flce.gemm == [(2048, 896, 151936), (2048, 151936, 896), (151936, 2048, 896)]
+
+
+def test_filter_sweep_cases_skip_what_they_claim():
+    """The sparsity sweep's extremes, at a reduced shape (same construction): the adversarial
+    "no-skip" case keeps every block (the filter's overhead alone), the uniform case (p = 1/V
+    below 2⁻¹²) skips all but the targets' blocks; both give the dense result within the bound."""
+    import numpy as np
+
+    from fastgrad.benchmarks import cases as C
+
+    ids = [c.id for c in B.all_cases(quick=False)]
+    for label in ("entropy=0.5", "entropy=2", "entropy=4", "uniform", "no-skip"):
+        assert any(f"filter_eps=auto {label}]" in i for i in ids), label
+    for label, lo, hi in (("no-skip", 0.0, 0.0), (None, 0.9, 1.0)):
+        inp = C._sparse_flce_inputs(320, 64, 20000, "bfloat16", label)
+        gi, gw, plan = C._flce_grad(inp, **C._stats(inp), filter_eps="auto", return_plan=True)
+        di, dw = C._flce_grad(inp, **C._stats(inp), filter_eps=None)
+        frac = plan.blocks_skipped / plan.blocks_total
+        assert lo <= frac <= hi, (label, frac)
+        if label == "no-skip":  # nothing skipped: the dense path, bitwise
+            assert np.array_equal(gi.view(np.uint16), di.view(np.uint16))
+            assert np.array_equal(gw.view(np.uint16), dw.view(np.uint16))
+            assert inp["mean_entropy"] > 5.0
+        else:
+            assert abs(inp["mean_entropy"] - np.log(20000)) < 1e-3
