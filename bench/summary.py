@@ -1,50 +1,120 @@
-"""Condense a `fastgrad bench` JSON report into the README's summary table (one line per case).
+"""Condense a `fastgrad bench` JSON report into the README's summary tables.
 
     python bench/summary.py bench/results/report.json > bench/results/summary.md
+
+One line per case (the gradient-filtering sweep in a table of its own), headed by the machine:
+CPU model, SIMD flags, cores, threads and the measured copy bandwidth.
 """
 
 import json
 import sys
 
 
-def main(path: str) -> None:
-    rep = json.load(open(path))
+def _t(r):
+    s = r["time_median_s"]
+    return f"{s * 1e3:.4g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _machine_line(rep):
+    m = rep["machine"]
+    bw = max(b.get("copy_gbps", 0.0) for b in rep["bounds"].values())
+    simd = ", ".join(m.get("simd") or []) or "none detected"
+    no512 = "" if any("avx512" in f for f in m.get("simd") or []) else "; no AVX-512"
+    return (
+        f"Measured {rep['created'][:10]} on {m['cpu']} (SIMD: {simd}{no512}), {m['cpus_physical']} cores, "
+        f"{m['memory_gib']:.0f} GiB, {rep['settings']['threads'][0]} threads; bound = fp32 GEMMs through "
+        f"NumPy's BLAS (FLCE family) or the bytes each op must move at the measured copy bandwidth "
+        f"({bw:.1f} GB/s). Times are medians; ratios come from the same run."
+    )
+
+
+def _cases(rep):
     cases: dict[str, dict] = {}
     for r in rep["rows"]:
         if r.get("status") != "ok":
             continue
-        c = cases.setdefault(r["case"], {"op": r["op"], "shape": r["shape_str"], "dtype": r["dtype"],
-                                         "mode": r["mode"].replace("+out=", ""), "bound": r["bound"]})
-        key = r["runner"] if r["kind"] != "fastgrad" else ("fastgrad_out" if r.get("variant") else "fastgrad")
+        mode = r["mode"]
+        if r.get("variant"):
+            mode = mode.replace("+" + r["variant"], "")
+        c = cases.setdefault(
+            r["case"], {"op": r["op"], "shape": r["shape_str"], "dtype": r["dtype"], "mode": mode, "bound": r["bound"]}
+        )
+        if r["kind"] == "fastgrad":
+            key = "fastgrad" + ("_" + r["variant"] if r.get("variant") else "")
+        else:
+            key = r["runner"]
         c[key] = r
-    bw = max(b.get("copy_gbps", 0.0) for b in rep["bounds"].values())
-    print(f"Measured {rep['created'][:10]} on {rep['machine_id']}, {rep['settings']['threads'][0]} threads; "
-          f"bound = fp32 GEMMs through NumPy's BLAS (FLCE family) or the bytes each op must move at the "
-          f"measured copy bandwidth ({bw:.1f} GB/s). "
-          f"Times are medians; ratios come from the same run.\n")
-    print("| op | shape, dtype, mode | fastgrad | with `out=` | of bound | PyTorch | speed-up vs PyTorch "
-          "| peak RSS fastgrad / PyTorch |")
-    print("|---|---|---|---|---|---|---|---|")
+    return cases
+
+
+def _main_table(cases):
+    print(
+        "| op | shape, dtype, mode | fastgrad | with `out=` | fresh pages | of bound | PyTorch "
+        "| speed-up vs PyTorch | peak RSS fastgrad / PyTorch |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for c in cases.values():
         fg = c.get("fastgrad")
-        if fg is None:
+        if fg is None or "filter_eps" in c["mode"]:
             continue
-        fo = c.get("fastgrad_out")
+        fo, ff = c.get("fastgrad_out="), c.get("fastgrad_fresh-pages")
         torch_rows = [(k, v) for k, v in c.items() if isinstance(v, dict) and v.get("kind") == "baseline"]
-        t = lambda r: f"{r['time_median_s'] * 1e3:.4g} ms" if r["time_median_s"] < 1 else f"{r['time_median_s']:.3g} s"
-        frac = f"{fg['fraction_of_bound']:.0%}"
-        if fo:
-            frac += f" / {fo['fraction_of_bound']:.0%}"
-        torch_s = "; ".join(f"{k}: {t(v)}" for k, v in torch_rows) or "—"
-        sp = "; ".join(f"{k}: {v['time_median_s'] / fg['time_median_s']:.2f}×"
-                       + (f" ({v['time_median_s'] / fo['time_median_s']:.2f}× with out=)" if fo else "")
-                       for k, v in torch_rows) or "—"
+        frac = f"{fg['fraction_of_bound']:.0%}" + (f" / {fo['fraction_of_bound']:.0%}" if fo else "")
+        torch_s = "; ".join(f"{k}: {_t(v)}" for k, v in torch_rows) or "—"
+        sp = (
+            "; ".join(
+                f"{k}: {v['time_median_s'] / fg['time_median_s']:.2f}×"
+                + (f" ({v['time_median_s'] / fo['time_median_s']:.2f}× with out=)" if fo else "")
+                + (f" ({v['time_median_s'] / ff['time_median_s']:.2f}× on fresh pages)" if ff else "")
+                for k, v in torch_rows
+            )
+            or "—"
+        )
         mem = "—"
         if fg.get("peak_rss_mib"):
             others = [f"{k} {v['peak_rss_mib']:.0f}" for k, v in torch_rows if v.get("peak_rss_mib")]
             mem = f"{fg['peak_rss_mib']:.0f} MiB" + (" / " + ", ".join(others) + " MiB" if others else "")
-        print(f"| {c['op']} | {c['shape']}, {c['dtype']}, {c['mode']} | {t(fg)} | {t(fo) if fo else '—'} | "
-              f"{frac} | {torch_s} | {sp} | {mem} |")
+        print(
+            f"| {c['op']} | {c['shape']}, {c['dtype']}, {c['mode']} | {_t(fg)} | {_t(fo) if fo else '—'} | "
+            f"{_t(ff) if ff else '—'} | {frac} | {torch_s} | {sp} | {mem} |"
+        )
+
+
+def _filter_table(cases):
+    rows = [c for c in cases.values() if "filter_eps" in c["mode"] and "fastgrad" in c]
+    if not rows:
+        return
+    print()
+    print(
+        "Gradient filtering (`filter_eps=\"auto\"`, bf16: 2⁻¹²) over the sparsity sweep — the filtered "
+        "memory-saving grad against the same op dense and the three fp32 GEMMs:"
+    )
+    print()
+    print(
+        "| case | shape | mean entropy | blocks skipped | filtered | dense | dense ÷ filtered "
+        "| filtered ÷ 3 GEMMs | max error vs dense (of max) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in rows:
+        fg, dense = c["fastgrad"], c.get("fastgrad-dense")
+        label = c["mode"].split("filter_eps=auto", 1)[-1].strip()
+        bound = fg.get("bound_time_s")
+        print(
+            f"| {label} | {c['shape']}, {c['dtype']} | {fg.get('mean_entropy', float('nan')):.2f} nats | "
+            f"{fg.get('blocks_skipped_fraction', float('nan')):.1%} | {_t(fg)} | {_t(dense) if dense else '—'} | "
+            + (f"{dense['time_median_s'] / fg['time_median_s']:.2f}×" if dense else "—")
+            + " | "
+            + (f"{fg['time_median_s'] / bound:.2f}" if bound else "—")
+            + f" | {fg.get('max_rel_err_vs_dense', float('nan')):.2g} |"
+        )
+
+
+def main(path: str) -> None:
+    rep = json.load(open(path))
+    print(_machine_line(rep) + "\n")
+    cases = _cases(rep)
+    _main_table(cases)
+    _filter_table(cases)
 
 
 if __name__ == "__main__":
