@@ -113,7 +113,8 @@ def test_full_cases_cover_the_issues():
             "smooth_l1_loss_backward[mean]/bf16/n=16777216",
             "embedding_dense_backward[dense]/fp32/tokens=8192,num_weights=32000,D=1024",
             "embedding_dense_backward[dense]/bf16/tokens=8192,num_weights=32000,D=1024",
-            "linear_cross_entropy[train-step]/bf16/BT=2048,H=896,V=151936"]
+            "linear_cross_entropy[train-step]/bf16/BT=2048,H=896,V=151936",
+            "linear_cross_entropy[train-step filter_eps=auto entropy=2]/bf16/BT=2048,H=896,V=151936"]
     for w in want:
         assert w in ids, w
     flce = B.find_case(want[0], quick=False)

@@ -459,6 +459,84 @@ def _sparse_flce_cases(BT, H, V, dtype) -> list:
     return cases
 
 
+def _lce_step(filter_eps=None):
+    """A runner factory: one ``fastgrad.torch.linear_cross_entropy`` loss + backward."""
+
+    def make(inp):
+        from fastgrad.torch import linear_cross_entropy
+
+        h, w, t = tt(inp["hidden"]), tt(inp["weight"]), tt(inp["target"])
+
+        def run():
+            hh = h.detach().requires_grad_()
+            ww = w.detach().requires_grad_()
+            loss = linear_cross_entropy(hh, ww, t, filter_eps=filter_eps)
+            loss.backward()
+            return loss, hh.grad, ww.grad
+
+        if "mean_entropy" in inp:  # the sweep's inputs: report their measured entropy
+            run.metrics = lambda: {"mean_entropy": inp["mean_entropy"]}  # type: ignore[attr-defined]
+        return run
+
+    return make
+
+
+def _filtered_train_step_case(BT, H, V, entropy=2.0) -> Case:
+    """Issue 14: the fused training step with gradient filtering on LLM-like sparsity (the
+    filter sweep's inputs at ``entropy`` nats), against the same step dense and PyTorch fp32;
+    bound: ONE fp32 GEMM of the shape (the target: the step ≤ 1.4× it)."""
+
+    def inputs():
+        inp = _sparse_flce_inputs(BT, H, V, "bfloat16", entropy)
+        return {
+            "hidden": inp["input"],
+            "weight": inp["weight"],
+            "target": inp["target"],
+            "mean_entropy": inp["mean_entropy"],
+        }
+
+    return Case(
+        "linear_cross_entropy",
+        f"train-step filter_eps=auto entropy={entropy:g}",
+        "bfloat16",
+        {"BT": BT, "H": H, "V": V},
+        inputs,
+        [
+            Runner("fastgrad", "fastgrad", _lce_step("auto"), needs_torch=True),
+            Runner("fastgrad-dense", "baseline", _lce_step(None), needs_torch=True),
+            Runner("torch-fp32", "baseline", _torch_step("float32"), needs_torch=True),
+            Runner("bound", "bound", None),
+        ],
+        flops=2.0 * BT * H * V,
+        bound="gemm",
+        gemm=[(BT, H, V)],
+        needs_torch=True,
+        note="fastgrad.torch.linear_cross_entropy(filter_eps='auto') forward+backward; bound: one fp32 GEMM",
+    )
+
+
+def _torch_step(dtype_name):
+    """A runner factory: ``F.cross_entropy`` on materialized logits + backward, in ``dtype_name``."""
+
+    def make(inp):
+        torch = _torch()
+        F = torch.nn.functional
+        h, w, t = tt(inp["hidden"]), tt(inp["weight"]), tt(inp["target"])
+        if dtype_name == "float32":
+            h, w = h.float(), w.float()
+
+        def run():
+            hh = h.detach().requires_grad_()
+            ww = w.detach().requires_grad_()
+            loss = F.cross_entropy(hh @ ww.T, t)
+            loss.backward()
+            return loss, hh.grad, ww.grad
+
+        return run
+
+    return make
+
+
 def _train_step_case(BT, H, V) -> Case:
     """Issue 4: one LM-head loss + backward, fastgrad.torch.linear_cross_entropy vs
     F.cross_entropy on materialized logits (fp32 and bf16)."""
@@ -467,41 +545,6 @@ def _train_step_case(BT, H, V) -> Case:
         inp = _flce_inputs(BT, H, V, "bfloat16", 1, stats=False)
         return {"hidden": inp["input"], "weight": inp["weight"], "target": inp["target"]}
 
-    def fastgrad_step(inp):
-        torch = _torch()
-        from fastgrad.torch import linear_cross_entropy
-
-        h, w, t = tt(inp["hidden"]), tt(inp["weight"]), tt(inp["target"])
-
-        def run():
-            hh = h.detach().requires_grad_()
-            ww = w.detach().requires_grad_()
-            loss = linear_cross_entropy(hh, ww, t)
-            loss.backward()
-            return loss, hh.grad, ww.grad
-
-        del torch
-        return run
-
-    def torch_step(dtype_name):
-        def make(inp):
-            torch = _torch()
-            F = torch.nn.functional
-            h, w, t = tt(inp["hidden"]), tt(inp["weight"]), tt(inp["target"])
-            if dtype_name == "float32":
-                h, w = h.float(), w.float()
-
-            def run():
-                hh = h.detach().requires_grad_()
-                ww = w.detach().requires_grad_()
-                loss = F.cross_entropy(hh @ ww.T, t)
-                loss.backward()
-                return loss, hh.grad, ww.grad
-
-            return run
-
-        return make
-
     return Case(
         "linear_cross_entropy",
         "train-step",
@@ -509,9 +552,9 @@ def _train_step_case(BT, H, V) -> Case:
         {"BT": BT, "H": H, "V": V},
         inputs,
         [
-            Runner("fastgrad", "fastgrad", fastgrad_step, needs_torch=True),
-            Runner("torch-fp32", "baseline", torch_step("float32"), needs_torch=True),
-            Runner("torch-bf16", "baseline", torch_step("bfloat16"), needs_torch=True),
+            Runner("fastgrad", "fastgrad", _lce_step(), needs_torch=True),
+            Runner("torch-fp32", "baseline", _torch_step("float32"), needs_torch=True),
+            Runner("torch-bf16", "baseline", _torch_step("bfloat16"), needs_torch=True),
             Runner("bound", "bound", None),
         ],
         flops=3 * 2.0 * BT * H * V,
@@ -804,6 +847,7 @@ def all_cases(quick: bool = False) -> list:
             cases.append(_embedding_case(1024, 4096, 256, dtype))
         cases.append(_train_step_case(128, 64, 2048))
         cases += _sparse_flce_cases(256, 64, 4096, "bfloat16")
+        cases.append(_filtered_train_step_case(256, 64, 4096))
         return cases
     for BT, H, V in ((2048, 896, 151936), (1024, 896, 32000)):
         cases += _flce_cases(BT, H, V, "bfloat16", quick)
@@ -817,6 +861,7 @@ def all_cases(quick: bool = False) -> list:
         cases.append(_embedding_case(8192, 32000, 1024, dtype))
     cases.append(_train_step_case(2048, 896, 151936))
     cases += _sparse_flce_cases(2048, 896, 151936, "bfloat16")
+    cases.append(_filtered_train_step_case(2048, 896, 151936))
     return cases
 
 
