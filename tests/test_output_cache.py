@@ -173,3 +173,31 @@ def test_same_numbers_with_the_cache_on_and_off(dtype):
         np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
         del got
     assert fg.output_cache_info()["hits"] >= 2
+
+
+def test_training_op_gradients_and_scratch_are_recycled_safely():
+    """``linear_cross_entropy``'s gradients and its logits scratch come from the cache: a kept
+    gradient (array or tensor) is never overwritten by the next call, a dropped one is reused."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 48)).astype(np.float32)
+    w = rng.standard_normal((3001, 48)).astype(np.float32)  # grad_weight 576 KB, scratch 768 KB
+    t = rng.integers(0, 3001, 64)
+    first = fg.linear_cross_entropy(x, w, t, return_grad=True)
+    keep = first.grad_weight.copy()
+    second = fg.linear_cross_entropy(2 * x, w, t, return_grad=True)
+    assert not _overlap(first.grad_weight, second.grad_weight)
+    np.testing.assert_array_equal(first.grad_weight, keep)
+    ptr = _span(second.grad_weight)[0]
+    del second
+    third = fg.linear_cross_entropy(x, w, t, return_grad=True)
+    assert _span(third.grad_weight)[0] == ptr
+    np.testing.assert_array_equal(third.grad_weight, keep)
+    torch = pytest.importorskip("torch")
+    import fastgrad.torch as ft
+
+    ww = torch.from_numpy(w).requires_grad_()
+    ft.linear_cross_entropy(torch.from_numpy(x), ww, torch.from_numpy(t)).backward()
+    g1 = ww.grad.clone()
+    ww.grad = None
+    ft.linear_cross_entropy(torch.from_numpy(x), ww, torch.from_numpy(t)).backward()
+    assert torch.equal(ww.grad, g1)

@@ -440,10 +440,11 @@ def linear_cross_entropy_cpu(
     need_zsum, vocab_start_index (and optionally filter_eps, filter_rows, filter_cols).
     ``coef_h`` [BT]: the entropy's upstream coefficient per row (None: no entropy term in the
     gradient); ``z_mean`` [BT]: ``μ = Σ p·z`` for the recompute (with ``lse``).
-    ``out``: dict of preallocated outputs (``lse``, ``max``, ``sum_exp``, ``z_target``,
-    ``z_sum``, ``argmax``, ``z_mean``, ``entropy``, ``grad_input``, ``grad_weight``, ``grad_bias``; absent or
-    None: not computed) and ``filter_stats``, a dict receiving ``blocks_total`` /
-    ``blocks_skipped``.  With ``z_mean`` or ``entropy`` (or ``coef_h`` in the forward) the statistics
+    ``out``: dict of preallocated outputs (``lse``, ``max``, ``sum_exp``, ``z_target``, ``z_sum``,
+    ``argmax``, ``z_mean``, ``entropy``, ``grad_input``, ``grad_weight``, ``grad_bias``; absent or
+    None: not computed), ``scratch`` (optional: a flat compute-dtype buffer for the block's
+    logits) and ``filter_stats``, a dict receiving ``blocks_total`` / ``blocks_skipped``.  With
+    ``z_mean`` or ``entropy`` (or ``coef_h`` in the forward) the statistics
     include ``Σ exp(z - max)·(z - max)`` and ``combine`` takes and returns it as a sixth value.
     """
     BT, H = input.shape
@@ -524,7 +525,9 @@ def linear_cross_entropy_cpu(
     wfull = _block(W, 0, K, cdt, None) if (widen and K * H * 4 <= workspace // 4) else None
     wbuf = np.empty(vc * H, cdt) if (widen and wfull is None) else None
     xbuf = np.empty(nb_max * H, cdt) if input.dtype != cdt else None
-    Lbuf = np.empty(nb_max * max(K, 1), cdt)
+    Lbuf = out.get("scratch")  # the block's logits: the caller's buffer when big enough
+    if Lbuf is None or Lbuf.dtype != cdt or Lbuf.size < nb_max * max(K, 1):
+        Lbuf = np.empty(nb_max * max(K, 1), cdt)
     tmp_h = np.empty(nb_max * H, cdt) if gi is not None else None
     tmp_w = np.empty(vc * H, cdt) if gw is not None else None
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import arrays, tiling
+from .. import _outcache, arrays, tiling
 from .. import dtypes as D
 from .._config import is_strict
 from ..errors import AclnnError, invalid
@@ -377,13 +377,17 @@ def linear_cross_entropy(
         "argmax": None if recompute else np.empty(BT, np.int64),
         "z_mean": np.empty(BT, cdt) if (return_entropy and not recompute) else None,
         "entropy": np.empty(BT, np.float64) if (return_entropy and not recompute) else None,
-        "grad_input": np.empty((BT, H), cdt) if need[0] else None,
-        "grad_weight": np.empty((K, H), gw_dt) if need[1] else None,
+        # the gradients and the block's logits on recycled memory (a training loop calls this
+        # with the same shapes every step: no fresh pages, whose clearing costs a pass each)
+        "grad_input": _outcache.empty((BT, H), cdt) if need[0] else None,
+        "grad_weight": _outcache.empty((K, H), gw_dt) if need[1] else None,
         "grad_bias": np.empty(K, cdt) if need[2] else None,
         "filter_stats": fstats,
     }
     itemsize = np.dtype(cdt).itemsize
     budget = tiling.workspace_budget()
+    block_rows = plan_block_rows(max(V, 1), itemsize, budget)
+    out["scratch"] = _outcache.empty((max(1, min(block_rows, BT)) * max(K, 1),), cdt)
     _impl()(
         input=x,
         weight=w,
@@ -396,7 +400,7 @@ def linear_cross_entropy(
         coef_h=coef_h,
         z_mean=zm_a if (recompute and coef_h is not None) else None,
         params=params,
-        block_rows=plan_block_rows(max(V, 1), itemsize, budget),
+        block_rows=block_rows,
         v_chunk=V_CHUNK,
         workspace=budget,
         lse=None if not recompute else lse_a,
