@@ -18,15 +18,16 @@ memory budget, never from BT or the thread count):
 Three GEMMs per row block.  With ``lse`` given (the backward of a forward that did not compute
 the gradient) step 2-3 are skipped: the gradient is recomputed from the saved ``lse``.
 
-Gradient filtering (``params["filter_eps"]``, CCE's ``filter_eps``): after step 4's pass a
-read-only pass flags, per row and per block of ``filter_cols`` vocabulary columns, whether some
-``|G[r, v]|`` is not below ``filter_eps·|coef_ce[r]|`` (the row's scale: the upstream gradient
-and the mean's ``1/Σw``; a row whose gradient is identically 0 — ignored — has nothing to keep),
-or the block holds the row's target column.  A block of ``filter_rows`` rows × ``filter_cols``
-columns without a flag is skipped in both GEMMs: the kept blocks' columns of ``G`` and rows of
-``W`` are gathered (at most ``v_chunk`` columns at a time) and the products accumulated.  A row
-block with every block kept takes the dense path unchanged (bitwise).  ``grad_bias`` is the
-column sum of the whole ``G``, never filtered.
+Gradient filtering (``params["filter_eps"]``, CCE's ``filter_eps``): after step 4's pass over
+each vocabulary chunk (the chunk still in cache) a read-only pass flags, per row and per block
+of ``filter_cols`` vocabulary columns, whether some ``|G[r, v]|`` is not below
+``filter_eps·|coef_ce[r]|`` (the row's scale: the upstream gradient and the mean's ``1/Σw``;
+a row whose gradient is identically 0 — ignored — has nothing to keep), or the block holds
+the row's target column.  A block of ``filter_rows`` rows × ``filter_cols`` columns without a
+flag is skipped in both GEMMs: the kept blocks' columns of ``G`` and rows of ``W`` are
+gathered (at most ``v_chunk`` columns at a time) and the products accumulated.  A row block
+with every block kept takes the dense path unchanged (bitwise).  ``grad_bias`` is the column
+sum of the whole ``G``, never filtered.
 
 Pure: imports only dtypes helpers, the JIT helpers, the vector math and the GEMM helpers.
 """
@@ -280,33 +281,31 @@ def _colsum_into(lo, hi, L, off, width, nb, out, v0):
         out[v0 + j] = acc
 
 
+@njit
+def _any_not_below(seg, th):
+    """Whether some ``|x|`` of the 1-D slice is not below ``th`` (NaN counts), vectorized."""
+    hits = 0
+    for j in range(seg.shape[0]):
+        hits += not (abs(seg[j]) < th)
+    return hits > 0
+
+
 @tjit
-def _filter_flags(lo, hi, L, offs, widths, nb, tcol, thr, fb, flags):
-    """``flags[i, jb]`` = 1 when some ``|G[i, v]|`` of column block ``jb`` (``fb`` columns) is
-    not below ``thr[i]`` (NaN included) or the block holds row i's target column.  Read-only."""
-    nchunk = offs.shape[0]
-    nblk = flags.shape[1]
+def _filter_flags(lo, hi, L, off, width, nb, thr, fb, flags):
+    """For one vocabulary chunk (``L[off:off + nb·width]``, column ``v0 = off // nb`` on), set
+    ``flags[i, jb]`` when some ``|G[i, v]|`` of column block ``jb`` (``fb`` columns) is not
+    below ``thr[i]`` (NaN included); flags already set stay set.  Read-only on ``L``."""
+    v0 = off // nb
     for i in range(lo, hi):
         th = thr[i]
-        for jb in range(nblk):
-            flags[i, jb] = False
-        for c in range(nchunk):
-            base = offs[c] + i * widths[c]
-            v0 = offs[c] // nb
-            w = widths[c]
-            j = 0
-            while j < w:
-                jb = (v0 + j) // fb
-                j1 = min(w, (jb + 1) * fb - v0)
-                hits = 0
-                for jj in range(j, j1):
-                    hits += not (abs(L[base + jj]) < th)
-                if hits > 0:
-                    flags[i, jb] = True
-                j = j1
-        t = tcol[i]
-        if t >= 0:
-            flags[i, t // fb] = True  # the target column is never filtered
+        r = L[off + i * width : off + (i + 1) * width]
+        j = 0
+        while j < width:
+            jb = (v0 + j) // fb
+            j1 = min(width, (jb + 1) * fb - v0)
+            if _any_not_below(r[j:j1], th):
+                flags[i, jb] = True
+            j = j1
 
 
 @tjit
@@ -689,9 +688,14 @@ def linear_cross_entropy_cpu(
             continue
         if not want_grad or not K:
             continue
-        grad(b0, b1, offs, widths)
+        # chunk by chunk, the flags read the gradient just written (still in cache)
         F = fflags[:nb]
-        run_rows(_filter_flags, nb, Lbuf, offs, widths, nb, tcol[b0:b1], thr_all[b0:b1], fb, F)
+        F[...] = False
+        for c, off in enumerate(offs):
+            grad(b0, b1, offs[c : c + 1], widths[c : c + 1])
+            run_rows(_filter_flags, nb, Lbuf, off, widths[c], nb, thr_all[b0:b1], fb, F)
+        own = np.flatnonzero(tcol[b0:b1] >= 0)
+        F[own, tcol[b0:b1][own] // fb] = True  # the target column is never filtered
         keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
         n_keep = int(keep.sum())
         if fstats is not None:
