@@ -9,6 +9,10 @@ cores: a 524 MB copy into warm memory 31 ms, into fresh pages 50 ms, into fresh 
 touching the pages makes it cheaper; not asking the kernel for new pages does, as PyTorch's
 CUDA caching allocator, jemalloc and tcmalloc do.
 
+The kernels take their large scratch buffers (logits tiles, widened weight chunks, fp32
+accumulators) from here too: dropped at the end of a call, they serve the next call of the
+same shapes — a training loop's steps — without fresh pages.
+
 How: every output of at least ``MIN_BYTES`` is a view of a block (a ``uint8`` array that owns
 its memory) kept in a list.  A view's ``base`` is its block (NumPy collapses view chains to the
 array that owns the data), so as long as any array, view or tensor (``torch.from_numpy``) of an
@@ -99,6 +103,7 @@ def empty(shape, dtype) -> np.ndarray:
     """``np.empty(shape, dtype)``, C-contiguous, on a recycled block when it is large."""
     global _hits, _misses
     dt = np.dtype(dtype)
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = math.prod(shape) * dt.itemsize
     cap = output_cache_limit()
     if nbytes < MIN_BYTES or cap == 0:

@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
+from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
 from ._gemm import matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
@@ -175,11 +176,12 @@ def fused_linear_cross_entropy_loss_grad(
     X32 = fp32_block(input, 0, BT)  # [BT, H] exact fp32 copy
     gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
     bt, vt = plan.bt_tile, plan.v_tile
-    g_buf = np.empty(bt * vt, np.float32)  # logits / g tile
-    w_buf = np.empty(vt * H, np.float32) if widen else None
-    gw32 = np.empty(vt * H, np.float32)  # grad_weight tile accumulator
-    prod = np.empty(bt * H, np.float32)  # g·W product of one tile
-    gw_tmp = np.empty(vt * H if plan.n_bt_tiles > 1 or plan.filter_eps is not None else 0, np.float32)
+    # scratch on recycled memory (fastgrad._outcache): no fresh pages on the next call
+    g_buf = scratch(bt * vt, np.float32)  # logits / g tile
+    w_buf = scratch(vt * H, np.float32) if widen else None
+    gw32 = scratch(vt * H, np.float32)  # grad_weight tile accumulator
+    prod = scratch(bt * H, np.float32)  # g·W product of one tile
+    gw_tmp = scratch(vt * H if plan.n_bt_tiles > 1 or plan.filter_eps is not None else 0, np.float32)
     if softmax is None:
         lmax = np.ascontiguousarray(logits_max, dtype=np.float32)
         sexp = np.ascontiguousarray(sum_exp_logits, dtype=np.float32)
@@ -196,10 +198,10 @@ def fused_linear_cross_entropy_loss_grad(
         lim = (eps + float(s_over_k)) * np.exp(-1e-3)
         flags = np.empty(bt * (-(-vt // fb)), np.bool_)
         fbufs = (
-            np.empty(min(rb, bt) * vt, np.float32),
-            np.empty(vt * H, np.float32),
-            np.empty(vt * H, np.float32),
-            np.empty(min(rb, bt) * H, np.float32),
+            scratch(min(rb, bt) * vt, np.float32),
+            scratch(vt * H, np.float32),
+            scratch(vt * H, np.float32),
+            scratch(min(rb, bt) * H, np.float32),
         )
     done = 0
     for v0, v1 in plan.v_ranges():

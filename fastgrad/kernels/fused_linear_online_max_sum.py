@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import njit, tjit
+from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
 from ._gemm import matmul_nt, run_rows, single_threaded_blas
@@ -87,8 +88,8 @@ def run(
         code = D.code_of(logits_dtype)
         X32 = fp32_block(input, 0, BT)
         bt, vt = plan.bt_tile, plan.v_tile
-        l_buf = np.empty(bt * vt, np.float32)
-        w_buf = np.empty(vt * H, np.float32) if widen else None
+        l_buf = scratch(bt * vt, np.float32)  # recycled memory (fastgrad._outcache)
+        w_buf = scratch(vt * H, np.float32) if widen else None
         W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
         done = 0
         for v0, v1 in plan.v_ranges():

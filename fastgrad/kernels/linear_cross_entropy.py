@@ -29,7 +29,7 @@ gathered (at most ``v_chunk`` columns at a time) and the products accumulated.  
 with every block kept takes the dense path unchanged (bitwise).  ``grad_bias`` is the column
 sum of the whole ``G``, never filtered.
 
-Pure: imports only dtypes helpers, the JIT helpers, the vector math and the GEMM helpers.
+Pure: imports only dtypes helpers, the JIT helpers, the allocator, the vector math and the GEMM helpers.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
+from .._outcache import empty as scratch
 from ._gemm import _run as _run_tasks
 from ._gemm import _spans, matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
 from ._linear import fp32_block, kept_blocks
@@ -441,10 +442,9 @@ def linear_cross_entropy_cpu(
     gradient); ``z_mean`` [BT]: ``μ = Σ p·z`` for the recompute (with ``lse``).
     ``out``: dict of preallocated outputs (``lse``, ``max``, ``sum_exp``, ``z_target``, ``z_sum``,
     ``argmax``, ``z_mean``, ``entropy``, ``grad_input``, ``grad_weight``, ``grad_bias``; absent or
-    None: not computed), ``scratch`` (optional: a flat compute-dtype buffer for the block's
-    logits) and ``filter_stats``, a dict receiving ``blocks_total`` / ``blocks_skipped``.  With
-    ``z_mean`` or ``entropy`` (or ``coef_h`` in the forward) the statistics
-    include ``Σ exp(z - max)·(z - max)`` and ``combine`` takes and returns it as a sixth value.
+    None: not computed) and ``filter_stats``, a dict receiving ``blocks_total`` /
+    ``blocks_skipped``.  With ``z_mean`` or ``entropy`` (or ``coef_h`` in the forward) the
+    statistics include ``Σ exp(z - max)·(z - max)`` and ``combine`` takes and returns it as a sixth value.
     """
     BT, H = input.shape
     K = weight.shape[0]
@@ -522,13 +522,13 @@ def linear_cross_entropy_cpu(
     widen = W.dtype != cdt
     # keep the whole weight in the compute dtype when it is small, else widen per chunk
     wfull = _block(W, 0, K, cdt, None) if (widen and K * H * 4 <= workspace // 4) else None
-    wbuf = np.empty(vc * H, cdt) if (widen and wfull is None) else None
-    xbuf = np.empty(nb_max * H, cdt) if input.dtype != cdt else None
-    Lbuf = out.get("scratch")  # the block's logits: the caller's buffer when big enough
-    if Lbuf is None or Lbuf.dtype != cdt or Lbuf.size < nb_max * max(K, 1):
-        Lbuf = np.empty(nb_max * max(K, 1), cdt)
-    tmp_h = np.empty(nb_max * H, cdt) if gi is not None else None
-    tmp_w = np.empty(vc * H, cdt) if gw is not None else None
+    # scratch on recycled memory (fastgrad._outcache): a training loop's next step takes no
+    # fresh pages
+    wbuf = scratch(vc * H, cdt) if (widen and wfull is None) else None
+    xbuf = scratch(nb_max * H, cdt) if input.dtype != cdt else None
+    Lbuf = scratch(nb_max * max(K, 1), cdt)  # the row block's logits
+    tmp_h = scratch(nb_max * H, cdt) if gi is not None else None
+    tmp_w = scratch(vc * H, cdt) if gw is not None else None
 
     def wchunk(v0, v1):
         if not widen:
@@ -557,10 +557,10 @@ def linear_cross_entropy_cpu(
         else:
             fwsrc, fwcode = W.view(np.uint16), D.code_of(W.dtype)
         fbufs = (
-            np.empty(min(rb, nb_max) * vc, cdt),
-            np.empty(vc * H, cdt) if gi is not None else None,
-            np.empty(min(rb, nb_max) * H, cdt) if gi is not None else None,
-            np.empty(vc * H, cdt) if gw is not None else None,
+            scratch(min(rb, nb_max) * vc, cdt),
+            scratch(vc * H, cdt) if gi is not None else None,
+            scratch(min(rb, nb_max) * H, cdt) if gi is not None else None,
+            scratch(vc * H, cdt) if gw is not None else None,
         )
     else:
         feps = None

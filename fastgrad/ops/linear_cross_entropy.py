@@ -377,8 +377,8 @@ def linear_cross_entropy(
         "argmax": None if recompute else np.empty(BT, np.int64),
         "z_mean": np.empty(BT, cdt) if (return_entropy and not recompute) else None,
         "entropy": np.empty(BT, np.float64) if (return_entropy and not recompute) else None,
-        # the gradients and the block's logits on recycled memory (a training loop calls this
-        # with the same shapes every step: no fresh pages, whose clearing costs a pass each)
+        # the gradients on recycled memory (a training loop calls this with the same shapes
+        # every step: no fresh pages, whose clearing costs a pass each)
         "grad_input": _outcache.empty((BT, H), cdt) if need[0] else None,
         "grad_weight": _outcache.empty((K, H), gw_dt) if need[1] else None,
         "grad_bias": np.empty(K, cdt) if need[2] else None,
@@ -387,7 +387,6 @@ def linear_cross_entropy(
     itemsize = np.dtype(cdt).itemsize
     budget = tiling.workspace_budget()
     block_rows = plan_block_rows(max(V, 1), itemsize, budget)
-    out["scratch"] = _outcache.empty((max(1, min(block_rows, BT)) * max(K, 1),), cdt)
     _impl()(
         input=x,
         weight=w,
