@@ -23,7 +23,8 @@ the cap, free blocks are released (least recently used first) and, if that is no
 output is a plain ``np.empty``.  :func:`empty_cache` releases every free block.
 
 The outputs are not zeroed (neither is ``np.empty``'s memory): every op writes all of its
-output.  Thread-safe (one lock).
+output.  Thread-safe (one lock).  "Nothing refers to it" is CPython's reference count of the
+block (every array, view or tensor derived from an output holds a strong reference to it).
 """
 
 from __future__ import annotations
