@@ -29,6 +29,7 @@ block (every array, view or tensor derived from an output holds a strong referen
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import sys
@@ -49,6 +50,15 @@ _blocks: list[np.ndarray] = []  # most recently used last
 _limit_override: int | None = None
 _hits = 0
 _misses = 0
+
+
+@atexit.register
+def _drop_at_exit() -> None:
+    """Forget every block while the interpreter is whole: at exit the memory belongs to its
+    users alone again, as without the cache (no block outlives the arrays and tensors that
+    refer to it into the interpreter's teardown)."""
+    with _lock:
+        _blocks.clear()
 
 
 def output_cache_limit() -> int:
