@@ -493,3 +493,25 @@ def test_entropy_module_face_and_no_fusion():
                                   fused=False)
     assert torch.equal(out.entropy, ref.entropy) and torch.equal(out.predicted_tokens, ref.predicted_tokens)
     assert out.z_loss is None and out.token_accuracy is None
+
+
+@pytest.mark.parametrize("v_chunk", [3, 7, 13])
+def test_entropy_online_across_vocabulary_chunks(monkeypatch, v_chunk):
+    """Many vocabulary chunks per row block, logits rising along the vocabulary (the running max
+    grows in almost every chunk: the rescaling of ``Σ e·(z - m)`` is exercised), against the
+    float64 oracle; and the same numbers as with one chunk."""
+    import fastgrad.ops.linear_cross_entropy as op_mod
+
+    h, w, b, cw, t = _data(1, 17, 8, 61, torch.float32, seed=12)
+    b = torch.linspace(-20.0, 20.0, 61)  # rising bias: each chunk beats the last
+    x, W, tt = h[0], w, t[0]
+    ent64, _ = _entropy_oracle(x.double(), W.double(), tt, bias=b.double(), reduction="none")
+    one = fg.linear_cross_entropy(x.numpy(), W.numpy(), tt.numpy(), b.numpy(), reduction="none",
+                                  return_entropy=True)
+    monkeypatch.setattr(op_mod, "V_CHUNK", v_chunk)
+    many = fg.linear_cross_entropy(x.numpy(), W.numpy(), tt.numpy(), b.numpy(), reduction="none",
+                                   return_entropy=True)
+    ok = tt.numpy() != IGN
+    np.testing.assert_allclose(many.entropy[ok], ent64.numpy()[ok], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(many.entropy, one.entropy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(many.z_mean, one.z_mean, rtol=1e-5, atol=1e-5)
