@@ -490,7 +490,7 @@ def linear_cross_entropy_cpu(
     wt_c = target_weight.astype(cdt)
     coef_ce = coef_ce.astype(cdt) if coef_ce is not None else np.zeros(BT, cdt)
     coef_z = coef_z.astype(cdt) if coef_z is not None else np.zeros(BT, cdt)
-    coef_h = coef_h.astype(cdt) if coef_h is not None else np.zeros(1, cdt)
+    coef_h = coef_h.astype(cdt) if coef_h is not None else np.zeros(BT, cdt)
     col0 = int(params["vocab_start_index"])
     tcol = np.ascontiguousarray(target_cols, dtype=np.int64)
     # the dense products write every element of grad_input / grad_weight (the first chunk, the
@@ -506,13 +506,11 @@ def linear_cross_entropy_cpu(
     if not recompute:
         lse_all = out["lse"]
         zmean_all = out.get("z_mean")
-        if zmean_all is None and need_ent:
-            zmean_all = np.empty(BT, cdt)
     else:
         lse_all = np.ascontiguousarray(lse, dtype=cdt)
         zmean_all = np.ascontiguousarray(z_mean, dtype=cdt) if flags[5] else None
-    if zmean_all is None:
-        zmean_all = np.zeros(1, cdt)
+    if zmean_all is None:  # computed (need_ent) or read (flags[5]) only when wanted
+        zmean_all = np.zeros(BT, cdt)
     if BT == 0:
         return
     nb_max = max(1, min(int(block_rows), BT))
@@ -606,8 +604,8 @@ def linear_cross_entropy_cpu(
             lse_all[b0:b1],
             coef_ce[b0:b1],
             coef_z[b0:b1],
-            coef_h[b0:b1] if flags[5] else coef_h,
-            zmean_all[b0:b1] if flags[5] else zmean_all,
+            coef_h[b0:b1],
+            zmean_all[b0:b1],
             par,
             flags,
             recompute,
@@ -632,7 +630,7 @@ def linear_cross_entropy_cpu(
             zt = np.zeros(nb, cdt)
             zs = np.zeros(nb, cdt)
             am = np.full(nb, -1, np.int64)
-            sz = np.zeros(nb if need_ent else 1, cdt)
+            sz = np.zeros(nb, cdt)
         for c, ((v0, v1), off) in enumerate(zip(chunks, offs)):
             Lc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
             matmul_nt(X, wchunk(v0, v1), Lc)

@@ -324,27 +324,29 @@ def linear_cross_entropy(
     coef_ce = coef_z = coef_h = None
     want = () if red != "none" else (BT,)
     if want_grad:
+
+        def upstream(g, name):
+            a = np.asarray(arrays.as_numpy(g, name, op=OP), dtype=np.float64)
+            if a.shape != want:
+                raise invalid(name, f"shape {want}", f"shape {a.shape}", OP)
+            return a
+
         if grad_output is None:
             go = np.float64(1.0) if red != "none" else np.ones(BT)
         else:
-            go = np.asarray(arrays.as_numpy(grad_output, "grad_output", op=OP), dtype=np.float64)
-            if go.shape != want:
-                raise invalid("grad_output", f"shape {want}", f"shape {go.shape}", OP)
-        if grad_entropy is not None:
-            gh = np.asarray(arrays.as_numpy(grad_entropy, "grad_entropy", op=OP), dtype=np.float64)
-            if gh.shape != want:
-                raise invalid("grad_entropy", f"shape {want}", f"shape {gh.shape}", OP)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ch = gh / n_valid if (red == "mean" and n_valid) else (gh * np.inf if red == "mean" else gh)
-            coef_h = np.where(valid, ch, 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
+            go = upstream(grad_output, "grad_output")
+        gh = None if grad_entropy is None else upstream(grad_entropy, "grad_entropy")
+
+        def per_row(g, denom):
+            """The upstream gradient on each valid row: divided by ``denom`` for mean."""
             if red == "mean":
-                cc = go / weight_sum if weight_sum else go * np.inf
-                cz = go / n_valid if n_valid else go * np.inf
-            else:
-                cc = cz = go
-            coef_ce = np.where(valid, cc, 0.0)
-            coef_z = np.where(valid, cz, 0.0) if zsc else np.zeros(BT)
+                g = g / denom if denom else g * np.inf
+            return np.where(valid, g, 0.0)
+
+        with np.errstate(divide="ignore", invalid="ignore"):
+            coef_ce = per_row(go, weight_sum)
+            coef_z = per_row(go, n_valid) if zsc else np.zeros(BT)  # z-loss: mean over the rows
+            coef_h = None if gh is None else per_row(gh, n_valid)  # entropy: likewise
     if recompute:
         lse_a = np.asarray(arrays.as_numpy(lse, "lse", op=OP))
         if lse_a.shape != (BT,):
@@ -386,7 +388,6 @@ def linear_cross_entropy(
     }
     itemsize = np.dtype(cdt).itemsize
     budget = tiling.workspace_budget()
-    block_rows = plan_block_rows(max(V, 1), itemsize, budget)
     _impl()(
         input=x,
         weight=w,
@@ -399,7 +400,7 @@ def linear_cross_entropy(
         coef_h=coef_h,
         z_mean=zm_a if (recompute and coef_h is not None) else None,
         params=params,
-        block_rows=block_rows,
+        block_rows=plan_block_rows(max(V, 1), itemsize, budget),
         v_chunk=V_CHUNK,
         workspace=budget,
         lse=None if not recompute else lse_a,
@@ -428,16 +429,7 @@ def linear_cross_entropy(
         zl = np.where(valid, zsc * lse_r * lse_r, 0.0) if zsc else np.zeros(BT)
     am = out["argmax"]
     hit = (valid & (am == tl)).astype(np.float64)
-    ent = None
-    if return_entropy:
-        ent_r = np.where(valid, out["entropy"], 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            if red == "none":
-                ent = ent_r.astype(cdt)
-            else:
-                tot = ent_r.sum()
-                ent = np.asarray(tot if red == "sum" else (tot / n_valid if n_valid else np.nan), cdt)
-        ent = wrap(ent)
+    ent_r = np.where(valid, out["entropy"], 0.0) if return_entropy else np.zeros(BT)
     with np.errstate(divide="ignore", invalid="ignore"):
         if red == "mean":
             ce_red = ce.sum() / weight_sum if weight_sum else np.float64(np.nan)
@@ -445,14 +437,17 @@ def linear_cross_entropy(
             loss = np.asarray(ce_red + z_red, cdt)
             zred = np.asarray(z_red, cdt)
             acc = np.asarray(hit.sum() / n_valid if n_valid else np.nan, cdt)
+            ent = np.asarray(ent_r.sum() / n_valid if n_valid else np.nan, cdt)
         elif red == "sum":
             loss = np.asarray(ce.sum() + zl.sum(), cdt)
             zred = np.asarray(zl.sum(), cdt)
             acc = np.asarray(hit.sum() / n_valid if n_valid else np.nan, cdt)
+            ent = np.asarray(ent_r.sum(), cdt)
         else:
             loss = (ce + zl).astype(cdt)
             zred = zl.astype(cdt)
             acc = hit.astype(cdt)
+            ent = ent_r.astype(cdt)
     return LinearCrossEntropyResult(
         wrap(loss),
         wrap(zred),
@@ -463,6 +458,6 @@ def linear_cross_entropy(
         n_valid,
         weight_sum,
         fstats,
-        ent,
+        wrap(ent) if return_entropy else None,
         None if out["z_mean"] is None else wrap(out["z_mean"]),
     )

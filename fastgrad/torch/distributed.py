@@ -144,10 +144,11 @@ def block_combiner(group):
         shift = mt - gmax
         st = torch.from_numpy(np.asarray(s))
         empty = st == 0  # no finite logit on this shard (m = -inf): contributes nothing
-        f = torch.where(empty, torch.zeros_like(mt), torch.exp(torch.where(empty, torch.zeros_like(mt), shift)))
+        zero = torch.zeros_like(mt)
+        d = torch.where(empty, zero, shift)
+        f = torch.where(empty, zero, torch.exp(d))
         rows = [st * f, torch.from_numpy(np.asarray(zt)), torch.from_numpy(np.asarray(zs))]
         if sz is not None:
-            d = torch.where(empty, torch.zeros_like(mt), shift)
             rows.append(f * (torch.from_numpy(np.asarray(sz)) + d * st))
         buf = torch.stack(rows)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)

@@ -75,7 +75,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             filter_eps=cfg.get("filter_eps"),
             accum_dtype=cfg.get("accum_dtype"),
         )
-        ent = bool(cfg.get("return_entropy"))
         r = _lce_op(
             h.detach(),
             weight.detach(),
@@ -84,7 +83,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ce_weight,
             return_grad=need if fused else False,
             combine=None if group is None else _vp.block_combiner(group),
-            return_entropy=ent,
+            return_entropy=cfg["return_entropy"],
             **kw,
         )
         ctx.cfg, ctx.kw, ctx.fused, ctx.need = cfg, kw, fused, need
@@ -131,7 +130,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             h, weight, bias, ce_weight, t, lse, z_mean = ctx.saved_tensors
             need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-            with_h = grad_entropy is not None and z_mean is not None
+            with_h = grad_entropy is not None  # an entropy output: z_mean was saved
             r = _lce_op(
                 h.detach(),
                 weight.detach(),
@@ -417,11 +416,10 @@ def linear_cross_entropy(
     cw = None if ce_weight is None else ce_weight.detach()
     loss, z_loss, acc, pred, ent = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)
     shape = tuple(target.shape)
-    keep = max(target.shape[-1] - n_shift, 0) if target.dim() else 0
 
     def per_token(x):
         x = x.reshape(shape)
-        return x[..., :keep] if n_shift else x
+        return x[..., : max(shape[-1] - n_shift, 0)] if n_shift else x
 
     pred = per_token(pred)
     if reduction == "none":
