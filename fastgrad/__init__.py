@@ -12,10 +12,22 @@ Public ops (aclnn names in snake_case; contract in docs/spec.md):
 
 Backends: ``available_backends``, ``set_backend``, ``use_backend``; strict device parity:
 ``strict``; errors: :class:`AclnnError` with ``.status``; large fresh outputs on recycled memory:
-``output_cache``, ``set_output_cache_limit``, ``empty_cache``, ``output_cache_info``.
+``output_cache``, ``set_output_cache_limit``, ``empty_cache``, ``output_cache_info``; the GEMM
+engine of the fused linear kernels: ``gemm_engine``, ``set_gemm_engine``, ``gemm``.
 """
 
-from ._config import get_num_threads, is_strict, num_threads, progress, set_num_threads, set_strict, strict
+from ._config import (
+    gemm,
+    gemm_engine,
+    get_num_threads,
+    is_strict,
+    num_threads,
+    progress,
+    set_gemm_engine,
+    set_num_threads,
+    set_strict,
+    strict,
+)
 from ._outcache import empty_cache, output_cache, output_cache_info, set_output_cache_limit
 from ._version import __version__
 from .backends import available_backends, get_backend, set_backend, use_backend
@@ -55,6 +67,9 @@ __all__ = [
     "get_num_threads",
     "num_threads",
     "progress",
+    "gemm",
+    "gemm_engine",
+    "set_gemm_engine",
     "empty_cache",
     "output_cache",
     "output_cache_info",

@@ -17,7 +17,9 @@ How: every output of at least ``MIN_BYTES`` is a view of a block (a ``uint8`` ar
 its memory) kept in a list.  A view's ``base`` is its block (NumPy collapses view chains to the
 array that owns the data), so as long as any array, view or tensor (``torch.from_numpy``) of an
 output is alive its block's reference count is above the list's own reference; a block is
-handed out again only when nothing but the list refers to it.  The blocks' total (in use or
+handed out again only when nothing but the list refers to it, to a request of at least half
+its size (best fit: the smallest such free block; so the forward's logits tile serves the
+backward's smaller tile instead of both being held).  The blocks' total (in use or
 free) is capped by ``FASTGRAD_OUTPUT_CACHE_MB`` (default 2048; 0 turns the cache off): past
 the cap, free blocks are released (least recently used first) and, if that is not enough, the
 output is a plain ``np.empty``.  :func:`empty_cache` releases every free block.
@@ -121,12 +123,17 @@ def empty(shape, dtype) -> np.ndarray:
         return np.empty(shape, dt)
     size = -(-nbytes // GRANULE) * GRANULE
     with _lock:
-        blk = None
+        # best fit among the free blocks of at most twice the size (exact sizes first)
+        blk, best = None, -1
         for i in range(len(_blocks) - 1, -1, -1):
-            if _blocks[i].nbytes == size and _free(i):
-                blk = _blocks.pop(i)
-                _hits += 1
-                break
+            n = _blocks[i].nbytes
+            if size <= n <= 2 * size and (best < 0 or n < _blocks[best].nbytes) and _free(i):
+                best = i
+                if n == size:
+                    break
+        if best >= 0:
+            blk = _blocks.pop(best)
+            _hits += 1
         if blk is None:
             _misses += 1
             over = _total() + size - cap

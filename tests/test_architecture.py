@@ -8,7 +8,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parent.parent / "fastgrad"
 
 KERNEL_ALLOWED = {"fastgrad.dtypes", "fastgrad._jit", "fastgrad.tiling", "fastgrad.vocab_parallel",
-                  "fastgrad.enums", "fastgrad._config", "fastgrad._outcache"}
+                  "fastgrad.enums", "fastgrad._config", "fastgrad._outcache", "fastgrad._onednn"}
 SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided"}
 
 

@@ -202,3 +202,28 @@ def test_training_op_gradients_and_scratch_are_recycled_safely():
     ww.grad = None
     ft.linear_cross_entropy(torch.from_numpy(x), ww, torch.from_numpy(t)).backward()
     assert torch.equal(ww.grad, g1)
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_best_fit_reuses_a_free_block_up_to_twice_the_size():
+    """A request takes the smallest free block of at least its size and at most twice it (the
+    forward's logits tile serves the backward's smaller one); a larger block stays put."""
+    a = _outcache.empty(40 * 2**10, np.float32)  # 160 KiB
+    first = _addr(a)
+    del a
+    info = fg.output_cache_info()
+    b = _outcache.empty(25 * 2**10, np.float32)  # 100 KiB: fits, 160 <= 2 * 100
+    assert _addr(b) == first
+    assert fg.output_cache_info()["hits"] == info["hits"] + 1
+    assert fg.output_cache_info()["blocks"] == info["blocks"]
+    b[...] = 7
+    del b
+    c = _outcache.empty(70 * 2**8, np.float32)  # 70 KiB: 160 > 2 * 70, a new block
+    assert _addr(c) != first
+    assert fg.output_cache_info()["blocks"] == info["blocks"] + 1
+    d = _outcache.empty(150 * 2**8, np.float32)  # 150 KiB: the free 160 KiB block again
+    assert _addr(d) == first
+    assert not np.shares_memory(c, d)

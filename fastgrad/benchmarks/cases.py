@@ -459,20 +459,29 @@ def _sparse_flce_cases(BT, H, V, dtype) -> list:
     return cases
 
 
-def _lce_step(filter_eps=None):
-    """A runner factory: one ``fastgrad.torch.linear_cross_entropy`` loss + backward."""
+def _lce_step(filter_eps=None, fused=None, gemm=None):
+    """A runner factory: one ``fastgrad.torch.linear_cross_entropy`` loss + backward
+    (``fused``: the keyword; ``gemm``: the GEMM engine, None = the default)."""
 
     def make(inp):
         from fastgrad.torch import linear_cross_entropy
 
         h, w, t = tt(inp["hidden"]), tt(inp["weight"]), tt(inp["target"])
 
-        def run():
+        def step():
             hh = h.detach().requires_grad_()
             ww = w.detach().requires_grad_()
-            loss = linear_cross_entropy(hh, ww, t, filter_eps=filter_eps)
+            loss = linear_cross_entropy(hh, ww, t, filter_eps=filter_eps, fused=fused)
             loss.backward()
             return loss, hh.grad, ww.grad
+
+        def run():
+            if gemm is None:
+                return step()
+            import fastgrad as fg
+
+            with fg.gemm(gemm):
+                return step()
 
         if "mean_entropy" in inp:  # the sweep's inputs: report their measured entropy
             run.metrics = lambda: {"mean_entropy": inp["mean_entropy"]}  # type: ignore[attr-defined]
@@ -553,6 +562,8 @@ def _train_step_case(BT, H, V) -> Case:
         inputs,
         [
             Runner("fastgrad", "fastgrad", _lce_step(), needs_torch=True),
+            Runner("fastgrad-fused", "baseline", _lce_step(fused=True), needs_torch=True),
+            Runner("fastgrad-blas", "baseline", _lce_step(gemm="blas"), needs_torch=True),
             Runner("torch-fp32", "baseline", _torch_step("float32"), needs_torch=True),
             Runner("torch-bf16", "baseline", _torch_step("bfloat16"), needs_torch=True),
             Runner("bound", "bound", None),
@@ -563,8 +574,10 @@ def _train_step_case(BT, H, V) -> Case:
         gemm=[(BT, H, V), (BT, V, H), (V, BT, H)],
         memory=True,
         needs_torch=True,
-        note="fastgrad.torch.linear_cross_entropy forward+backward; flops = the 3 GEMMs "
-        "of one materialized step; bound: those GEMMs in fp32",
+        note="fastgrad.torch.linear_cross_entropy forward+backward (default: fused=None, the GEMM "
+        "engine of fastgrad.gemm_engine()); fastgrad-fused: fused=True (3 GEMMs, the fp32 [V, H] "
+        "gradient held); fastgrad-blas: the default on NumPy's BLAS; flops = the 3 GEMMs of one "
+        "materialized step; bound: those GEMMs in fp32 (NumPy's BLAS)",
     )
 
 

@@ -14,6 +14,12 @@ The element-wise passes between those GEMMs run on the same pool (``run_rows``: 
 workers spin after each parallel region, and the spinning took the cores from the BLAS calls
 that followed (the train step at the Qwen2.5-0.5B head, 2 cores: 17.1 s with the passes on
 OpenMP, 14.4 s on the pool).
+
+Two engines compute the fp32 tiles (``fastgrad.gemm_engine``): NumPy's BLAS, or PyTorch's fp32
+matmul in oneDNN's bf16 math mode (fp32 products from bf16 parts with the AVX-512 BF16 dot
+product; twice the sgemm rate on such CPUs).  Either way each tile is one single-threaded call
+(the pool's threads run PyTorch's OpenMP with one thread), so the reproducibility above holds
+for both.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
+from .. import _onednn
+
 #: The most output rows (resp. columns) per BLAS call.  A dimension is cut into equal parts of
 #: at most this size (``_spans``), so the tasks are balanced over the pool; never derived from
 #: the thread count.
@@ -35,6 +43,20 @@ COL_BLOCK = 512
 _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
 _controller = None
+_tls = threading.local()
+
+
+def _engine() -> str:
+    e = getattr(_tls, "engine", None)
+    return e if e is not None else "blas"
+
+
+def mm(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "blas") -> None:
+    """``out = A · B`` (2-D, fp32 or fp64) on ``engine``; one single-threaded call."""
+    if engine == "onednn" and out.dtype == np.float32:
+        _onednn.mm(A, B, out)
+    else:
+        np.matmul(A, B, out=out)
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
@@ -47,21 +69,37 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 @contextlib.contextmanager
 def single_threaded_blas():
-    """Limit the BLAS to one thread for the duration (restored afterwards)."""
+    """For the duration: the BLAS on one thread, the GEMM engine resolved
+    (``fastgrad.gemm_engine``) and, for ``"onednn"``, PyTorch's bf16 math mode for fp32
+    matmuls (all restored afterwards)."""
     global _controller
     if _controller is None:
         from threadpoolctl import ThreadpoolController
 
         _controller = ThreadpoolController()
-    with _controller.limit(limits=1, user_api="blas"):
-        yield
+    from .._config import gemm_engine
+
+    engine = gemm_engine()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_controller.limit(limits=1, user_api="blas"))
+        if engine == "onednn":
+            stack.enter_context(_onednn.fp32_precision_bf16())
+        old = getattr(_tls, "engine", None)
+        _tls.engine = engine
+        try:
+            yield
+        finally:
+            _tls.engine = old
 
 
 def _run(tasks):
+    """Run ``tasks`` (callables of no argument) on the pool (inline for one thread or task)."""
     n = numba.get_num_threads()
     if n <= 1 or len(tasks) <= 1:
-        for t in tasks:
-            t()
+        # the calling thread's OpenMP (PyTorch's): one thread, as on the pool
+        with _onednn.one_omp_thread() if _engine() == "onednn" else contextlib.nullcontext():
+            for t in tasks:
+                t()
         return
     futs = [_pool(n).submit(t) for t in tasks]
     for f in futs:
@@ -84,9 +122,10 @@ def run_rows(kernel, n: int, *args, parts: int = 16) -> None:
 
 def matmul_nt(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = A[M, K] · B[N, K]ᵀ, tiles of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
+    e = _engine()
     _run(
         [
-            (lambda a=a, b=b, c=c, d=d: np.matmul(A[a:b], B[c:d].T, out=out[a:b, c:d]))
+            (lambda a=a, b=b, c=c, d=d: mm(A[a:b], B[c:d].T, out[a:b, c:d], e))
             for a, b in _spans(A.shape[0], ROW_BLOCK)
             for c, d in _spans(B.shape[0], COL_BLOCK)
         ]
@@ -95,9 +134,10 @@ def matmul_nt(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
 
 def matmul_nn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = A[M, K] · B[K, N], tiles of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
+    e = _engine()
     _run(
         [
-            (lambda a=a, b=b, c=c, d=d: np.matmul(A[a:b], B[:, c:d], out=out[a:b, c:d]))
+            (lambda a=a, b=b, c=c, d=d: mm(A[a:b], B[:, c:d], out[a:b, c:d], e))
             for a, b in _spans(A.shape[0], ROW_BLOCK)
             for c, d in _spans(B.shape[1], COL_BLOCK)
         ]
@@ -106,4 +146,5 @@ def matmul_nn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
 
 def matmul_tn(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = A[K, M]ᵀ · B[K, N], blocks of ≤ COL_BLOCK rows of out (columns of A)."""
-    _run([(lambda a=a, b=b: np.matmul(A[:, a:b].T, B, out=out[a:b])) for a, b in _spans(A.shape[1], COL_BLOCK)])
+    e = _engine()
+    _run([(lambda a=a, b=b: mm(A[:, a:b].T, B, out[a:b], e)) for a, b in _spans(A.shape[1], COL_BLOCK)])

@@ -41,8 +41,8 @@ import numpy as np
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
 from .._outcache import empty as scratch
+from ._gemm import _engine, _spans, matmul_nn, matmul_nt, matmul_tn, mm, run_rows, single_threaded_blas
 from ._gemm import _run as _run_tasks
-from ._gemm import _spans, matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
 from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
 
@@ -144,17 +144,17 @@ def _row_grad_entropy(r, a, e, h, mu, lz, it):
 
 @tjit
 def _stats_chunk(
-    lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transform, m_io, s_io, zt_io, zs_io, am_io, sz_io
+    lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transform, m_io, s_io, zt_io, zs_io, am_io, sz_io, vshift
 ):
     """One vocabulary chunk of the block (``L[off:off + nb·width]``, rows of ``width`` columns
-    starting at column ``v0 = off // nb``), while it is hot in cache: ``z = softcap(L + bias)/T``
+    starting at column ``v0 = off // nb + vshift``), while it is hot in cache: ``z = softcap(L + bias)/T``
     in place (only with ``transform``), then the running row statistics are updated online:
     max and its first index, ``Σ exp(z - max)`` and (``flags[4]``) ``Σ exp(z - max)·(z - max)``
     (both rescaled when the max grows), the target's ``z`` and ``Σ_v w_v z_v``.  NaN never
     becomes the max and propagates through the sums."""
     ninf = par[8]
     zero = par[10]
-    v0 = off // nb
+    v0 = off // nb + vshift
     for i in range(lo, hi):
         r = L[off + i * width : off + (i + 1) * width]
         if transform:
@@ -194,10 +194,11 @@ def _stats_chunk(
 
 @tjit
 def _grad_pass(
-    lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, coef_h, zmean, par, flags, recompute, bias
+    lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, coef_h, zmean, par, flags, recompute, bias, vshift
 ):
     """Overwrite z (or, with ``recompute``, the raw logits) by dloss/dL (``coef_h``, ``zmean``:
-    the entropy's upstream coefficient and ``μ = Σ p·z`` per row, read with ``flags[5]``)."""
+    the entropy's upstream coefficient and ``μ = Σ p·z`` per row, read with ``flags[5]``).
+    Chunk ``c`` starts at vocabulary column ``offs[c] // nb + vshift``."""
     nchunk = offs.shape[0]
     cap = par[0]
     icap = par[1]
@@ -218,7 +219,7 @@ def _grad_pass(
         plain = not recompute and not flags[0] and not flags[2]
         for c in range(nchunk):
             base = offs[c] + i * widths[c]
-            v0 = offs[c] // nb
+            v0 = offs[c] // nb + vshift
             if a == 0 and b == 0 and e == 0 and h == 0:
                 for j in range(widths[c]):
                     L[base + j] = par[10]
@@ -271,6 +272,15 @@ def _add_into(lo, hi, dst, src):
     for i in range(lo, hi):
         for j in range(h):
             dst[i, j] += src[i, j]
+
+
+@tjit
+def _round_rows(lo, hi, dst, src, code):
+    """dst[q, :] = round(src[q, :]) to the 16-bit dtype ``code`` (RNE; bits)."""
+    h = dst.shape[1]
+    for q in range(lo, hi):
+        for j in range(h):
+            dst[q, j] = D.from_f32(src[q, j], code)
 
 
 @tjit
@@ -370,6 +380,7 @@ def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode,
     """``gi_rows += G·W`` and ``gw += Gᵀ·X`` over the kept blocks only (module docstring)."""
     g_buf, w_buf, p_buf, q_buf = bufs
     H = X.shape[1]
+    eng = _engine()
     # per vocabulary column: its offset in the block's flat storage at row 0, its chunk's width
     chunk_w = np.repeat(widths, widths)
     coff = np.repeat(offs, widths) + np.arange(K) - np.repeat(offs // nb, widths)
@@ -390,11 +401,11 @@ def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode,
                 # rows r0:r1 of grad_input are zero until this row block's first chunk: write it
                 P = gi_rows[r0:r1] if q0 == 0 else p_buf[: nr * H].reshape(nr, H)
                 for a, b in _spans(H, _FILTER_H_BLOCK):
-                    tasks.append(functools.partial(np.matmul, Gc, Wc[:, a:b], out=P[:, a:b]))
+                    tasks.append(functools.partial(mm, Gc, Wc[:, a:b], P[:, a:b], eng))
             if gw is not None:
                 Q = q_buf[: nq * H].reshape(nq, H)
                 for a, b in _spans(nq, _FILTER_Q_BLOCK):
-                    tasks.append(functools.partial(np.matmul, Gc[:, a:b].T, X[r0:r1], out=Q[a:b]))
+                    tasks.append(functools.partial(mm, Gc[:, a:b].T, X[r0:r1], Q[a:b], eng))
             _run_tasks(tasks)
             if gi_rows is not None and q0 > 0:
                 run_rows(_add_into, nr, gi_rows[r0:r1], P)
@@ -410,6 +421,96 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
     if cdt == np.float64:
         return np.ascontiguousarray(a[r0:r1], dtype=np.float64)
     return fp32_block(a, r0, r1, buf)
+
+
+#: vocabulary columns per chunk of the vocabulary-major recompute (``_vocab_major``)
+VM_CHUNK = 4096
+
+
+def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace):
+    """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk.
+
+    For each chunk of ``vc`` columns: the weight's rows widened once; for each row block (all
+    rows at once when ``[BT, vc]`` fits the workspace): the logits recomputed, turned into the
+    gradient in place, ``grad_input[b] (+)= G·W[v]`` and ``grad_weight[v] (+)= Gᵀ·X[b]``.  A
+    chunk's ``grad_weight`` is complete when its row loop ends, so a 16-bit ``grad_weight`` is
+    rounded once from its fp32 sum (as the fp32 result rounded at the end) and no fp32 ``[K, H]``
+    is held: the memory is the output plus ``O(vc·(BT + H))`` scratch.
+
+    ``grads``: (grad_input, grad_weight, its 16-bit bits or itself, its dtype code or None,
+    grad_bias); ``rows``: the per-row arrays of ``_grad_pass`` (target column, target weight,
+    lse, upstream coefficients, μ); ``consts``: (class weights, bias, par, flags).
+    """
+    gi, gw, gw_acc, gw_code, gb = grads
+    tcol, wt_c, lse, coef_ce, coef_z, coef_h, zmean = rows
+    cw_c, bias_c, par, flags = consts
+    BT, H = input.shape
+    K = W.shape[0]
+    isz = np.dtype(cdt).itemsize
+    nr = max(1, min(BT, workspace // 2 // max(1, vc * isz)))
+    nblocks = -(-BT // nr)
+    nr = -(-BT // nblocks)  # equal blocks
+    widen_x = input.dtype != cdt
+    xall = _block(input, 0, BT, cdt, scratch(BT * H, cdt) if widen_x else None) if nblocks == 1 else None
+    xbuf = scratch(nr * H, cdt) if (xall is None and widen_x) else None
+    wbuf = scratch(vc * H, cdt) if W.dtype != cdt else None
+    Lt = scratch(nr * vc, cdt)
+    th = scratch(nr * H, cdt) if gi is not None else None
+    # a 16-bit grad_weight: the chunk summed in fp32 here, then rounded once
+    tw = scratch(vc * H, cdt) if (gw is not None and gw_code is not None) else None
+    tw2 = scratch(vc * H, cdt) if (gw is not None and nblocks > 1) else None
+    offs = np.zeros(1, np.int64)
+    for v0 in range(0, K, vc):
+        v1 = min(K, v0 + vc)
+        w = v1 - v0
+        Wc = W[v0:v1] if W.dtype == cdt else _block(W, v0, v1, cdt, wbuf)
+        widths = np.array([w], np.int64)
+        for k in range(nblocks):
+            b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks
+            nb = b1 - b0
+            X = xall[b0:b1] if xall is not None else _block(input, b0, b1, cdt, xbuf)
+            G = Lt[: nb * w].reshape(nb, w)
+            matmul_nt(X, Wc, G)
+            run_rows(
+                _grad_pass,
+                nb,
+                Lt,
+                offs,
+                widths,
+                nb,
+                cw_c,
+                tcol[b0:b1],
+                wt_c[b0:b1],
+                lse[b0:b1],
+                coef_ce[b0:b1],
+                coef_z[b0:b1],
+                coef_h[b0:b1],
+                zmean[b0:b1],
+                par,
+                flags,
+                True,
+                bias_c,
+                v0,
+            )
+            if gb is not None:
+                run_rows(_colsum_into, w, Lt, 0, w, nb, gb, v0)
+            if gi is not None:
+                if v0 == 0:
+                    matmul_nn(G, Wc, gi[b0:b1])
+                else:
+                    t = th[: nb * H].reshape(nb, H)
+                    matmul_nn(G, Wc, t)
+                    run_rows(_add_into, nb, gi[b0:b1], t)
+            if gw is not None:
+                acc = gw[v0:v1] if tw is None else tw[: w * H].reshape(w, H)
+                if k == 0:
+                    matmul_tn(G, X, acc)
+                else:
+                    t = tw2[: w * H].reshape(w, H)
+                    matmul_tn(G, X, t)
+                    run_rows(_add_into, w, acc, t)
+        if tw is not None:
+            run_rows(_round_rows, w, gw_acc[v0:v1], tw[: w * H].reshape(w, H), gw_code)
 
 
 @single_threaded_blas()
@@ -499,7 +600,9 @@ def linear_cross_entropy_cpu(
     partial = params.get("filter_eps") is not None or K == 0 or BT == 0
     if gi is not None and partial:
         gi[...] = 0
-    if gw is not None and (partial or gw_code is not None):  # 16-bit: accumulated from zero
+    # the recompute of the gradient alone runs vocabulary-major (``_vocab_major``)
+    vmajor = recompute and want_grad and params.get("filter_eps") is None and K > 0 and BT > 0
+    if gw is not None and (partial or (gw_code is not None and not vmajor)):  # 16-bit: accumulated from zero
         gw[...] = 0
     if gb is not None:
         gb[...] = 0
@@ -514,17 +617,37 @@ def linear_cross_entropy_cpu(
     if BT == 0:
         return
     nb_max = max(1, min(int(block_rows), BT))
+    # the forward alone keeps one chunk of VM_CHUNK columns at a time, for all rows when they
+    # fit half the workspace (the weight widened once); with the gradient, the row block's whole
+    # row.  From constants and BT, not the local width: every rank of a vocabulary-parallel group
+    # plans the same row blocks (the combine runs per block).
+    fwd_only = not want_grad
+    if fwd_only:
+        v_chunk = min(int(v_chunk), VM_CHUNK)
+        nb_max = min(BT, max(nb_max, (workspace // 2) // (v_chunk * np.dtype(cdt).itemsize)))
     vc = max(1, min(int(v_chunk), max(K, 1)))
     chunks = [(v0, min(K, v0 + vc)) for v0 in range(0, K, vc)]
     W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
     widen = W.dtype != cdt
+    if vmajor:
+        _vocab_major(
+            input,
+            W,
+            cdt,
+            (gi, gw, gw_acc, gw_code, gb),
+            (tcol, wt_c, lse_all, coef_ce, coef_z, coef_h, zmean_all),
+            (cw_c, bias_c, par, flags),
+            min(vc, VM_CHUNK),
+            workspace,
+        )
+        return
     # keep the whole weight in the compute dtype when it is small, else widen per chunk
     wfull = _block(W, 0, K, cdt, None) if (widen and K * H * 4 <= workspace // 4) else None
     # scratch on recycled memory (fastgrad._outcache): a training loop's next step takes no
     # fresh pages
     wbuf = scratch(vc * H, cdt) if (widen and wfull is None) else None
     xbuf = scratch(nb_max * H, cdt) if input.dtype != cdt else None
-    Lbuf = scratch(nb_max * max(K, 1), cdt)  # the row block's logits
+    Lbuf = scratch(nb_max * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
     tmp_h = scratch(nb_max * H, cdt) if gi is not None else None
     tmp_w = scratch(vc * H, cdt) if gw is not None else None
 
@@ -610,6 +733,7 @@ def linear_cross_entropy_cpu(
             flags,
             recompute,
             bias_c,
+            0,
         )
         if gb is not None:
             for off, w in zip(offs, widths):
@@ -620,7 +744,7 @@ def linear_cross_entropy_cpu(
         b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks
         nb = b1 - b0
         X = _block(input, b0, b1, cdt, xbuf)
-        offs = np.array([nb * v0 for v0, _ in chunks], np.int64) if chunks else empty_i
+        offs = np.array([0 if fwd_only else nb * v0 for v0, _ in chunks], np.int64) if chunks else empty_i
         widths = np.array([v1 - v0 for v0, v1 in chunks], np.int64) if chunks else empty_i
         # dense gradient, chunk by chunk while the chunk is hot in cache
         interleave = want_grad and K > 0 and feps is None
@@ -654,6 +778,7 @@ def linear_cross_entropy_cpu(
                     zs,
                     am,
                     sz,
+                    v0 if fwd_only else 0,
                 )
             elif interleave:
                 grad(b0, b1, offs[c : c + 1], widths[c : c + 1])

@@ -1,0 +1,146 @@
+"""The GEMM engines of the fused linear kernels (fastgrad/_onednn.py, kernels/_gemm.py).
+
+The ``"onednn"`` engine (PyTorch's fp32 matmul in oneDNN's bf16 math mode) must give fp32
+accuracy against a float64 oracle written here, the same bits at every thread count, leave
+PyTorch's settings as it found them, and never be used where its accuracy probe fails; the
+NumPy-level ops stay on the BLAS unless asked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from common import lm_head_problem  # noqa: E402
+
+import fastgrad as fg  # noqa: E402
+import fastgrad.torch as ft  # noqa: E402
+from fastgrad import _config, _onednn  # noqa: E402
+
+IGN = -100
+
+
+def _data(BT, H, V, seed, dtype=np.float32):
+    x, w, _, _, t = lm_head_problem(BT, H, V, seed, dtype)
+    return x, w, t
+
+
+def _oracle(x, w, t):
+    """float64 from the contract: mean CE over non-ignored rows, its gradients."""
+    X, W = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    z = X @ W.T
+    m = z.max(1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(1, keepdims=True)))[:, 0]
+    valid = t != IGN
+    n = valid.sum()
+    rows = np.flatnonzero(valid)
+    loss = (lse[rows] - z[rows, t[rows]]).sum() / n
+    G = np.exp(z - lse[:, None])
+    G[rows, t[rows]] -= 1
+    G = np.where(valid[:, None], G, 0) / n
+    return loss, G @ W, G.T @ X, np.abs(G) @ np.abs(W), np.abs(G).T @ np.abs(X)
+
+
+def test_settings_resolve_and_bad_names_raise(monkeypatch):
+    monkeypatch.delenv("FASTGRAD_GEMM", raising=False)
+    assert _config.gemm_setting() == "auto"
+    assert fg.gemm_engine() == "blas"  # the NumPy-level ops: the BLAS unless asked
+    with fg.gemm("blas"):
+        assert fg.gemm_engine() == "blas"
+    with fg.gemm("onednn"):
+        assert fg.gemm_engine() == ("onednn" if _onednn.usable() else "blas")
+    monkeypatch.setenv("FASTGRAD_GEMM", "onednn")
+    assert _config.gemm_setting() == "onednn"
+    fg.set_gemm_engine("blas")
+    try:
+        assert fg.gemm_engine() == "blas"
+    finally:
+        fg.set_gemm_engine(None)
+    for bad in ("mkl", "", "BLAS2"):
+        with pytest.raises(ValueError, match="gemm engine"):
+            fg.set_gemm_engine(bad)
+        with pytest.raises(ValueError, match="gemm engine"):
+            with fg.gemm(bad):
+                pass
+
+
+@pytest.mark.parametrize("capable", [True, False])
+def test_auto_prefers_onednn_only_in_the_torch_loss_on_capable_cpus(monkeypatch, capable):
+    monkeypatch.delenv("FASTGRAD_GEMM", raising=False)
+    monkeypatch.setattr(_onednn, "cpu_has_bf16_dot", lambda: capable)
+    calls = []
+    real = _onednn.mm
+    monkeypatch.setattr(_onednn, "mm", lambda *a: (calls.append(1), real(*a)))
+    with _config.prefer_onednn():
+        assert fg.gemm_engine() == ("onednn" if capable else "blas")
+    x, w, t = _data(40, 16, 300, 1, np.float32)
+    fg.linear_cross_entropy(x, w, t, return_grad=True)
+    assert not calls  # the NumPy-level op: always the BLAS under "auto"
+    hh = torch.from_numpy(x).requires_grad_()
+    ww = torch.from_numpy(w).requires_grad_()
+    ft.linear_cross_entropy(hh, ww, torch.from_numpy(t)).backward()
+    assert bool(calls) == capable
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (37, 19, 1001), (613, 24, 1100)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_both_engines_match_float64(shape, dtype, recompute):
+    import ml_dtypes
+
+    BT, H, V = shape
+    x, w, t = _data(BT, H, V, sum(shape), np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
+    loss, gi, gw, agi, agw = _oracle(x, w, t)
+    for eng in ("blas", "onednn"):
+        with fg.gemm(eng):
+            r = fg.linear_cross_entropy(x, w, t, return_grad=True)
+            if recompute:
+                r = fg.linear_cross_entropy(x, w, t, return_grad=True, lse=r.lse)
+            else:
+                np.testing.assert_allclose(r.loss, loss, rtol=2e-6, atol=1e-7)
+        # fp32 accuracy, relative to |G|·|W| (the scale of each sum)
+        assert np.all(np.abs(r.grad_input - gi) <= 1e-5 * agi + 1e-12)
+        assert np.all(np.abs(r.grad_weight - gw) <= 1e-5 * agw + 1e-12)
+
+
+def test_onednn_gives_the_same_bits_at_every_thread_count():
+    x, w, t = _data(700, 40, 3000, 7, np.float32)  # several 512-row / 512-column tiles
+    out = []
+    for n in (1, 2):
+        with fg.num_threads(n), fg.gemm("onednn"):
+            r = fg.linear_cross_entropy(x, w, t, return_grad=True)
+            r2 = fg.linear_cross_entropy(x, w, t, return_grad=True, lse=r.lse)
+        out.append((r.loss, r.grad_input, r.grad_weight, r2.grad_input, r2.grad_weight))
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_onednn_leaves_torch_settings_as_it_found_them():
+    m = torch.backends.mkldnn.matmul
+    before = (m.fp32_precision, torch.get_num_threads())
+    x, w, t = _data(50, 16, 700, 2, np.float32)
+    with fg.gemm("onednn"):
+        fg.linear_cross_entropy(x, w, t, return_grad=True)
+        with fg.num_threads(1):
+            fg.linear_cross_entropy(x, w, t, return_grad=True)
+        with pytest.raises(fg.AclnnError):
+            fg.linear_cross_entropy(x, w[:, :3], t, return_grad=True)
+    assert (m.fp32_precision, torch.get_num_threads()) == before
+
+
+def test_the_probe_rejects_a_plain_bf16_down_conversion(monkeypatch):
+    """Where the mode rounds fp32 operands to bf16 (as oneDNN's documentation allows), the
+    probe fails and ``"onednn"`` resolves to the BLAS."""
+    real = torch.mm
+
+    def down_converting_mm(a, b, out=None):
+        return real(a.bfloat16().float(), b.bfloat16().float(), out=out)
+
+    assert _onednn._probe()
+    monkeypatch.setattr(torch, "mm", down_converting_mm)
+    assert not _onednn._probe()
+    monkeypatch.setattr(_onednn, "_ok", False)
+    assert _onednn.resolve_engine("onednn") == "blas"
+    assert _onednn.resolve_engine("auto", prefer=True) == "blas"
