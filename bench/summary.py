@@ -15,6 +15,12 @@ def _t(r):
     return f"{s * 1e3:.4g} ms" if s < 1 else f"{s:.3g} s"
 
 
+def _mib(r):
+    """Peak RSS of the row's process, and (+) its growth over the RSS before the row's first call."""
+    d = r.get("peak_rss_delta_mib")
+    return f"{r['peak_rss_mib']:.0f}" + (f" (+{d:.0f})" if d is not None else "")
+
+
 def _pct(x):
     return "—" if x is None else f"{x:.1%}"
 
@@ -29,6 +35,12 @@ def _machine_line(rep):
         f"{m['memory_gib']:.0f} GiB, {rep['settings']['threads'][0]} threads; bound = fp32 GEMMs through "
         f"NumPy's BLAS (FLCE family) or the bytes each op must move at the measured copy bandwidth "
         f"({bw:.1f} GB/s). Times are medians; ratios come from the same run."
+        + (
+            f" GEMM engine: {eng.get('ops')} for the NumPy-level ops, {eng.get('torch_loss', '—')} for "
+            f"`fastgrad.torch.linear_cross_entropy` (`fastgrad.gemm_engine`)."
+            if (eng := rep["settings"].get("gemm_engine"))
+            else ""
+        )
     )
 
 
@@ -54,15 +66,24 @@ def _cases(rep):
 def _main_table(cases):
     print(
         "| op | shape, dtype, mode | fastgrad | with `out=` | fresh pages | of bound | PyTorch "
-        "| speed-up vs PyTorch | peak RSS fastgrad / PyTorch |"
+        "| speed-up vs PyTorch | peak RSS (+ over the inputs) fastgrad / PyTorch | other fastgrad rows |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in cases.values():
         fg = c.get("fastgrad")
         if fg is None or "filter_eps" in c["mode"]:
             continue
         fo, ff = c.get("fastgrad_out="), c.get("fastgrad_fresh-pages")
-        torch_rows = [(k, v) for k, v in c.items() if isinstance(v, dict) and v.get("kind") == "baseline"]
+        base = [(k, v) for k, v in c.items() if isinstance(v, dict) and v.get("kind") == "baseline"]
+        torch_rows = [(k, v) for k, v in base if not k.startswith("fastgrad")]
+        # the same op in another configuration (fused, another GEMM engine): time, of bound, peak
+        other = "; ".join(
+            f"{k}: {_t(v)}"
+            + (f", {v['fraction_of_bound']:.0%} of bound" if v.get("fraction_of_bound") else "")
+            + (f", {_mib(v)} MiB" if v.get("peak_rss_mib") else "")
+            for k, v in base
+            if k.startswith("fastgrad")
+        )
         frac = f"{fg['fraction_of_bound']:.0%}" + (f" / {fo['fraction_of_bound']:.0%}" if fo else "")
         torch_s = "; ".join(f"{k}: {_t(v)}" for k, v in torch_rows) or "—"
         sp = (
@@ -76,11 +97,11 @@ def _main_table(cases):
         )
         mem = "—"
         if fg.get("peak_rss_mib"):
-            others = [f"{k} {v['peak_rss_mib']:.0f}" for k, v in torch_rows if v.get("peak_rss_mib")]
-            mem = f"{fg['peak_rss_mib']:.0f} MiB" + (" / " + ", ".join(others) + " MiB" if others else "")
+            others = [f"{k} {_mib(v)}" for k, v in torch_rows if v.get("peak_rss_mib")]
+            mem = f"{_mib(fg)} MiB" + (" / " + ", ".join(others) + " MiB" if others else "")
         print(
             f"| {c['op']} | {c['shape']}, {c['dtype']}, {c['mode']} | {_t(fg)} | {_t(fo) if fo else '—'} | "
-            f"{_t(ff) if ff else '—'} | {frac} | {torch_s} | {sp} | {mem} |"
+            f"{_t(ff) if ff else '—'} | {frac} | {torch_s} | {sp} | {mem} | {other or '—'} |"
         )
 
 

@@ -218,6 +218,13 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
     def ms(inp):
         return lambda: _flce_grad(inp, **_stats(inp))
 
+    def ms_onednn(inp):
+        def run():
+            with fg.gemm("onednn"):
+                return _flce_grad(inp, **_stats(inp))
+
+        return run
+
     def hp(inp):
         return lambda: _flce_grad(inp, softmax=inp["softmax"])
 
@@ -254,6 +261,7 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
             lambda: _flce_inputs(BT, H, V, dtype, 0),
             [
                 Runner("fastgrad", "fastgrad", ms),
+                Runner("fastgrad-onednn", "baseline", ms_onednn, needs_torch=True),
                 Runner("torch-fp32", "baseline", _torch_flce("float32"), needs_torch=True),
                 Runner(f"torch-{_SHORT[dtype]}", "baseline", _torch_flce(dtype), needs_torch=True),
                 Runner("bound", "bound", None),
@@ -263,7 +271,8 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
             bound="gemm",
             gemm=g3,
             memory=True,
-            note="bound: the 3 fp32 GEMMs [BT,H]x[H,V], [BT,V]x[V,H], [V,BT]x[BT,H]",
+            note="bound: the 3 fp32 GEMMs [BT,H]x[H,V], [BT,V]x[V,H], [V,BT]x[BT,H]; "
+            "fastgrad-onednn: the same op on the oneDNN GEMM engine (fg.gemm('onednn'))",
         ),
         Case(
             "fused_linear_cross_entropy_loss_grad",

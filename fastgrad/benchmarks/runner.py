@@ -108,6 +108,17 @@ def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> di
     return row
 
 
+def _gemm_engines(has_torch: bool) -> dict:
+    """The GEMM engine of the NumPy-level ops and of fastgrad.torch's training loss here."""
+    from .. import _config
+
+    out = {"ops": _config.gemm_engine()}
+    if has_torch:
+        with _config.prefer_onednn():
+            out["torch_loss"] = _config.gemm_engine()
+    return out
+
+
 # --------------------------------------------------------------- spawned memory worker ----
 
 
@@ -302,6 +313,7 @@ def run(
             "backends": list(backends),
             "torch": has_torch,
             "memory_subprocess": memory,
+            "gemm_engine": _gemm_engines(has_torch),
         },
         "bounds": bounds,
         "notes": [torch_note] if torch_note else [],
