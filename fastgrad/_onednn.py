@@ -98,7 +98,8 @@ def _probe() -> bool:
 
 
 def usable() -> bool:
-    """PyTorch is importable and the accuracy probe passes (cached for the process)."""
+    """PyTorch is importable, has the mode (``torch.backends.mkldnn.matmul.fp32_precision``,
+    PyTorch ≥ 2.9) and the accuracy probe passes (cached for the process)."""
     global _ok
     if _ok is None:
         with _lock:
@@ -108,7 +109,10 @@ def usable() -> bool:
                 except ImportError:
                     _ok = False
                 else:
-                    _ok = _probe()
+                    try:
+                        _ok = _probe()
+                    except Exception:  # noqa: BLE001 - e.g. a PyTorch without the mode: unusable
+                        _ok = False
     return _ok
 
 

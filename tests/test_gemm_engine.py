@@ -144,3 +144,15 @@ def test_the_probe_rejects_a_plain_bf16_down_conversion(monkeypatch):
     monkeypatch.setattr(_onednn, "_ok", False)
     assert _onednn.resolve_engine("onednn") == "blas"
     assert _onednn.resolve_engine("auto", prefer=True) == "blas"
+
+
+def test_a_torch_without_the_mode_is_not_used(monkeypatch):
+    """An older PyTorch (no ``torch.backends.mkldnn.matmul``): the probe fails, the BLAS runs."""
+    monkeypatch.setattr(_onednn, "_ok", None)
+    monkeypatch.setattr(torch.backends.mkldnn, "matmul", None)  # no fp32_precision attribute
+    assert not _onednn.usable()
+    assert _onednn.resolve_engine("onednn") == "blas"
+    x, w, t = _data(20, 8, 50, 3)
+    with fg.gemm("onednn"):
+        r = fg.linear_cross_entropy(x, w, t, return_grad=True)
+    assert np.isfinite(r.loss)

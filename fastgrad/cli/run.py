@@ -713,7 +713,9 @@ class Phases:
             out = fn(*a, **kw)
             self.time[name] = time.perf_counter() - t0
         self.peak[name] = pm.peak
-        self.process_peak[name] = process_peak_bytes()
+        # VmHWM is read from per-CPU-batched RSS counters and can dip by a few pages between
+        # two reads; the high-water mark itself never goes down: the running maximum
+        self.process_peak[name] = max(process_peak_bytes(), *self.process_peak.values(), 0)
         return out
 
 

@@ -424,7 +424,7 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
 
 
 #: vocabulary columns per chunk of the vocabulary-major recompute (``_vocab_major``)
-VM_CHUNK = 4096
+VM_CHUNK = 2048
 
 
 def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace):

@@ -163,7 +163,9 @@ def linear_cross_entropy(
     vocab_start_index, vocab_size : the shard layout (defaults: 0, K).
     return_grad : bool or (bool, bool, bool) — compute ``grad_input``, ``grad_weight``,
         ``grad_bias`` for the upstream ``grad_output`` (scalar, default 1; [BT] for 'none').
-    lse : [BT], optional — the saved global log-sum-exp: recompute only the gradient (no loss).
+    lse : [BT], optional — the saved global log-sum-exp: recompute only the gradient (no loss),
+        vocabulary-major (chunks of 2048 columns, all rows at once while ``[BT, 2048]`` fits
+        half the workspace budget).
     combine : callable, optional — ``combine(max, sum_exp, z_target, z_sum, argmax)`` per row
         block, returning the global values (the caller's all-reduce across vocabulary shards:
         MAX; SUM of ``s·exp(m - gmax)``; SUM; SUM; MIN of the argmax where ``m == gmax``).
@@ -195,7 +197,11 @@ def linear_cross_entropy(
         rounding per row block instead of one in all — with ``n`` row blocks (``BT /
         block_rows``, ``block_rows`` from the workspace budget), ``|Δgrad_weight| <= n·u·Σ_b
         |partial_b|`` with ``u`` the format's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹); with one
-        row block the result is the default's rounded once, bitwise.  Anything else: 161002.
+        row block the result is the default's rounded once, bitwise.  With ``lse`` (the
+        recompute, dense) the gradient is computed vocabulary chunk by vocabulary chunk, each
+        chunk's ``grad_weight`` summed in fp32 over all rows and then rounded once: the
+        16-bit result is always the default's rounded once, bitwise, and no fp32 ``[K, H]`` is
+        held.  Anything else: 161002.
     return_entropy : bool — also return the entropy ``-Σ_v p_v·log p_v = lse - Σ_v p_v·z_v`` of
         each row's softmax over the global vocabulary (nats; for RL fine-tuning, as verl's fused
         linear cross-entropy returns it with the per-token log-probabilities ``-loss`` of

@@ -15,7 +15,7 @@ When the gradient is computed — the rule
   default 256 MiB), or ``filter_eps`` is set.  ``fused=True`` forces it where allowed.
 * **recompute** (4 GEMMs, the least memory): otherwise — ``reduction="none"`` (per-row upstream
   gradients are not known in the forward), a large ``[V, H]`` (the Qwen2.5-0.5B head: 519 MiB
-  of fp32 gradient), or ``fused=False``.  The forward keeps one ``[BT, 4096]`` chunk of logits
+  of fp32 gradient), or ``fused=False``.  The forward keeps one ``[BT, 2048]`` chunk of logits
   at a time and holds only the fp32 ``[BT]`` log-sum-exp; the backward recomputes the logits
   vocabulary chunk by vocabulary chunk and writes a 16-bit ``weight``'s gradient in its own
   dtype, each chunk summed in fp32 and rounded once — no fp32 ``[V, H]`` exists.  At the
