@@ -15,8 +15,13 @@ memory budget, never from BT or the thread count):
    logits as the statistics, not rounded; ``h·p·(μ - z)`` the entropy's term, ``μ = Σ p·z``) and two
    GEMMs accumulate ``grad_input[b] = G·W`` and ``grad_weight += Gᵀ·X[b]`` in the compute dtype.
 
-Three GEMMs per row block.  With ``lse`` given (the backward of a forward that did not compute
-the gradient) step 2-3 are skipped: the gradient is recomputed from the saved ``lse``.
+Three GEMMs per row block.  The forward alone (no gradient) keeps one chunk of ``VM_CHUNK``
+columns at a time instead of the block's whole row, with all rows in one block while
+``[BT, VM_CHUNK]`` fits half the workspace (the weight widened once).  With ``lse`` given (the
+backward of a forward that did not compute the gradient) the dense gradient is recomputed
+**vocabulary-major** (``_vocab_major``): per chunk of ``VM_CHUNK`` columns, its logits for all
+rows, steps 4's pass and products; a chunk's ``grad_weight`` is complete after its rows, so a
+16-bit one is rounded once from fp32 and no ``[K, H]`` accumulator exists.
 
 Gradient filtering (``params["filter_eps"]``, CCE's ``filter_eps``): after step 4's pass over
 each vocabulary chunk (the chunk still in cache) a read-only pass flags, per row and per block
