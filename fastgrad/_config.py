@@ -154,16 +154,20 @@ def gemm_engine() -> str:
 
     * ``"blas"``: NumPy's BLAS (sgemm), single-threaded per output tile.
     * ``"onednn"``: PyTorch's fp32 matmul with ``torch.backends.mkldnn.matmul.fp32_precision =
-      "bf16"`` (set only for the duration of the call): on a CPU with AVX-512 BF16 or AMX it
-      computes an fp32 product from bf16 parts at about twice the sgemm rate (measured on an
-      AVX-512 BF16 EPYC: 450 vs 245 GF/s on 2 threads).  Its accuracy is checked once per
-      process by a probe (an operand needing 24 significant bits must survive, and a random
-      product must be within 1e-5 of float64 relative to ``Σ|a||b|``; fp32 gives ~1e-7, a plain
-      bf16 down-conversion ~4e-3): where the probe fails the engine is not used.
+      "bf16"`` (set only for the duration of the call), which routes it to oneDNN's AVX-512
+      brgemm rather than MKL's sgemm; without AMX the arithmetic stays exact fp32 (oneDNN's
+      bf16 down-conversion, "bf32", exists only for AMX).  Where OpenBLAS lacks the CPU's best
+      kernel it is much faster (Zen 5 EPYC, 2 threads: 450 vs 245 GF/s); on a Zen 4 EPYC the
+      two run at the same rate.  Its accuracy is checked once per process by a probe (an
+      operand needing 24 significant bits must survive, and a random product must be within
+      1e-5 of float64 relative to ``Σ|a||b|``; fp32 gives ~1e-7, a plain bf16 down-conversion
+      ~4e-3): where the probe fails (as it should on an AMX CPU, where oneDNN down-converts) the engine
+      is not used.
     * ``"auto"`` (the default): ``"onednn"`` inside ``fastgrad.torch``'s training loss
       (``fastgrad.torch.linear_cross_entropy``, the module, the Hugging Face patch) when the CPU
-      has AVX-512 BF16 or AMX-BF16 and the probe passes; ``"blas"`` everywhere else — the
-      NumPy-level ops (golden data) give the same bits whatever else the process imported.
+      has AVX-512 BF16 or AMX-BF16 (Zen 4/5 EPYC: oneDNN at least as fast as OpenBLAS) and the
+      probe passes; ``"blas"`` everywhere else — the NumPy-level ops (golden data) give the same
+      bits whatever else the process imported.
 
     Both engines keep fastgrad's reproducibility: a fixed partition of the output into tiles,
     each tile computed single-threaded, so results are identical for every thread count (but

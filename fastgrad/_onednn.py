@@ -1,12 +1,15 @@
 """The ``"onednn"`` GEMM engine of the fused linear kernels (``fastgrad.gemm_engine``).
 
 PyTorch's fp32 matmul with ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` runs on
-oneDNN, which on a CPU with the AVX-512 BF16 dot product (or AMX-BF16) builds the fp32 product
-from bf16 parts: measured here, an operand needing 24 significant bits survives (``1 + 2⁻²²``)
-and the error against float64 is within 2.5× that of sgemm, at about twice sgemm's rate (an
-AVX-512 BF16 EPYC, 2 threads: 450 vs 245 GF/s on the fused kernels' 512-row tiles).  oneDNN
-documents the mode only as "implicit f32→bf16 conversions allowed", so a probe checks the
-accuracy once per process and the engine is never used where the probe fails.
+oneDNN's brgemm matmul instead of MKL's sgemm (``ONEDNN_VERBOSE=1`` shows
+``brg_matmul:avx512_core``, f32 in and out).  oneDNN computes f32 "as bf16" (bf32: operands
+down-converted to bf16) only on AMX CPUs (``bf32_dt = f32 && fpmath bf16 && isa ==
+avx512_core_amx``, oneDNN src/cpu/x64/matmul/brgemm_matmul_utils.cpp); elsewhere the mode leaves
+the arithmetic exact fp32 and only routes the call to oneDNN's AVX-512 kernel.  Measured: on a
+Zen 5 EPYC (2 threads, the fused kernels' 512-row tiles) 450 vs 245 GF/s for OpenBLAS's sgemm;
+on a Zen 4 EPYC the two run at the same rate (~100 GF/s per core each).  On an AMX CPU the
+down-conversion would cost fp32 accuracy: a probe checks it once per process (an operand needing
+24 significant bits, ``1 + 2⁻²²``, must survive) and the engine is never used where it fails.
 
 PyTorch is imported only when the engine is asked for (``resolve_engine``); the kernels call
 :func:`mm` per output tile, each call single-threaded (this thread's OpenMP team set to one

@@ -70,14 +70,24 @@ def gemm_runner(products, seed: int = 0):
 
 
 def _cpu_model() -> str:
+    """The model name, with the family and model numbers (a VM's name is often only "AMD EPYC",
+    and Zen 4 (family 25) and Zen 5 (family 26) differ in their GEMM rates)."""
+    fields: dict = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block
+                k, _, v = line.partition(":")
+                fields.setdefault(k.strip().lower(), v.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def _simd() -> list:

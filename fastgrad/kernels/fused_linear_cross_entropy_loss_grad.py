@@ -107,9 +107,7 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs) -> None:
         np.take(G[r0:r1], cols, axis=1, out=Gc)
         Wc = w_c[: nk * H].reshape(nk, H)
         np.take(W32, cols, axis=0, out=Wc)
-        P = p_c[: nr * H].reshape(nr, H)
-        matmul_nn(Gc, Wc, P)
-        np.add(gi_rows[r0:r1], P, out=gi_rows[r0:r1])
+        matmul_nn(Gc, Wc, gi_rows[r0:r1], tmp=p_c[: nr * H].reshape(nr, H))
         Q = q_c[: nk * H].reshape(nk, H)
         matmul_tn(Gc, Xb[r0:r1], Q)
         gwt[cols] += Q
@@ -236,16 +234,12 @@ def fused_linear_cross_entropy_loss_grad(
                     first = False
                 _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs)
             else:
-                P = prod[: nb * H].reshape(nb, H)
-                matmul_nn(G, W32, P)
-                np.add(gi32[b0:b1], P, out=gi32[b0:b1])
+                matmul_nn(G, W32, gi32[b0:b1], tmp=prod[: nb * H].reshape(nb, H))
                 if first:
                     matmul_tn(G, Xb, gwt)
                     first = False
                 else:
-                    Q = gw_tmp[: nv * H].reshape(nv, H)
-                    matmul_tn(G, Xb, Q)
-                    np.add(gwt, Q, out=gwt)
+                    matmul_tn(G, Xb, gwt, tmp=gw_tmp[: nv * H].reshape(nv, H))
             done += 1
             if progress is not None:
                 progress(done, plan.n_tiles)

@@ -500,20 +500,10 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace):
             if gb is not None:
                 run_rows(_colsum_into, w, Lt, 0, w, nb, gb, v0)
             if gi is not None:
-                if v0 == 0:
-                    matmul_nn(G, Wc, gi[b0:b1])
-                else:
-                    t = th[: nb * H].reshape(nb, H)
-                    matmul_nn(G, Wc, t)
-                    run_rows(_add_into, nb, gi[b0:b1], t)
+                matmul_nn(G, Wc, gi[b0:b1], tmp=None if v0 == 0 else th[: nb * H].reshape(nb, H))
             if gw is not None:
                 acc = gw[v0:v1] if tw is None else tw[: w * H].reshape(w, H)
-                if k == 0:
-                    matmul_tn(G, X, acc)
-                else:
-                    t = tw2[: w * H].reshape(w, H)
-                    matmul_tn(G, X, t)
-                    run_rows(_add_into, w, acc, t)
+                matmul_tn(G, X, acc, tmp=None if k == 0 else tw2[: w * H].reshape(w, H))
         if tw is not None:
             run_rows(_round_rows, w, gw_acc[v0:v1], tw[: w * H].reshape(w, H), gw_code)
 
@@ -701,22 +691,14 @@ def linear_cross_entropy_cpu(
         Gc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
         if gi is not None:
             Wc = wchunk(v0, v1)
-            if v0 == 0:
-                matmul_nn(Gc, Wc, gi[b0:b1])
-            else:
-                th = tmp_h[: nb * H].reshape(nb, H)
-                matmul_nn(Gc, Wc, th)
-                run_rows(_add_into, nb, gi[b0:b1], th)
+            matmul_nn(Gc, Wc, gi[b0:b1], tmp=None if v0 == 0 else tmp_h[: nb * H].reshape(nb, H))
         if gw is not None:
-            if first and gw_code is None:
-                matmul_tn(Gc, X, gw[v0:v1])
-            else:
-                tw = tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
+            tw = tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
+            if gw_code is None:
+                matmul_tn(Gc, X, gw[v0:v1], tmp=None if first else tw)
+            else:  # accum_dtype: accumulated (rounded) in the 16-bit output itself (zeroed)
                 matmul_tn(Gc, X, tw)
-                if gw_code is None:
-                    run_rows(_add_into, v1 - v0, gw[v0:v1], tw)
-                else:  # accum_dtype: accumulated (rounded) in the 16-bit output itself (zeroed)
-                    run_rows(_scatter_add_rounded, v1 - v0, gw_acc, all_rows[v0:v1], tw, gw_code)
+                run_rows(_scatter_add_rounded, v1 - v0, gw_acc, all_rows[v0:v1], tw, gw_code)
 
     def grad(b0, b1, offs, widths):
         run_rows(
