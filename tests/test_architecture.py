@@ -9,7 +9,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "fastgrad"
 
 KERNEL_ALLOWED = {"fastgrad.dtypes", "fastgrad._jit", "fastgrad.tiling", "fastgrad.vocab_parallel",
                   "fastgrad.enums", "fastgrad._config", "fastgrad._outcache", "fastgrad._onednn"}
-SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided"}
+SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided", "_bf16dot"}
 
 
 def _imports(path: pathlib.Path):

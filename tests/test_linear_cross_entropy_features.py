@@ -222,7 +222,7 @@ def _bf16_errors(h, w, t):
             for k, v in res.items()}
 
 
-@pytest.mark.parametrize("engine", ["blas", "onednn"])
+@pytest.mark.parametrize("engine", ["auto", "blas", "onednn"])
 @pytest.mark.parametrize("shape,gen", [((2, 4, 512, 512), "rand"), ((2, 64, 256, 3000), "randn"),
                                        ((1, 96, 128, 2000), "rand-small")])
 def test_bf16_accuracy_target(shape, gen, engine):

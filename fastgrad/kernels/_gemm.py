@@ -51,6 +51,13 @@ def _engine() -> str:
     return e if e is not None else "blas"
 
 
+def bf16_logits() -> bool:
+    """The logits GEMM of bf16 operands may run on the exact-product bf16 kernel
+    (``_bf16dot``): ``"auto"`` inside ``fastgrad.torch``'s training loss, on a CPU with AVX-512
+    BF16 (set for the duration of :func:`single_threaded_blas`)."""
+    return bool(getattr(_tls, "bf16", False))
+
+
 def mm(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "blas") -> None:
     """``out = A · B`` (2-D, fp32 or fp64) on ``engine``; one single-threaded call."""
     if engine == "onednn" and out.dtype == np.float32:
@@ -88,19 +95,24 @@ def single_threaded_blas():
         from threadpoolctl import ThreadpoolController
 
         _controller = ThreadpoolController()
-    from .._config import gemm_engine
+    from .._config import _AUTO_ONEDNN, gemm_engine, gemm_setting
 
     engine = gemm_engine()
+    bf16 = gemm_setting() == "auto" and _AUTO_ONEDNN.get()
+    if bf16:
+        from . import _bf16dot
+
+        bf16 = _bf16dot.available()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_controller.limit(limits=1, user_api="blas"))
         if engine == "onednn":
             stack.enter_context(_onednn.fp32_precision_bf16())
-        old = getattr(_tls, "engine", None)
-        _tls.engine = engine
+        old = getattr(_tls, "engine", None), getattr(_tls, "bf16", False)
+        _tls.engine, _tls.bf16 = engine, bf16
         try:
             yield
         finally:
-            _tls.engine = old
+            _tls.engine, _tls.bf16 = old
 
 
 def _run(tasks):

@@ -46,7 +46,8 @@ import numpy as np
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
 from .._outcache import empty as scratch
-from ._gemm import _engine, _spans, matmul_nn, matmul_nt, matmul_tn, mm, run_rows, single_threaded_blas
+from . import _bf16dot
+from ._gemm import _engine, _spans, bf16_logits, matmul_nn, matmul_nt, matmul_tn, mm, run_rows, single_threaded_blas
 from ._gemm import _run as _run_tasks
 from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
@@ -428,6 +429,35 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
     return fp32_block(a, r0, r1, buf)
 
 
+class _Bf16Logits:
+    """The logits GEMM ``X · W[v0:v1]ᵀ`` on the exact-product bf16 kernel (``_bf16dot``): ``X``
+    read in place as bf16 pairs, each chunk of ``W`` packed once per call of :meth:`chunk`."""
+
+    def __init__(self, input: np.ndarray, W: np.ndarray, vc: int):
+        H = input.shape[1]
+        kp = (H + 1) // 2
+        self.xp = _bf16dot.pairs(input)
+        self.W = W
+        self.pbuf = np.empty(kp * (-(-vc // 64) * 64), np.uint32)
+        self.wbuf = np.empty(vc * 2 * kp, np.uint16) if H % 2 else None
+        self.bp = np.empty((kp, 0), np.uint32)
+        self.n = 0
+
+    def chunk(self, v0: int, v1: int) -> None:
+        self.bp = _bf16dot.pack(_bf16dot.pairs(self.W[v0:v1], self.wbuf), self.pbuf)
+        self.n = v1 - v0
+
+    def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
+        _bf16dot.matmul_nt(self.xp[b0:b1], self.bp, self.n, out)
+
+
+def _bf16_logits(input, W, cdt, vc):
+    """A :class:`_Bf16Logits` when both operands are bf16 and the kernel may run, else None."""
+    if cdt != np.float32 or input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16 or not bf16_logits():
+        return None
+    return _Bf16Logits(input, W, vc)
+
+
 #: vocabulary columns per chunk of the vocabulary-major recompute (``_vocab_major``)
 VM_CHUNK = 2048
 
@@ -465,17 +495,23 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace):
     tw = scratch(vc * H, cdt) if (gw is not None and gw_code is not None) else None
     tw2 = scratch(vc * H, cdt) if (gw is not None and nblocks > 1) else None
     offs = np.zeros(1, np.int64)
+    bfl = _bf16_logits(input, W, cdt, vc)
     for v0 in range(0, K, vc):
         v1 = min(K, v0 + vc)
         w = v1 - v0
         Wc = W[v0:v1] if W.dtype == cdt else _block(W, v0, v1, cdt, wbuf)
+        if bfl is not None:
+            bfl.chunk(v0, v1)
         widths = np.array([w], np.int64)
         for k in range(nblocks):
             b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks
             nb = b1 - b0
             X = xall[b0:b1] if xall is not None else _block(input, b0, b1, cdt, xbuf)
             G = Lt[: nb * w].reshape(nb, w)
-            matmul_nt(X, Wc, G)
+            if bfl is not None:
+                bfl.logits(b0, b1, G)
+            else:
+                matmul_nt(X, Wc, G)
             run_rows(
                 _grad_pass,
                 nb,
@@ -636,8 +672,11 @@ def linear_cross_entropy_cpu(
             workspace,
         )
         return
+    # the logits of bf16 operands on the exact-product bf16 kernel where it may run; the weight
+    # then needs no widening for the forward alone
+    bfl = _bf16_logits(input, W, cdt, vc)
     # keep the whole weight in the compute dtype when it is small, else widen per chunk
-    wfull = _block(W, 0, K, cdt, None) if (widen and K * H * 4 <= workspace // 4) else None
+    wfull = _block(W, 0, K, cdt, None) if (widen and K * H * 4 <= workspace // 4 and not (bfl and fwd_only)) else None
     # scratch on recycled memory (fastgrad._outcache): a training loop's next step takes no
     # fresh pages
     wbuf = scratch(vc * H, cdt) if (widen and wfull is None) else None
@@ -744,7 +783,11 @@ def linear_cross_entropy_cpu(
             sz = np.zeros(nb, cdt)
         for c, ((v0, v1), off) in enumerate(zip(chunks, offs)):
             Lc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
-            matmul_nt(X, wchunk(v0, v1), Lc)
+            if bfl is not None:
+                bfl.chunk(v0, v1)
+                bfl.logits(b0, b1, Lc)
+            else:
+                matmul_nt(X, wchunk(v0, v1), Lc)
             if not recompute:
                 run_rows(
                     _stats_chunk,

@@ -1,0 +1,124 @@
+"""The exact-product bf16 logits kernel (fastgrad/kernels/_bf16dot.py) against float64 oracles.
+
+The kernel needs AVX-512 BF16; on other CPUs only the availability logic is tested (the kernel
+cannot run there, and the training loss then never asks for it)."""
+
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+import torch
+
+import fastgrad as fg
+import fastgrad.torch  # noqa: F401  (fg.torch)
+from fastgrad.kernels import _bf16dot as B
+
+BF = ml_dtypes.bfloat16
+needs_kernel = pytest.mark.skipif(not B.available(), reason="the CPU has no AVX-512 BF16")
+
+
+def _run(X, W):
+    out = np.full((X.shape[0], W.shape[0]), np.nan, np.float32)
+    B.matmul_nt(B.pairs(X), B.pack(B.pairs(W)), W.shape[0], out)
+    return out
+
+
+def _oracle(X, W):
+    x, w = X.astype(np.float64), W.astype(np.float64)
+    return x @ w.T, np.abs(x) @ np.abs(w).T
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "M,N,H",
+    [(1, 1, 1), (1, 64, 2), (5, 63, 3), (6, 64, 2), (7, 65, 7), (13, 200, 896), (517, 1031, 895), (64, 2048, 64)],
+)
+def test_matches_float64(M, N, H):
+    rng = np.random.default_rng(M * 1000 + N + H)
+    X = (rng.standard_normal((M, H)) * 3).astype(BF)
+    W = rng.standard_normal((N, H)).astype(BF)
+    got = _run(X, W)
+    ref, den = _oracle(X, W)
+    # products exact, H fp32 additions: |error| <= H·2⁻²⁴·Σ|x||w| (the fp32 GEMM's own bound)
+    assert np.all(np.abs(got - ref) <= H * 2.0**-24 * den + 1e-30)
+    # and as close to float64 as sgemm on the widened operands, within its factor
+    sg = X.astype(np.float32) @ W.astype(np.float32).T
+    assert np.abs(got - ref).mean() <= 4 * np.abs(sg - ref).mean() + 1e-12
+
+
+@needs_kernel
+def test_non_contiguous_rows_and_strided_output():
+    rng = np.random.default_rng(3)
+    Xbig = rng.standard_normal((40, 130)).astype(BF)
+    X = Xbig[::3, :129]  # non-contiguous, odd H: a padded copy
+    W = rng.standard_normal((70, 129)).astype(BF)
+    outbig = np.zeros((X.shape[0], 100), np.float32)
+    out = outbig[:, 10:80]
+    B.matmul_nt(B.pairs(X), B.pack(B.pairs(W)), 70, out)
+    ref, den = _oracle(X, W)
+    assert np.all(np.abs(out - ref) <= 129 * 2.0**-24 * den + 1e-30)
+    assert np.all(outbig[:, :10] == 0) and np.all(outbig[:, 80:] == 0)  # nothing written outside
+
+
+@needs_kernel
+def test_bitwise_independent_of_tiling_and_threads():
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((700, 96)).astype(BF)
+    W = rng.standard_normal((1100, 96)).astype(BF)
+    full = _run(X, W)
+    xp, bp = B.pairs(X), B.pack(B.pairs(W))
+    part = np.empty_like(full)
+    for r0, r1 in ((0, 7), (7, 300), (300, 700)):
+        for c0, c1 in ((0, 64), (64, 1088), (1088, 1100)):
+            B.gemm_tile(xp[r0:r1], bp, c0, c1, part[r0:r1, c0:c1])
+    assert np.array_equal(full.view(np.uint32), part.view(np.uint32))
+    old = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = _run(X, W)
+    finally:
+        numba.set_num_threads(old)
+    assert np.array_equal(full.view(np.uint32), one.view(np.uint32))
+
+
+@needs_kernel
+def test_special_values_and_the_documented_flush():
+    X = np.array([[np.inf, 1.0], [np.nan, 0.0], [1e-39, 1.0], [2.0**-70, 0.0]], BF)
+    W = np.array([[1.0, 0.0], [2.0**-70, 1.0], [-1.0, 0.0]], BF)
+    got = _run(X, W)
+    ref = X.astype(np.float32) @ W.astype(np.float32).T
+    assert np.array_equal(np.isnan(got[:2]), np.isnan(ref[:2]))
+    assert np.array_equal(got[0], ref[0])
+    # VDPBF16PS: subnormal inputs read as zero, subnormal results flushed to zero
+    assert got[2, 0] == 0 and ref[2, 0] != 0
+    assert got[3, 1] == 0 and ref[3, 1] != 0
+    assert got[3, 0] == ref[3, 0]
+
+
+def test_unavailable_without_the_cpu_flag(monkeypatch):
+    monkeypatch.setattr(B, "_host_has_bf16", lambda: False)
+    assert B._build() is None
+
+
+def test_the_training_loss_uses_it_only_on_auto(monkeypatch):
+    calls = []
+    real = B.matmul_nt
+    monkeypatch.setattr(B, "matmul_nt", lambda *a: (calls.append(1), real(*a))[1])
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 66, generator=g).bfloat16()
+    w = (torch.randn(301, 66, generator=g) * 0.2).bfloat16()
+    t = torch.randint(0, 301, (37,), generator=g)
+    res = {}
+    for eng in ("auto", "blas"):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        calls.clear()
+        with fg.gemm(eng):
+            loss = fg.torch.linear_cross_entropy(hh, ww, t)
+            loss.backward()
+        res[eng] = (loss.item(), hh.grad.float(), ww.grad.float(), len(calls))
+    assert res["blas"][3] == 0
+    assert (res["auto"][3] > 0) == B.available()
+    assert abs(res["auto"][0] - res["blas"][0]) <= 1e-5 * abs(res["blas"][0])
+    for i in (1, 2):  # bf16 gradients: equal but for a last-bit rounding flip here and there
+        d = (res["auto"][i] - res["blas"][i]).abs()
+        assert d.max().item() <= 2.0**-7 * res["blas"][i].abs().max().item()
