@@ -172,6 +172,11 @@ def gemm_engine() -> str:
       exact-product bf16 kernel (``fastgrad/kernels/_bf16dot.py``: the products of bf16 values are
       exact in fp32, summed in fp32 in a fixed order; ~2.2× sgemm per core on a Zen 4 EPYC;
       bf16 subnormals read as zero) — ``"blas"`` or ``"onednn"`` set explicitly turn it off.
+      On ``"auto"`` the NumPy-level ``fused_linear_online_max_sum`` and
+      ``fused_linear_cross_entropy_loss_grad`` of bf16 operands run their GEMMs on that kernel
+      too: every operand there is a bf16 value (the grad's ``g`` is rounded to bf16 by the op's
+      contract, as on the device), so the result is the same fp32 GEMM summed in another fixed
+      order (the bits depend on the CPU, as they do with BLAS's kernels).
 
     Both engines keep fastgrad's reproducibility: a fixed partition of the output into tiles,
     each tile computed single-threaded, so results are identical for every thread count (but

@@ -122,3 +122,103 @@ def test_the_training_loss_uses_it_only_on_auto(monkeypatch):
     for i in (1, 2):  # bf16 gradients: equal but for a last-bit rounding flip here and there
         d = (res["auto"][i] - res["blas"][i]).abs()
         assert d.max().item() <= 2.0**-7 * res["blas"][i].abs().max().item()
+
+
+def _bf16_valued_f32(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(BF).astype(np.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 5, 3), (6, 2, 64), (13, 131, 70), (517, 263, 1031), (3, 600, 65)])
+def test_gradient_operands_and_accumulation_match_float64(M, K, N):
+    """The FLCE grad's GEMM forms: ``A`` from fp32 values that are bf16 values, along its rows or
+    transposed, ``B`` as consecutive rows interleaved; summed onto ``out``'s values."""
+    rng = np.random.default_rng(M + 7 * K + 13 * N)
+    A = _bf16_valued_f32(rng, (M, K), 3.0)
+    Bm = rng.standard_normal((K, N)).astype(BF)
+    C0 = rng.standard_normal((M, N)).astype(np.float32)
+    bp = B.interleave(Bm)
+    a64, b64 = A.astype(np.float64), Bm.astype(np.float64)
+    ref = C0 + a64 @ b64
+    den = np.abs(C0) + np.abs(a64) @ np.abs(b64)
+    got = C0.copy()
+    B.matmul(B.pairs_of_f32(A), bp, N, got, acc=True)
+    # K products exact, K fp32 additions onto C: |error| <= (K+1)·2⁻²⁴·(|C| + Σ|a||b|)
+    assert np.all(np.abs(got - ref) <= (K + 1) * 2.0**-24 * den + 1e-30)
+    # the transposed pairs of Aᵀ are the same operand, bitwise the same result
+    got_t = C0.copy()
+    B.matmul(B.pairs_of_f32(np.ascontiguousarray(A.T), transpose=True), bp, N, got_t, acc=True)
+    assert np.array_equal(got.view(np.uint32), got_t.view(np.uint32))
+    # Aᵀ paired per task by matmul_tn; A paired in place over itself
+    got_tn = C0.copy()
+    B.matmul_tn(np.ascontiguousarray(A.T), bp, N, got_tn, acc=True)
+    assert np.array_equal(got.view(np.uint32), got_tn.view(np.uint32))
+    got_ip = C0.copy()
+    B.matmul(B.pairs_of_f32(A.copy(), "in place"), bp, N, got_ip, acc=True)
+    assert np.array_equal(got.view(np.uint32), got_ip.view(np.uint32))
+    # without acc the output's old values are ignored
+    fresh = np.full((M, N), np.nan, np.float32)
+    B.matmul(B.pairs_of_f32(A), bp, N, fresh)
+    assert np.all(np.abs(fresh - a64 @ b64) <= K * 2.0**-24 * (np.abs(a64) @ np.abs(b64)) + 1e-30)
+
+
+@needs_kernel
+def test_k_blocking_is_bitwise_one_sum(monkeypatch):
+    """Passes over ``k`` store and reload the fp32 sums: the same additions in the same order."""
+    rng = np.random.default_rng(11)
+    A = _bf16_valued_f32(rng, (50, 1001))
+    bp = B.interleave(rng.standard_normal((1001, 130)).astype(BF))
+    xp = B.pairs_of_f32(A)
+    res = []
+    for kc in (10**6, 256, 7):
+        monkeypatch.setattr(B, "_KC", kc)
+        out = np.empty((50, 130), np.float32)
+        B.matmul(xp, bp, 130, out)
+        res.append(out)
+    for r in res[1:]:
+        assert np.array_equal(res[0].view(np.uint32), r.view(np.uint32))
+
+
+def _flce(x, w, t, masked, grad, m, s):
+    return fg.fused_linear_cross_entropy_loss_grad(grad, x, w, np.packbits(masked, bitorder="little"), t,
+                                                   logits_max=m, sum_exp_logits=s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("BT,H,V,budget", [(37, 33, 1031, 60_000), (260, 64, 3000, None), (1, 1, 1, None)])
+def test_flce_grad_on_the_kernel_matches_float64_and_blas(monkeypatch, BT, H, V, budget):
+    """The NumPy-level FLCE grad of bf16 operands runs its three GEMMs on the kernel (on "auto"),
+    within the contract's bound of float64, equal to the BLAS path but for last-bit flips."""
+    from flce_helpers import stats64
+    from naive import check_fused_linear_cross_entropy_loss_grad
+
+    from fastgrad import tiling
+
+    rng = np.random.default_rng(BT + H + V)
+    x = rng.standard_normal((BT, H)).astype(BF)
+    w = (rng.standard_normal((V, H)) / max(H, 1) ** 0.5 * 2).astype(BF)
+    t = rng.integers(0, V, BT)
+    masked = rng.random(BT) < 0.2
+    grad = rng.uniform(0.1, 1.0, BT).astype(np.float32)
+    m, s = stats64(x, w)
+    calls = []
+    real = B.matmul
+    monkeypatch.setattr(B, "matmul", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    tiling.set_workspace_budget(budget)
+    try:
+        got = _flce(x, w, t, masked, grad, m, s)
+        assert calls, "the bf16 kernel did not run"
+        with fg.num_threads(1):
+            one = _flce(x, w, t, masked, grad, m, s)
+        calls.clear()
+        with fg.gemm("blas"):
+            ref = _flce(x, w, t, masked, grad, m, s)
+        assert not calls
+    finally:
+        tiling.set_workspace_budget(None)
+    check_fused_linear_cross_entropy_loss_grad(got, grad, x, w, np.packbits(masked, bitorder="little"), t,
+                                               logits_max=m, sum_exp_logits=s)
+    for a, b, c in zip(got, one, ref):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))  # any thread count
+        a64, c64 = a.astype(np.float64), c.astype(np.float64)
+        assert np.all(np.abs(a64 - c64) <= 2.0**-7 * np.abs(c64) + 2.0**-7 * np.abs(c64).max())

@@ -1,4 +1,5 @@
-"""Exact-product bf16 GEMM for the logits ``X · Wᵀ`` on CPUs with AVX-512 BF16.
+"""Exact-product bf16 GEMMs on CPUs with AVX-512 BF16: the logits ``X · Wᵀ``, and the FLCE
+grad's ``g · W`` and ``gᵀ · X`` where ``g`` is rounded to bf16 by the op's contract.
 
 When ``X`` and ``W`` are bf16, every product ``x·w`` is exact in fp32 (8 + 8 significant bits),
 so the logits GEMM needs no fp32 operands: ``vdpbf16ps`` multiplies pairs of bf16 values and
@@ -17,7 +18,11 @@ fp32 rate on AMD), so the micro-kernel is written here in LLVM IR and compiled o
 with llvmlite (Numba's own LLVM binding): 6 rows × 64 columns of accumulators (24 zmm registers),
 ``W`` packed per vocabulary chunk as ``[ceil(H/2), 64·⌈N/64⌉]`` 32-bit pairs — its own row-major
 pairs, transposed — and ``X`` read in place as 32-bit pairs (broadcast per row).  Calls go through
-``ctypes``, which releases the GIL, so the tiles run on fastgrad's GEMM pool.
+``ctypes``, which releases the GIL, so the tiles run on fastgrad's GEMM pool.  Passes of at most
+``_KC`` pairs over ``k`` keep ``B``'s strip in L2; a pass after the first sums onto the stored
+fp32 values (the same additions in the same order).  The gradient GEMMs read ``B`` as consecutive
+rows interleaved (:func:`interleave`) and ``A`` as the top halves of fp32 values that are bf16
+values (:func:`pairs_of_f32`, :func:`matmul_tn`).
 """
 
 from __future__ import annotations
@@ -33,14 +38,18 @@ from .._jit import tjit
 _NR = 4  # 16-lane vectors of columns per micro-tile: 64 columns
 _COLS = 16 * _NR
 _MR = 6  # rows per micro-tile
+#: pairs of ``k`` per pass over a tile: a 64-column strip of ``B`` (KC × 256 bytes) stays in L2;
+#: the next pass sums onto the stored fp32 values, the same additions in the same order
+_KC = 256
 _lock = threading.Lock()
 _state: dict = {}
 
 
-def _ir(mr: int) -> str:
+def _ir(mr: int, acc: bool = False) -> str:
     """LLVM IR of ``bf16gemm_mr{mr}(A, lda, B, ldb, C, ldc, M, N, KP)``: ``C[M, N] = A · B`` for
-    ``A`` [M, KP] and ``B`` [KP, N] 32-bit bf16 pairs, ``M % mr == 0``, ``N % 64 == 0``, KP ≥ 1."""
-    f = f"bf16gemm_mr{mr}"
+    ``A`` [M, KP] and ``B`` [KP, N] 32-bit bf16 pairs, ``M % mr == 0``, ``N % 64 == 0``, KP ≥ 1;
+    ``acc`` (``bf16gemm_acc_mr{mr}``): ``C += A · B``, the products summed onto ``C``'s values."""
+    f = f"bf16gemm_acc_mr{mr}" if acc else f"bf16gemm_mr{mr}"
     L = [
         f"define void @{f}(ptr noalias %A, i64 %lda, ptr noalias %B, i64 %ldb, ptr noalias %C, "
         "i64 %ldc, i64 %M, i64 %N, i64 %KP) #0 {",
@@ -51,13 +60,21 @@ def _ir(mr: int) -> str:
         "  br label %nloop",
         "nloop:",
         "  %n = phi i64 [0, %mloop], [%n.next, %nlatch]",
-        "  br label %kloop",
-        "kloop:",
-        "  %kp = phi i64 [0, %nloop], [%kp.next, %kloop]",
     ]
+    for i in range(mr):  # the store's addresses; with acc, C's values start the sums
+        L += [f"  %cr{i} = add i64 %m, {i}", f"  %coa{i} = mul i64 %cr{i}, %ldc", f"  %co{i} = add i64 %coa{i}, %n"]
+        for j in range(_NR):
+            L += [
+                f"  %co{i}_{j} = add i64 %co{i}, {16 * j}",
+                f"  %cp{i}_{j} = getelementptr float, ptr %C, i64 %co{i}_{j}",
+            ]
+            if acc:
+                L.append(f"  %c0_{i}_{j} = load <16 x float>, ptr %cp{i}_{j}, align 4")
+    L += ["  br label %kloop", "kloop:", "  %kp = phi i64 [0, %nloop], [%kp.next, %kloop]"]
     for i in range(mr):
         for j in range(_NR):
-            L.append(f"  %acc{i}_{j} = phi <16 x float> [zeroinitializer, %nloop], [%nacc{i}_{j}, %kloop]")
+            init = f"%c0_{i}_{j}" if acc else "zeroinitializer"
+            L.append(f"  %acc{i}_{j} = phi <16 x float> [{init}, %nloop], [%nacc{i}_{j}, %kloop]")
     L.append("  %brow = mul i64 %kp, %ldb")
     L.append("  %bn = add i64 %brow, %n")
     for j in range(_NR):
@@ -90,13 +107,8 @@ def _ir(mr: int) -> str:
         "store:",
     ]
     for i in range(mr):
-        L += [f"  %cr{i} = add i64 %m, {i}", f"  %coa{i} = mul i64 %cr{i}, %ldc", f"  %co{i} = add i64 %coa{i}, %n"]
         for j in range(_NR):
-            L += [
-                f"  %co{i}_{j} = add i64 %co{i}, {16 * j}",
-                f"  %cp{i}_{j} = getelementptr float, ptr %C, i64 %co{i}_{j}",
-                f"  store <16 x float> %nacc{i}_{j}, ptr %cp{i}_{j}, align 4",
-            ]
+            L.append(f"  store <16 x float> %nacc{i}_{j}, ptr %cp{i}_{j}, align 4")
     L += [
         "  br label %nlatch",
         "nlatch:",
@@ -137,7 +149,7 @@ def _build():
         text = "\n".join(
             [
                 "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
-                *(_ir(mr) for mr in range(1, _MR + 1)),
+                *(_ir(mr, acc) for mr in range(1, _MR + 1) for acc in (False, True)),
                 'attributes #0 = { "target-features"="+avx512f,+avx512bw,+avx512vl,+avx512bf16" }',
             ]
         )
@@ -161,7 +173,11 @@ def _build():
             ctypes.c_int64,
             ctypes.c_int64,
         )
-        fns = {mr: proto(ee.get_function_address(f"bf16gemm_mr{mr}")) for mr in range(1, _MR + 1)}
+        fns = {
+            (mr, acc): proto(ee.get_function_address(f"bf16gemm_{'acc_' if acc else ''}mr{mr}"))
+            for mr in range(1, _MR + 1)
+            for acc in (False, True)
+        }
         return {"ee": ee, "tm": tm, "fns": fns}
     except Exception:  # noqa: BLE001 - an LLVM without the intrinsic: not available
         return None
@@ -206,28 +222,125 @@ def _transpose_rows(lo, hi, src, dst):
             dst[k, j] = 0
 
 
-def pack(wpairs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``W``'s pairs ``[N, KP]`` → the kernel's ``[KP, 64·⌈N/64⌉]`` (transposed, zero-padded),
-    on the GEMM pool."""
+def _b_operand(kernel, src: np.ndarray, kp: int, n: int, out: np.ndarray | None) -> np.ndarray:
+    """The kernel's ``B`` ``[kp, 64·⌈n/64⌉]`` (in ``out`` when given) filled from ``src`` by
+    ``kernel`` over its rows, on the GEMM pool."""
     from ._gemm import run_rows
 
-    n, kp = wpairs.shape
     npad = -(-n // _COLS) * _COLS
     bp = np.empty((kp, npad), np.uint32) if out is None else out[: kp * npad].reshape(kp, npad)
-    run_rows(_transpose_rows, kp, wpairs, bp)
+    run_rows(kernel, kp, src, bp)
     return bp
 
 
-def gemm_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray) -> None:
-    """``out[M, c1-c0] = X · W[c0:c1]ᵀ`` in fp32 from the pairs ``xp`` [M, KP] (rows of unit
-    stride) and the packed ``bp`` [KP, NPAD]; ``c0`` a multiple of 64.  One thread."""
+def pack(wpairs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``W``'s pairs ``[N, KP]`` → the kernel's ``[KP, 64·⌈N/64⌉]`` (transposed, zero-padded),
+    on the GEMM pool."""
+    n, kp = wpairs.shape
+    return _b_operand(_transpose_rows, wpairs, kp, n, out)
+
+
+@tjit
+def _interleave_rows(lo, hi, a, dst):
+    """dst[p, n] = a[2p, n] | a[2p+1, n] << 16 for the rows ``lo:hi`` of ``dst`` (zero past a's
+    rows and columns)."""
+    k, n = a.shape
+    npad = dst.shape[1]
+    for p in range(lo, hi):
+        r0 = 2 * p
+        for j in range(n):
+            lo16 = np.uint32(a[r0, j]) if r0 < k else np.uint32(0)
+            hi16 = np.uint32(a[r0 + 1, j]) if r0 + 1 < k else np.uint32(0)
+            dst[p, j] = lo16 | (hi16 << np.uint32(16))
+        for j in range(n, npad):
+            dst[p, j] = 0
+
+
+def interleave(a16: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """A ``[K, N]`` bf16 operand (its uint16 bits) read down its rows as the kernel's ``B``:
+    ``[ceil(K/2), 64·⌈N/64⌉]`` pairs of consecutive rows, zero-padded; on the GEMM pool."""
+    u = a16.view(np.uint16) if a16.dtype != np.uint16 else a16
+    k, n = u.shape
+    return _b_operand(_interleave_rows, u, (k + 1) // 2, n, out)
+
+
+@tjit
+def _top_pairs(lo, hi, g, dst):
+    """dst[i, p] = top16(g[i, 2p]) | top16(g[i, 2p+1]) << 16 for the rows ``lo:hi`` (zero past
+    g's columns): fp32 values that are bf16 values, as the kernel's ``A``."""
+    n = g.shape[1]
+    kp = dst.shape[1]
+    for i in range(lo, hi):
+        for p in range(kp):
+            j = 2 * p
+            lo16 = g[i, j] >> np.uint32(16)
+            hi16 = (g[i, j + 1] & np.uint32(0xFFFF0000)) if j + 1 < n else np.uint32(0)
+            dst[i, p] = lo16 | hi16
+
+
+@tjit
+def _top_pairs_t(lo, hi, g, dst):
+    """dst[v, p] = top16(g[2p, v]) | top16(g[2p+1, v]) << 16 for the rows ``lo:hi`` of ``dst``
+    (zero past g's rows): ``gᵀ`` as the kernel's ``A``; 16 columns of ``g`` at a time (its rows
+    read a cache line at a time)."""
+    k = g.shape[0]
+    kp = dst.shape[1]
+    for v0 in range(lo, hi, 16):
+        v1 = min(hi, v0 + 16)
+        for p in range(kp):
+            r = 2 * p
+            if r + 1 < k:
+                for v in range(v0, v1):
+                    dst[v, p] = (g[r, v] >> np.uint32(16)) | (g[r + 1, v] & np.uint32(0xFFFF0000))
+            else:
+                for v in range(v0, v1):
+                    dst[v, p] = g[r, v] >> np.uint32(16)
+
+
+def pairs_of_f32(g: np.ndarray, out: np.ndarray | str | None = None, transpose: bool = False) -> np.ndarray:
+    """An fp32 ``[M, K]`` array whose values are bf16 values (its low 16 bits zero, e.g. rounded
+    to bf16 by the epilogue) as the kernel's ``A``: ``[M, ceil(K/2)]`` pairs along its rows, or
+    with ``transpose`` ``gᵀ``'s ``[K, ceil(M/2)]`` pairs; exact (the top halves).  ``out="in
+    place"`` (not with ``transpose``; ``g`` C-contiguous): written over ``g``'s own rows, a view
+    of row stride ``K`` (``g`` is consumed).  On the pool."""
+    from ._gemm import run_rows
+
+    u = g.view(np.uint32)
+    m, k = u.shape
+    shape = (k, (m + 1) // 2) if transpose else (m, (k + 1) // 2)
+    if isinstance(out, str):
+        assert not transpose and g.flags.c_contiguous
+        dst = u[:, : shape[1]]  # pair p of row i lands at or before the values it reads (2p, 2p+1)
+    else:
+        size = shape[0] * shape[1]
+        dst = np.empty(shape, np.uint32) if out is None else out[:size].reshape(shape)
+    run_rows(_top_pairs_t if transpose else _top_pairs, shape[0], u, dst)
+    return dst
+
+
+_tl = threading.local()
+
+
+def _local(size: int) -> np.ndarray:
+    """A uint32 scratch of at least ``size`` elements, one per pool thread (kept)."""
+    b = getattr(_tl, "buf", None)
+    if b is None or b.size < size:
+        b = _tl.buf = np.empty(size, np.uint32)
+    return b
+
+
+def gemm_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray, acc: bool = False) -> None:
+    """``out[M, c1-c0] (+)= A · B[:, c0:c1]`` in fp32 from the pairs ``xp`` [M, KP] (rows of unit
+    stride) and the packed ``bp`` [KP, NPAD]; ``c0`` a multiple of 64; ``acc``: summed onto
+    ``out``.  One thread."""
     fns = _kernels()["fns"]
     m, kp = xp.shape
     n = c1 - c0
     if m == 0 or n == 0:
         return
     if kp == 0:
-        out[...] = 0
+        if not acc:
+            out[...] = 0
         return
     assert c0 % _COLS == 0 and out.dtype == np.float32 and out.strides[1] == 4
     assert xp.strides[1] == 4 and bp.flags.c_contiguous
@@ -236,32 +349,69 @@ def gemm_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray)
     ldb = bp.shape[1]
     n64 = (n // _COLS) * _COLS
     m6 = (m // _MR) * _MR
-    tail = None if n64 == n else np.empty((m, _COLS), np.float32)
-    for r0, r1, mr in ((0, m6, _MR), (m6, m, m - m6)):
-        if r1 <= r0:
-            continue
-        a = xp.ctypes.data + r0 * lda * 4
-        b = bp.ctypes.data + c0 * 4
-        if n64:
-            fns[mr](a, lda, b, ldb, out.ctypes.data + r0 * ldc * 4, ldc, r1 - r0, n64, kp)
-        if tail is not None:
-            fns[mr](a, lda, b + n64 * 4, ldb, tail.ctypes.data + r0 * _COLS * 4, _COLS, r1 - r0, _COLS, kp)
+    tail = None
+    if n64 != n:
+        tail = np.zeros((m, _COLS), np.float32)
+        if acc:
+            tail[:, : n - n64] = out[:, n64:]
+    nk = -(-kp // _KC)
+    for c in range(nk):
+        k0, k1 = (c * kp) // nk, ((c + 1) * kp) // nk
+        ac = acc or c > 0
+        for r0, r1, mr in ((0, m6, _MR), (m6, m, m - m6)):
+            if r1 <= r0:
+                continue
+            f = fns[(mr, ac)]
+            a = xp.ctypes.data + (r0 * lda + k0) * 4
+            b = bp.ctypes.data + (k0 * ldb + c0) * 4
+            if n64:
+                f(a, lda, b, ldb, out.ctypes.data + r0 * ldc * 4, ldc, r1 - r0, n64, k1 - k0)
+            if tail is not None:
+                f(a, lda, b + n64 * 4, ldb, tail.ctypes.data + r0 * _COLS * 4, _COLS, r1 - r0, _COLS, k1 - k0)
     if tail is not None:
         out[:, n64:] = tail[:, : n - n64]
 
 
-def matmul_nt(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray) -> None:
-    """``out[M, n] = X · Wᵀ`` over the GEMM pool: tiles of ≤ 512 rows × ≤ 512 columns (column
-    spans on 64-column boundaries), from the shapes only (bitwise the same at any thread count,
-    and any tiling: each output is one fixed sequence of additions)."""
+def matmul(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False) -> None:
+    """``out[M, n] (+)= A · B`` over the GEMM pool from the pairs ``xp`` [M, KP] and the packed
+    ``bp`` [KP, ≥ n]: tiles of ≤ 512 rows × ≤ 512 columns (column spans on 64-column
+    boundaries), from the shapes only (bitwise the same at any thread count, and any tiling:
+    each output is one fixed sequence of additions, onto ``out``'s value with ``acc``)."""
     from ._gemm import ROW_BLOCK, _run, _spans
 
     nblk = -(-n // _COLS)
     cols = [(a * _COLS, min(n, b * _COLS)) for a, b in _spans(nblk, 512 // _COLS)] if n else []
     _run(
         [
-            (lambda r0=r0, r1=r1, c0=c0, c1=c1: gemm_tile(xp[r0:r1], bp, c0, c1, out[r0:r1, c0:c1]))
+            (lambda r0=r0, r1=r1, c0=c0, c1=c1: gemm_tile(xp[r0:r1], bp, c0, c1, out[r0:r1, c0:c1], acc))
             for r0, r1 in _spans(xp.shape[0], ROW_BLOCK)
             for c0, c1 in cols
         ]
     )
+
+
+def matmul_nt(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray) -> None:
+    """``out[M, n] = X · Wᵀ`` from ``X``'s pairs and ``W``'s :func:`pack`: :func:`matmul`."""
+    matmul(xp, bp, n, out)
+
+
+def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False) -> None:
+    """``out[M, n] (+)= gᵀ · B`` for ``g`` fp32 ``[K, M]`` of bf16 values and the packed ``bp``
+    [ceil(K/2), ≥ n] (:func:`interleave`): tasks of ≤ 512 rows of ``out``, each pairing its
+    columns of ``g`` into its thread's scratch (no ``[M, K]`` copy is held), then its
+    column spans; the same sums as :func:`matmul` on ``pairs_of_f32(g, transpose=True)``."""
+    from ._gemm import ROW_BLOCK, _run, _spans
+
+    k, m = g.shape
+    kp = (k + 1) // 2
+    nblk = -(-n // _COLS)
+    cols = [(a * _COLS, min(n, b * _COLS)) for a, b in _spans(nblk, 512 // _COLS)] if n else []
+    u = g.view(np.uint32)
+
+    def task(r0, r1):
+        xp = _local((r1 - r0) * kp)[: (r1 - r0) * kp].reshape(r1 - r0, kp)
+        _top_pairs_t(0, r1 - r0, u[:, r0:r1], xp)
+        for c0, c1 in cols:
+            gemm_tile(xp, bp, c0, c1, out[r0:r1, c0:c1], acc)
+
+    _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(m, ROW_BLOCK)])

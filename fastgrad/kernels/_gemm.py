@@ -58,6 +58,14 @@ def bf16_logits() -> bool:
     return bool(getattr(_tls, "bf16", False))
 
 
+def bf16_auto() -> bool:
+    """GEMMs whose operands are bf16 values may run on the exact-product bf16 kernel
+    (``_bf16dot``): the setting ``"auto"``, on a CPU with AVX-512 BF16 (set for the duration of
+    :func:`single_threaded_blas`).  The NumPy-level FLCE grad, whose ``g`` is rounded to bf16 by
+    its contract, runs its three GEMMs there."""
+    return bool(getattr(_tls, "bf16_auto", False))
+
+
 def mm(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "blas") -> None:
     """``out = A · B`` (2-D, fp32 or fp64) on ``engine``; one single-threaded call."""
     if engine == "onednn" and out.dtype == np.float32:
@@ -98,21 +106,22 @@ def single_threaded_blas():
     from .._config import _AUTO_ONEDNN, gemm_engine, gemm_setting
 
     engine = gemm_engine()
-    bf16 = gemm_setting() == "auto" and _AUTO_ONEDNN.get()
-    if bf16:
+    auto16 = gemm_setting() == "auto"
+    if auto16:
         from . import _bf16dot
 
-        bf16 = _bf16dot.available()
+        auto16 = _bf16dot.available()
+    bf16 = auto16 and _AUTO_ONEDNN.get()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_controller.limit(limits=1, user_api="blas"))
         if engine == "onednn":
             stack.enter_context(_onednn.fp32_precision_bf16())
-        old = getattr(_tls, "engine", None), getattr(_tls, "bf16", False)
-        _tls.engine, _tls.bf16 = engine, bf16
+        old = getattr(_tls, "engine", None), getattr(_tls, "bf16", False), getattr(_tls, "bf16_auto", False)
+        _tls.engine, _tls.bf16, _tls.bf16_auto = engine, bf16, auto16
         try:
             yield
         finally:
-            _tls.engine, _tls.bf16 = old
+            _tls.engine, _tls.bf16, _tls.bf16_auto = old
 
 
 def _run(tasks):

@@ -14,6 +14,15 @@ exponential and never writes to it.
 
 All scratch is tile-sized or ``[BT, H]``-sized: nothing grows with BT×V.
 
+bf16 ``input`` and ``weight`` on the GEMM setting ``"auto"``, on a CPU with AVX-512 BF16: the
+three GEMMs run on the exact-product bf16 kernel (``_bf16dot``), at about twice sgemm's rate.
+Every operand of steps 1, 3 and 4 is a bf16 value (``g`` is rounded to bf16 by step 2, as on the
+device), so each product is exact in fp32 and the result is the same fp32 GEMM of the same
+values, summed in fp32 in another fixed order — as the device's Cube unit multiplies bf16
+operands into fp32.  The one further difference: the instruction reads bf16 subnormals
+(|x| < 2⁻¹²⁶, e.g. a ``g`` of a probability below ~1e-38) as zero.  Filtered tiles with kept
+blocks take the fp32 BLAS path.
+
 Gradient filtering (``plan.filter_eps``, memory-saving mode; an extension, as Cut
 Cross-Entropy's ``filter_eps``): before the epilogue a read-only pass over the logits tile
 records, per row and per block of ``plan.filter_cols`` columns, whether any
@@ -34,7 +43,8 @@ from .._jit import tjit
 from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
-from ._gemm import matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
+from . import _bf16dot
+from ._gemm import bf16_auto, matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
 from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_f32
 
@@ -171,9 +181,14 @@ def fused_linear_cross_entropy_loss_grad(
     s_, s_over_k = megatron_smoothing(float(label_smoothing), V)
     smooth, inv_k = np.float32(s_), np.float32(1.0 / V if s_ else 0.0)
 
-    X32 = fp32_block(input, 0, BT)  # [BT, H] exact fp32 copy
-    gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
     bt, vt = plan.bt_tile, plan.v_tile
+    eps = plan.filter_eps if softmax is None else None
+    if eps is not None and s_over_k >= eps:
+        eps = None  # the uniform smoothing term alone is not negligible
+    # bf16 operands: the three GEMMs on the exact-product bf16 kernel where it may run
+    b16 = bf16_auto() and input.dtype == D.BFLOAT16 and weight.dtype == D.BFLOAT16
+    X32 = fp32_block(input, 0, BT) if (not b16 or eps is not None) else None  # [BT, H] exact fp32
+    gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
     # scratch on recycled memory (fastgrad._outcache): no fresh pages on the next call
     g_buf = scratch(bt * vt, np.float32)  # logits / g tile
     w_buf = scratch(vt * H, np.float32) if widen else None
@@ -186,9 +201,15 @@ def fused_linear_cross_entropy_loss_grad(
     else:
         S = np.ascontiguousarray(softmax, dtype=np.float32)  # a view when already contiguous
     W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
-    eps = plan.filter_eps if softmax is None else None
-    if eps is not None and s_over_k >= eps:
-        eps = None  # the uniform smoothing term alone is not negligible
+    if b16:
+        kp = (H + 1) // 2
+        xpairs = _bf16dot.pairs(input)  # X as the logits' A (a view when contiguous, H even)
+        # X's row tiles as the grad_weight GEMM's B, once
+        xinter = {b0: _bf16dot.interleave(input[b0:b1]) for b0, b1 in plan.bt_ranges()}
+        npad_v = -(-vt // 64) * 64
+        wt_pack = scratch(kp * npad_v, np.uint32)  # W tile as the logits' B
+        wt_pairs = scratch(vt * 2 * kp, np.uint16) if H % 2 else None
+        wt_inter = scratch(((vt + 1) // 2) * (-(-H // 64) * 64), np.uint32)  # as grad_input's B
     if eps is not None:
         fb, rb = plan.filter_cols, plan.filter_rows
         # |p - s/K| < eps  <=>  p < eps + s/K (p >= 0; no block is negligible when s/K >= eps),
@@ -204,16 +225,24 @@ def fused_linear_cross_entropy_loss_grad(
     done = 0
     for v0, v1 in plan.v_ranges():
         nv = v1 - v0
-        W32 = fp32_block(W, v0, v1, w_buf)
+        W32 = fp32_block(W, v0, v1, w_buf) if (not b16 or eps is not None) else None
+        if b16:
+            if softmax is None:
+                bp_l = _bf16dot.pack(_bf16dot.pairs(W[v0:v1], wt_pairs), wt_pack)
+            bp_i = _bf16dot.interleave(W[v0:v1], wt_inter)
         gwt = gw32[: nv * H].reshape(nv, H)
         first = True
         for b0, b1 in plan.bt_ranges():
             nb = b1 - b0
             G = g_buf[: nb * nv].reshape(nb, nv)
-            Xb = X32[b0:b1]
+            Xb = X32[b0:b1] if X32 is not None else None
             keep = None
             if softmax is None:
-                matmul_nt(Xb, W32, G)
+                if b16:
+                    _bf16dot.matmul(xpairs[b0:b1], bp_l, nv, G)
+                else:
+                    assert Xb is not None and W32 is not None
+                    matmul_nt(Xb, W32, G)
                 if eps is not None:
                     nblk = -(-nv // fb)
                     F = flags[: nb * nblk].reshape(nb, nblk)
@@ -233,7 +262,14 @@ def fused_linear_cross_entropy_loss_grad(
                     gwt[...] = 0
                     first = False
                 _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs)
+            elif b16:
+                # gᵀ paired per task (thread scratch), then g paired in place over itself
+                _bf16dot.matmul_tn(G, xinter[b0], H, gwt, acc=not first)
+                first = False
+                gp = _bf16dot.pairs_of_f32(G, "in place")
+                _bf16dot.matmul(gp, bp_i, H, gi32[b0:b1], acc=True)
             else:
+                assert Xb is not None and W32 is not None
                 matmul_nn(G, W32, gi32[b0:b1], tmp=prod[: nb * H].reshape(nb, H))
                 if first:
                     matmul_tn(G, Xb, gwt)
