@@ -216,3 +216,11 @@ def progress(callback):
 def progress_callback():
     """The callback installed by :func:`progress`, or None."""
     return _PROGRESS.get()
+
+
+def bf16_kernel_available() -> bool:
+    """The exact-product bf16 GEMM kernel (``fastgrad/kernels/_bf16dot.py``) runs on this CPU
+    (AVX-512 BF16; compiled once per process)."""
+    from .kernels import _bf16dot
+
+    return _bf16dot.available()

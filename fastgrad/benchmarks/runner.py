@@ -123,10 +123,13 @@ def _gemm_engines(has_torch: bool) -> dict:
     """The GEMM engine of the NumPy-level ops and of fastgrad.torch's training loss here."""
     from .. import _config
 
-    out = {"ops": _config.gemm_engine()}
+    bf16 = _config.gemm_setting() == "auto" and _config.bf16_kernel_available()
+    suffix = " (bf16 operands: the exact-product bf16 kernel)" if bf16 else ""
+    out = {"ops": _config.gemm_engine() + suffix}
     if has_torch:
         with _config.prefer_onednn():
-            out["torch_loss"] = _config.gemm_engine()
+            logits = " (bf16 logits: the exact-product bf16 kernel)" if bf16 else ""
+            out["torch_loss"] = _config.gemm_engine() + logits
     return out
 
 
