@@ -154,7 +154,7 @@ def test_gradient_operands_and_accumulation_match_float64(M, K, N):
     B.matmul_tn(np.ascontiguousarray(A.T), bp, N, got_tn, acc=True)
     assert np.array_equal(got.view(np.uint32), got_tn.view(np.uint32))
     got_ip = C0.copy()
-    B.matmul(B.pairs_of_f32(A.copy(), "in place"), bp, N, got_ip, acc=True)
+    B.matmul(B.pairs_in_place(A.copy()), bp, N, got_ip, acc=True)
     assert np.array_equal(got.view(np.uint32), got_ip.view(np.uint32))
     # without acc the output's old values are ignored
     fresh = np.full((M, N), np.nan, np.float32)

@@ -222,12 +222,29 @@ def _transpose_rows(lo, hi, src, dst):
             dst[k, j] = 0
 
 
+def b_size(k: int, n: int) -> int:
+    """uint32 elements of the kernel's ``B`` for a ``[K, N]`` product: ``ceil(K/2)`` rows of
+    ``64·⌈N/64⌉`` (the ``out`` that :func:`pack` and :func:`interleave` need)."""
+    return ((k + 1) // 2) * _npad(n)
+
+
+def _npad(n: int) -> int:
+    return -(-n // _COLS) * _COLS
+
+
+def _col_spans(n: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in spans of ≤ 512 columns on 64-column boundaries, from ``n`` only."""
+    from ._gemm import _spans
+
+    return [(a * _COLS, min(n, b * _COLS)) for a, b in _spans(-(-n // _COLS), 512 // _COLS)] if n else []
+
+
 def _b_operand(kernel, src: np.ndarray, kp: int, n: int, out: np.ndarray | None) -> np.ndarray:
     """The kernel's ``B`` ``[kp, 64·⌈n/64⌉]`` (in ``out`` when given) filled from ``src`` by
     ``kernel`` over its rows, on the GEMM pool."""
     from ._gemm import run_rows
 
-    npad = -(-n // _COLS) * _COLS
+    npad = _npad(n)
     bp = np.empty((kp, npad), np.uint32) if out is None else out[: kp * npad].reshape(kp, npad)
     run_rows(kernel, kp, src, bp)
     return bp
@@ -297,24 +314,29 @@ def _top_pairs_t(lo, hi, g, dst):
                     dst[v, p] = g[r, v] >> np.uint32(16)
 
 
-def pairs_of_f32(g: np.ndarray, out: np.ndarray | str | None = None, transpose: bool = False) -> np.ndarray:
+def pairs_of_f32(g: np.ndarray, transpose: bool = False) -> np.ndarray:
     """An fp32 ``[M, K]`` array whose values are bf16 values (its low 16 bits zero, e.g. rounded
     to bf16 by the epilogue) as the kernel's ``A``: ``[M, ceil(K/2)]`` pairs along its rows, or
-    with ``transpose`` ``gᵀ``'s ``[K, ceil(M/2)]`` pairs; exact (the top halves).  ``out="in
-    place"`` (not with ``transpose``; ``g`` C-contiguous): written over ``g``'s own rows, a view
-    of row stride ``K`` (``g`` is consumed).  On the pool."""
+    with ``transpose`` ``gᵀ``'s ``[K, ceil(M/2)]`` pairs; exact (the top halves).  On the pool."""
     from ._gemm import run_rows
 
     u = g.view(np.uint32)
     m, k = u.shape
-    shape = (k, (m + 1) // 2) if transpose else (m, (k + 1) // 2)
-    if isinstance(out, str):
-        assert not transpose and g.flags.c_contiguous
-        dst = u[:, : shape[1]]  # pair p of row i lands at or before the values it reads (2p, 2p+1)
-    else:
-        size = shape[0] * shape[1]
-        dst = np.empty(shape, np.uint32) if out is None else out[:size].reshape(shape)
-    run_rows(_top_pairs_t if transpose else _top_pairs, shape[0], u, dst)
+    dst = np.empty((k, (m + 1) // 2) if transpose else (m, (k + 1) // 2), np.uint32)
+    run_rows(_top_pairs_t if transpose else _top_pairs, dst.shape[0], u, dst)
+    return dst
+
+
+def pairs_in_place(g: np.ndarray) -> np.ndarray:
+    """:func:`pairs_of_f32` of a C-contiguous ``g`` written over ``g``'s own rows (``g`` is
+    consumed): a view of row stride ``K``; pair ``p`` of a row lands at or before the values it
+    reads (``2p``, ``2p+1``)."""
+    from ._gemm import run_rows
+
+    assert g.flags.c_contiguous
+    u = g.view(np.uint32)
+    dst = u[:, : (u.shape[1] + 1) // 2]
+    run_rows(_top_pairs, u.shape[0], u, dst)
     return dst
 
 
@@ -379,8 +401,7 @@ def matmul(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = 
     each output is one fixed sequence of additions, onto ``out``'s value with ``acc``)."""
     from ._gemm import ROW_BLOCK, _run, _spans
 
-    nblk = -(-n // _COLS)
-    cols = [(a * _COLS, min(n, b * _COLS)) for a, b in _spans(nblk, 512 // _COLS)] if n else []
+    cols = _col_spans(n)
     _run(
         [
             (lambda r0=r0, r1=r1, c0=c0, c1=c1: gemm_tile(xp[r0:r1], bp, c0, c1, out[r0:r1, c0:c1], acc))
@@ -404,8 +425,7 @@ def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool 
 
     k, m = g.shape
     kp = (k + 1) // 2
-    nblk = -(-n // _COLS)
-    cols = [(a * _COLS, min(n, b * _COLS)) for a, b in _spans(nblk, 512 // _COLS)] if n else []
+    cols = _col_spans(n)
     u = g.view(np.uint32)
 
     def task(r0, r1):
@@ -415,3 +435,27 @@ def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool 
             gemm_tile(xp, bp, c0, c1, out[r0:r1, c0:c1], acc)
 
     _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(m, ROW_BLOCK)])
+
+
+class Logits:
+    """The logits GEMM ``X · W[v0:v1]ᵀ`` of bf16 ``X`` and ``W``: ``X`` read in place as pairs,
+    each chunk of at most ``vc`` rows of ``W`` packed by :meth:`chunk` (into recycled scratch),
+    then :meth:`logits` for any row block."""
+
+    def __init__(self, input: np.ndarray, W: np.ndarray, vc: int):
+        from .._outcache import empty as scratch
+
+        H = input.shape[1]
+        self.xp = pairs(input)
+        self.W = W
+        self.pbuf = scratch(b_size(H, vc), np.uint32)
+        self.wbuf = scratch(vc * (H + 1), np.uint16) if H % 2 else None
+        self.bp = np.empty((0, 0), np.uint32)
+        self.n = 0
+
+    def chunk(self, v0: int, v1: int) -> None:
+        self.bp = pack(pairs(self.W[v0:v1], self.wbuf), self.pbuf)
+        self.n = v1 - v0
+
+    def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
+        matmul_nt(self.xp[b0:b1], self.bp, self.n, out)

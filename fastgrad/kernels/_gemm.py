@@ -55,7 +55,9 @@ def bf16_logits() -> bool:
     """The logits GEMM of bf16 operands may run on the exact-product bf16 kernel
     (``_bf16dot``): ``"auto"`` inside ``fastgrad.torch``'s training loss, on a CPU with AVX-512
     BF16 (set for the duration of :func:`single_threaded_blas`)."""
-    return bool(getattr(_tls, "bf16", False))
+    from .._config import _AUTO_ONEDNN
+
+    return bf16_auto() and _AUTO_ONEDNN.get()
 
 
 def bf16_auto() -> bool:
@@ -103,7 +105,7 @@ def single_threaded_blas():
         from threadpoolctl import ThreadpoolController
 
         _controller = ThreadpoolController()
-    from .._config import _AUTO_ONEDNN, gemm_engine, gemm_setting
+    from .._config import gemm_engine, gemm_setting
 
     engine = gemm_engine()
     auto16 = gemm_setting() == "auto"
@@ -111,17 +113,16 @@ def single_threaded_blas():
         from . import _bf16dot
 
         auto16 = _bf16dot.available()
-    bf16 = auto16 and _AUTO_ONEDNN.get()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_controller.limit(limits=1, user_api="blas"))
         if engine == "onednn":
             stack.enter_context(_onednn.fp32_precision_bf16())
-        old = getattr(_tls, "engine", None), getattr(_tls, "bf16", False), getattr(_tls, "bf16_auto", False)
-        _tls.engine, _tls.bf16, _tls.bf16_auto = engine, bf16, auto16
+        old = getattr(_tls, "engine", None), getattr(_tls, "bf16_auto", False)
+        _tls.engine, _tls.bf16_auto = engine, auto16
         try:
             yield
         finally:
-            _tls.engine, _tls.bf16, _tls.bf16_auto = old
+            _tls.engine, _tls.bf16_auto = old
 
 
 def _run(tasks):

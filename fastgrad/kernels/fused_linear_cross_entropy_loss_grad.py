@@ -187,7 +187,8 @@ def fused_linear_cross_entropy_loss_grad(
         eps = None  # the uniform smoothing term alone is not negligible
     # bf16 operands: the three GEMMs on the exact-product bf16 kernel where it may run
     b16 = bf16_auto() and input.dtype == D.BFLOAT16 and weight.dtype == D.BFLOAT16
-    X32 = fp32_block(input, 0, BT) if (not b16 or eps is not None) else None  # [BT, H] exact fp32
+    fp32_operands = not b16 or eps is not None  # the BLAS path, or the filtered products
+    X32 = fp32_block(input, 0, BT) if fp32_operands else None  # [BT, H] exact fp32
     gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
     # scratch on recycled memory (fastgrad._outcache): no fresh pages on the next call
     g_buf = scratch(bt * vt, np.float32)  # logits / g tile
@@ -201,15 +202,11 @@ def fused_linear_cross_entropy_loss_grad(
     else:
         S = np.ascontiguousarray(softmax, dtype=np.float32)  # a view when already contiguous
     W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
+    lg = _bf16dot.Logits(input, W, vt) if (b16 and softmax is None) else None  # the logits on the kernel
     if b16:
-        kp = (H + 1) // 2
-        xpairs = _bf16dot.pairs(input)  # X as the logits' A (a view when contiguous, H even)
         # X's row tiles as the grad_weight GEMM's B, once
         xinter = {b0: _bf16dot.interleave(input[b0:b1]) for b0, b1 in plan.bt_ranges()}
-        npad_v = -(-vt // 64) * 64
-        wt_pack = scratch(kp * npad_v, np.uint32)  # W tile as the logits' B
-        wt_pairs = scratch(vt * 2 * kp, np.uint16) if H % 2 else None
-        wt_inter = scratch(((vt + 1) // 2) * (-(-H // 64) * 64), np.uint32)  # as grad_input's B
+        wt_inter = scratch(_bf16dot.b_size(vt, H), np.uint32)  # the W tile as grad_input's B
     if eps is not None:
         fb, rb = plan.filter_cols, plan.filter_rows
         # |p - s/K| < eps  <=>  p < eps + s/K (p >= 0; no block is negligible when s/K >= eps),
@@ -225,10 +222,10 @@ def fused_linear_cross_entropy_loss_grad(
     done = 0
     for v0, v1 in plan.v_ranges():
         nv = v1 - v0
-        W32 = fp32_block(W, v0, v1, w_buf) if (not b16 or eps is not None) else None
+        W32 = fp32_block(W, v0, v1, w_buf) if fp32_operands else None
         if b16:
-            if softmax is None:
-                bp_l = _bf16dot.pack(_bf16dot.pairs(W[v0:v1], wt_pairs), wt_pack)
+            if lg is not None:
+                lg.chunk(v0, v1)
             bp_i = _bf16dot.interleave(W[v0:v1], wt_inter)
         gwt = gw32[: nv * H].reshape(nv, H)
         first = True
@@ -238,8 +235,8 @@ def fused_linear_cross_entropy_loss_grad(
             Xb = X32[b0:b1] if X32 is not None else None
             keep = None
             if softmax is None:
-                if b16:
-                    _bf16dot.matmul(xpairs[b0:b1], bp_l, nv, G)
+                if lg is not None:
+                    lg.logits(b0, b1, G)
                 else:
                     assert Xb is not None and W32 is not None
                     matmul_nt(Xb, W32, G)
@@ -266,7 +263,7 @@ def fused_linear_cross_entropy_loss_grad(
                 # gᵀ paired per task (thread scratch), then g paired in place over itself
                 _bf16dot.matmul_tn(G, xinter[b0], H, gwt, acc=not first)
                 first = False
-                gp = _bf16dot.pairs_of_f32(G, "in place")
+                gp = _bf16dot.pairs_in_place(G)
                 _bf16dot.matmul(gp, bp_i, H, gi32[b0:b1], acc=True)
             else:
                 assert Xb is not None and W32 is not None

@@ -98,10 +98,7 @@ def run(
         l_buf = scratch(bt * vt, np.float32)  # recycled memory (fastgrad._outcache)
         W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
         if b16:
-            kp = (H + 1) // 2
-            xpairs = _bf16dot.pairs(input)
-            wt_pack = scratch(kp * (-(-vt // 64) * 64), np.uint32)
-            wt_pairs = scratch(vt * 2 * kp, np.uint16) if H % 2 else None
+            lg = _bf16dot.Logits(input, W, vt)
         else:
             X32 = fp32_block(input, 0, BT)
             w_buf = scratch(vt * H, np.float32) if widen else None
@@ -109,14 +106,14 @@ def run(
         for v0, v1 in plan.v_ranges():
             nv = v1 - v0
             if b16:
-                bp = _bf16dot.pack(_bf16dot.pairs(W[v0:v1], wt_pairs), wt_pack)
+                lg.chunk(v0, v1)
             else:
                 W32 = fp32_block(W, v0, v1, w_buf)
             for b0, b1 in plan.bt_ranges():
                 nb = b1 - b0
                 Lt = l_buf[: nb * nv].reshape(nb, nv)
                 if b16:
-                    _bf16dot.matmul(xpairs[b0:b1], bp, nv, Lt)
+                    lg.logits(b0, b1, Lt)
                 else:
                     matmul_nt(X32[b0:b1], W32, Lt)
                 run_rows(_online_tile, Lt.shape[0], Lt, b0, v0, code, lmax, sexp, tcol, picked)

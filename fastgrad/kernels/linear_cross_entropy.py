@@ -429,33 +429,11 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
     return fp32_block(a, r0, r1, buf)
 
 
-class _Bf16Logits:
-    """The logits GEMM ``X · W[v0:v1]ᵀ`` on the exact-product bf16 kernel (``_bf16dot``): ``X``
-    read in place as bf16 pairs, each chunk of ``W`` packed once per call of :meth:`chunk`."""
-
-    def __init__(self, input: np.ndarray, W: np.ndarray, vc: int):
-        H = input.shape[1]
-        kp = (H + 1) // 2
-        self.xp = _bf16dot.pairs(input)
-        self.W = W
-        self.pbuf = np.empty(kp * (-(-vc // 64) * 64), np.uint32)
-        self.wbuf = np.empty(vc * 2 * kp, np.uint16) if H % 2 else None
-        self.bp = np.empty((kp, 0), np.uint32)
-        self.n = 0
-
-    def chunk(self, v0: int, v1: int) -> None:
-        self.bp = _bf16dot.pack(_bf16dot.pairs(self.W[v0:v1], self.wbuf), self.pbuf)
-        self.n = v1 - v0
-
-    def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
-        _bf16dot.matmul_nt(self.xp[b0:b1], self.bp, self.n, out)
-
-
 def _bf16_logits(input, W, cdt, vc):
-    """A :class:`_Bf16Logits` when both operands are bf16 and the kernel may run, else None."""
+    """A :class:`_bf16dot.Logits` when both operands are bf16 and the kernel may run, else None."""
     if cdt != np.float32 or input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16 or not bf16_logits():
         return None
-    return _Bf16Logits(input, W, vc)
+    return _bf16dot.Logits(input, W, vc)
 
 
 #: vocabulary columns per chunk of the vocabulary-major recompute (``_vocab_major``)
