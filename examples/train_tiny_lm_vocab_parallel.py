@@ -92,6 +92,7 @@ def main(argv=None) -> int:
               f"body {body_diff:.2e} -> {'MATCH' if ok else 'MISMATCH'}")
     flag = torch.tensor([0 if ok else 1])
     dist.broadcast(flag, src=0)
+    dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
     dist.destroy_process_group()
     return int(flag.item())
 

@@ -46,11 +46,28 @@ def test_error_bound_against_unfiltered(dtype, sharpness):
     # the docstring's bound, taking every block as skipped (an upper bound on the skipped set)
     bound_gi = eps * np.abs(grad)[:, None] * np.abs(w).sum(axis=0)[None, :]
     bound_gw = eps * (np.abs(grad)[:, None] * np.abs(x)).sum(axis=0)[None, :]
+    # and a tighter one from the float64 softmax: only elements below the threshold (never a
+    # target) may be skipped, each dropping p·|grad|·|w| (resp. |x|) — a kept block lost fails it
+    z = x @ w.T
+    pr = np.exp(z - z.max(1, keepdims=True))
+    pr /= pr.sum(1, keepdims=True)
+    sub = float(ml_dtypes.finfo(dtype).smallest_subnormal)
+    # (g rounded to the dtype: 2⁻⁶ more, and half a subnormal step each)
+    small = np.where(pr < 1.01 * eps, (1 + 2.0**-6) * pr * np.abs(grad)[:, None] + sub / 2, 0.0)
+    small[np.arange(BT), args[4]] = 0.0
+    # (the kept products' other summation order: 2⁻¹⁶ of the sum of |terms|; the output's
+    # rounding near 0: one subnormal step)
+    G = pr.copy()
+    G[np.arange(BT), args[4]] -= 1.0
+    G = np.abs(G) * np.abs(grad)[:, None]
+    tight_gi = small @ np.abs(w) + 2.0**-16 * (G @ np.abs(w)) + sub
+    tight_gw = small.T @ np.abs(x) + 2.0**-16 * (G.T @ np.abs(x)) + sub
     u = UNIT[np.dtype(dtype)]
-    for got, ref, bound in ((gi_f, gi, bound_gi), (gw_f, gw, bound_gw)):
+    for got, ref, bound, tight in ((gi_f, gi, bound_gi, tight_gi), (gw_f, gw, bound_gw, tight_gw)):
         got, ref = _f64(got), _f64(ref)
         slack = 2 * u * np.abs(ref) + 1e-6 * np.abs(ref).max() + 1e-30
         assert np.all(np.abs(got - ref) <= bound + slack)
+        assert np.all(np.abs(got - ref) <= tight + 2 * u * np.abs(ref) + 1e-30)
     if sharpness >= 8.0:
         assert plan.blocks_skipped > 0           # a peaked softmax leaves negligible blocks
 

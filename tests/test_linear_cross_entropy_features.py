@@ -181,7 +181,7 @@ def test_row_blocks_do_not_change_results():
 @pytest.mark.parametrize("bad,param", [
     (dict(temperature=0.0), "temperature"), (dict(softcap=-1.0), "softcap"),
     (dict(lse_square_scale=-1.0), "lse_square_scale"), (dict(shift=-1), "shift"),
-    (dict(precision="fast"), "precision"), (dict(bias=torch.zeros(3)), "bias"),
+    (dict(precision="fastest"), "precision"), (dict(bias=torch.zeros(3)), "bias"),
     (dict(softcap=2.0, precision="device"), "softcap"),
 ])
 def test_bad_keywords_raise_161002(bad, param):

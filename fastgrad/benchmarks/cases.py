@@ -468,9 +468,9 @@ def _sparse_flce_cases(BT, H, V, dtype) -> list:
     return cases
 
 
-def _lce_step(filter_eps=None, fused=None, gemm=None):
+def _lce_step(filter_eps=None, fused=None, gemm=None, precision=None):
     """A runner factory: one ``fastgrad.torch.linear_cross_entropy`` loss + backward
-    (``fused``: the keyword; ``gemm``: the GEMM engine, None = the default)."""
+    (``fused``, ``precision``: the keywords; ``gemm``: the GEMM engine, None = the default)."""
 
     def make(inp):
         from fastgrad.torch import linear_cross_entropy
@@ -480,7 +480,7 @@ def _lce_step(filter_eps=None, fused=None, gemm=None):
         def step():
             hh = h.detach().requires_grad_()
             ww = w.detach().requires_grad_()
-            loss = linear_cross_entropy(hh, ww, t, filter_eps=filter_eps, fused=fused)
+            loss = linear_cross_entropy(hh, ww, t, filter_eps=filter_eps, fused=fused, precision=precision)
             loss.backward()
             return loss, hh.grad, ww.grad
 
@@ -572,6 +572,7 @@ def _train_step_case(BT, H, V) -> Case:
         [
             Runner("fastgrad", "fastgrad", _lce_step(), needs_torch=True),
             Runner("fastgrad-fused", "baseline", _lce_step(fused=True), needs_torch=True),
+            Runner("fastgrad-fast", "baseline", _lce_step(precision="fast"), needs_torch=True),
             Runner("fastgrad-blas", "baseline", _lce_step(gemm="blas"), needs_torch=True),
             Runner("torch-fp32", "baseline", _torch_step("float32"), needs_torch=True),
             Runner("torch-bf16", "baseline", _torch_step("bfloat16"), needs_torch=True),
@@ -585,7 +586,9 @@ def _train_step_case(BT, H, V) -> Case:
         needs_torch=True,
         note="fastgrad.torch.linear_cross_entropy forward+backward (default: fused=None, the GEMM "
         "engine of fastgrad.gemm_engine()); fastgrad-fused: fused=True (3 GEMMs, the fp32 [V, H] "
-        "gradient held); fastgrad-blas: the default on NumPy's BLAS; flops = the 3 GEMMs of one "
+        "gradient held); fastgrad-fast: precision='fast' (dloss/dlogits rounded to bf16 with its mean "
+        "error restored, all four GEMMs on the bf16 kernel where the CPU has AVX-512 BF16); "
+        "fastgrad-blas: the default on NumPy's BLAS; flops = the 3 GEMMs of one "
         "materialized step; bound: those GEMMs in fp32 (NumPy's BLAS)",
     )
 

@@ -106,20 +106,36 @@ def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flag
             flags[i, t // fb] = True  # the target column is never filtered
 
 
-def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs) -> None:
-    """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc)."""
+def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None) -> None:
+    """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc).
+
+    ``b16``: None (fp32 operands ``Xb``, ``W32`` on BLAS) or ``(W16, xinter, w16_buf, wi_buf)``
+    for the exact-product bf16 kernel: the tile's bf16 weight rows (uint16 bits), the row tile
+    interleaved as ``B`` (:func:`_bf16dot.interleave`; ``rb`` even, so a row block starts on a
+    pair), and scratch for the gathered rows and their interleaving.  ``g`` holds bf16 values
+    (the epilogue rounds it), so both ways compute every product exactly."""
     nb, nv = G.shape
-    H = W32.shape[1]
     g_c, w_c, q_c, p_c = bufs
     for r0, r1, cols in kept_blocks(keep, fb, rb, nb, nv):
         nk, nr = cols.size, r1 - r0
         Gc = g_c[: nr * nk].reshape(nr, nk)
         np.take(G[r0:r1], cols, axis=1, out=Gc)
-        Wc = w_c[: nk * H].reshape(nk, H)
-        np.take(W32, cols, axis=0, out=Wc)
-        matmul_nn(Gc, Wc, gi_rows[r0:r1], tmp=p_c[: nr * H].reshape(nr, H))
-        Q = q_c[: nk * H].reshape(nk, H)
-        matmul_tn(Gc, Xb[r0:r1], Q)
+        if b16 is not None:
+            W16, xinter, w16_buf, wi_buf = b16
+            H = W16.shape[1]
+            Q = q_c[: nk * H].reshape(nk, H)
+            _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q)
+            Wg = w16_buf[: nk * H].reshape(nk, H)
+            np.take(W16, cols, axis=0, out=Wg)
+            wp = _bf16dot.interleave(Wg, wi_buf)
+            _bf16dot.matmul(_bf16dot.pairs_in_place(Gc), wp, H, gi_rows[r0:r1], acc=True)
+        else:
+            H = W32.shape[1]
+            Wc = w_c[: nk * H].reshape(nk, H)
+            np.take(W32, cols, axis=0, out=Wc)
+            matmul_nn(Gc, Wc, gi_rows[r0:r1], tmp=p_c[: nr * H].reshape(nr, H))
+            Q = q_c[: nk * H].reshape(nk, H)
+            matmul_tn(Gc, Xb[r0:r1], Q)
         gwt[cols] += Q
 
 
@@ -187,7 +203,7 @@ def fused_linear_cross_entropy_loss_grad(
         eps = None  # the uniform smoothing term alone is not negligible
     # bf16 operands: the three GEMMs on the exact-product bf16 kernel where it may run
     b16 = bf16_auto() and input.dtype == D.BFLOAT16 and weight.dtype == D.BFLOAT16
-    fp32_operands = not b16 or eps is not None  # the BLAS path, or the filtered products
+    fp32_operands = not b16  # the BLAS path
     X32 = fp32_block(input, 0, BT) if fp32_operands else None  # [BT, H] exact fp32
     gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
     # scratch on recycled memory (fastgrad._outcache): no fresh pages on the next call
@@ -207,6 +223,7 @@ def fused_linear_cross_entropy_loss_grad(
         # X's row tiles as the grad_weight GEMM's B, once
         xinter = {b0: _bf16dot.interleave(input[b0:b1]) for b0, b1 in plan.bt_ranges()}
         wt_inter = scratch(_bf16dot.b_size(vt, H), np.uint32)  # the W tile as grad_input's B
+    fb16_bufs = None
     if eps is not None:
         fb, rb = plan.filter_cols, plan.filter_rows
         # |p - s/K| < eps  <=>  p < eps + s/K (p >= 0; no block is negligible when s/K >= eps),
@@ -215,10 +232,13 @@ def fused_linear_cross_entropy_loss_grad(
         flags = np.empty(bt * (-(-vt // fb)), np.bool_)
         fbufs = (
             scratch(min(rb, bt) * vt, np.float32),
+            None if b16 else scratch(vt * H, np.float32),
             scratch(vt * H, np.float32),
-            scratch(vt * H, np.float32),
-            scratch(min(rb, bt) * H, np.float32),
+            None if b16 else scratch(min(rb, bt) * H, np.float32),
         )
+        # the kept blocks on the bf16 kernel: the tile's weight rows gathered as bits, interleaved
+        fb16_bufs = (scratch(vt * H, np.uint16), scratch(_bf16dot.b_size(vt, H), np.uint32)) if b16 else None
+        assert rb % 2 == 0 or not b16
     done = 0
     for v0, v1 in plan.v_ranges():
         nv = v1 - v0
@@ -258,7 +278,8 @@ def fused_linear_cross_entropy_loss_grad(
                 if first:
                     gwt[...] = 0
                     first = False
-                _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs)
+                fb16 = (W[v0:v1].view(np.uint16), xinter[b0], *fb16_bufs) if fb16_bufs is not None else None
+                _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs, fb16)
             elif b16:
                 # gᵀ paired per task (thread scratch), then g paired in place over itself
                 _bf16dot.matmul_tn(G, xinter[b0], H, gwt, acc=not first)

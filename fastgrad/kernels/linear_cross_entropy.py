@@ -132,17 +132,18 @@ def _row_transform(r, bias, par, flags):
 
 
 @njit
-def _row_grad_plain(r, a, e, lz, it):
-    """The common gradient (no softcap, no class weights, z stored): ``(a·p - e)/T``."""
+def _row_grad_plain(r, a, e, lz, it, s):
+    """The common gradient (no softcap, no class weights, no bias): ``(a·p - e)/T`` with
+    ``z = r·s`` (``s``: 1 for stored z, ``1/T`` for recomputed raw logits)."""
     for j in range(r.shape[0]):
-        r[j] = (a * exp_c(r[j] - lz) - e) * it
+        r[j] = (a * exp_c(r[j] * s - lz) - e) * it
 
 
 @njit
-def _row_grad_entropy(r, a, e, h, mu, lz, it):
+def _row_grad_entropy(r, a, e, h, mu, lz, it, s):
     """With the entropy's term: ``(p·(a + h·(μ - z)) - e)/T`` (0·anything = 0 where p = 0)."""
     for j in range(r.shape[0]):
-        x = r[j]
+        x = r[j] * s
         p = exp_c(x - lz)
         q = p * (a + h * (mu - x))
         r[j] = ((q if p != 0 else p) - e) * it
@@ -222,7 +223,10 @@ def _grad_pass(
         t = tcol[i]
         h = coef_h[i] if flags[5] else par[10]
         mu = zmean[i] if flags[5] else par[10]
-        plain = not recompute and not flags[0] and not flags[2]
+        # no per-column transform but the temperature: the vectorized loops (z = L·s, the
+        # product by 1 exact for stored z, the same operations as the general loop below)
+        plain = not flags[0] and not flags[2] and not (recompute and flags[1])
+        s = it if recompute else one
         for c in range(nchunk):
             base = offs[c] + i * widths[c]
             v0 = offs[c] // nb + vshift
@@ -234,11 +238,11 @@ def _grad_pass(
                 # the target column's term is applied after the vectorized loop, in the same
                 # order of operations as the general loop below
                 tin = t >= v0 and t < v0 + widths[c]
-                xt = L[base + t - v0] if tin else par[10]
+                xt = L[base + t - v0] * s if tin else par[10]
                 if h == 0:
-                    _row_grad_plain(L[base : base + widths[c]], a, e, lz, it)
+                    _row_grad_plain(L[base : base + widths[c]], a, e, lz, it, s)
                 else:
-                    _row_grad_entropy(L[base : base + widths[c]], a, e, h, mu, lz, it)
+                    _row_grad_entropy(L[base : base + widths[c]], a, e, h, mu, lz, it, s)
                 if tin:
                     p = exp_c(xt - lz)
                     g = a * p
@@ -287,6 +291,61 @@ def _round_rows(lo, hi, dst, src, code):
     for q in range(lo, hi):
         for j in range(h):
             dst[q, j] = D.from_f32(src[q, j], code)
+
+
+#: rows per group of the rounding pass's partial column sums (fixed: bitwise at any thread count)
+_E_GROUP = 32
+
+
+@tjit
+def _round_g_bf16(lo, hi, G, e_row, e_col):
+    """Row groups ``lo:hi`` of ``G`` (``_E_GROUP`` rows each) rounded to
+    bf16 in place (RNE; a bf16 subnormal to ±0, as the kernel reads it), with the rounding error
+    ``e = g - round(g)`` (exact in fp32) summed per row into ``e_row[i]`` and per group and
+    column into ``e_col[q, v]``.  A non-finite ``e`` (NaN/Inf ``g``) counts 0: the GEMM carries
+    it."""
+    nb, w = G.shape
+    zero = G.dtype.type(0)
+    inf = G.dtype.type(np.inf)
+    e = np.empty(w, G.dtype)
+    for q in range(lo, hi):
+        ec = e_col[q]
+        ec[:] = zero
+        for i in range(q * _E_GROUP, min(nb, (q + 1) * _E_GROUP)):
+            r = G[i]
+            for j in range(w):
+                g = r[j]
+                b = np.uint32(D.f32_to_bf16(g))
+                if np.uint32(b & np.uint32(0x7F80)) == 0:
+                    b = np.uint32(b & np.uint32(0x8000))
+                h = D.bf16_to_f32(b)
+                r[j] = h
+                d = g - h
+                d = d if abs(d) < inf else zero
+                e[j] = d
+                ec[j] += d
+            e_row[i] = _row_sum(e, zero)
+
+
+@tjit
+def _col_mean16(lo, hi, u, code, out):
+    """out[j] = mean over rows of the 16-bit ``u[:, j]`` (fp32 sums), columns ``lo:hi``."""
+    n = u.shape[0]
+    acc = np.zeros(hi - lo, out.dtype)
+    for i in range(n):
+        for j in range(lo, hi):
+            acc[j - lo] += D.to_f32(u[i, j], code)
+    for j in range(lo, hi):
+        out[j] = acc[j - lo] / n if n else acc[j - lo]
+
+
+@tjit
+def _add_outer(lo, hi, dst, a, b):
+    """dst[i, :] += a[i]·b for the rows ``lo:hi``."""
+    for i in range(lo, hi):
+        ai = a[i]
+        for j in range(dst.shape[1]):
+            dst[i, j] += ai * b[j]
 
 
 @tjit
@@ -440,7 +499,7 @@ def _bf16_logits(input, W, cdt, vc):
 VM_CHUNK = 2048
 
 
-def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace):
+def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=False):
     """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk.
 
     For each chunk of ``vc`` columns: the weight's rows widened once; for each row block (all
@@ -449,6 +508,11 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace):
     chunk's ``grad_weight`` is complete when its row loop ends, so a 16-bit ``grad_weight`` is
     rounded once from its fp32 sum (as the fp32 result rounded at the end) and no fp32 ``[K, H]``
     is held: the memory is the output plus ``O(vc·(BT + H))`` scratch.
+
+    ``round_grad`` (``precision="fast"``), with the logits on the bf16 kernel: the gradient is
+    rounded to bf16 in place and both gradient GEMMs run on the kernel (``W``'s chunk and ``X``'s
+    rows interleaved as its ``B``), then the rounding error's mean part is added back (the op's
+    docstring); the fp32 copies of ``X`` and of ``W``'s chunk are not made.
 
     ``grads``: (grad_input, grad_weight, its 16-bit bits or itself, its dtype code or None,
     grad_bias); ``rows``: the per-row arrays of ``_grad_pass`` (target column, target weight,
@@ -463,28 +527,53 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace):
     nr = max(1, min(BT, workspace // 2 // max(1, vc * isz)))
     nblocks = -(-BT // nr)
     nr = -(-BT // nblocks)  # equal blocks
-    widen_x = input.dtype != cdt
-    xall = _block(input, 0, BT, cdt, scratch(BT * H, cdt) if widen_x else None) if nblocks == 1 else None
+    bfl = _bf16_logits(input, W, cdt, vc)
+    # precision="fast": the gradient GEMMs on the kernel too, g rounded and compensated
+    b16 = bfl is not None and round_grad
+    widen_x = input.dtype != cdt and not b16
+    xall = _block(input, 0, BT, cdt, scratch(BT * H, cdt) if widen_x else None) if nblocks == 1 and not b16 else None
     xbuf = scratch(nr * H, cdt) if (xall is None and widen_x) else None
-    wbuf = scratch(vc * H, cdt) if W.dtype != cdt else None
+    wbuf = scratch(vc * H, cdt) if W.dtype != cdt and not b16 else None
     Lt = scratch(nr * vc, cdt)
-    th = scratch(nr * H, cdt) if gi is not None else None
+    th = scratch(nr * H, cdt) if gi is not None and not b16 else None
     # a 16-bit grad_weight: the chunk summed in fp32 here, then rounded once
     tw = scratch(vc * H, cdt) if (gw is not None and gw_code is not None) else None
-    tw2 = scratch(vc * H, cdt) if (gw is not None and nblocks > 1) else None
+    tw2 = scratch(vc * H, cdt) if (gw is not None and nblocks > 1 and not b16) else None
     offs = np.zeros(1, np.int64)
-    bfl = _bf16_logits(input, W, cdt, vc)
-    for v0 in range(0, K, vc):
+    if b16:
+        nchunks = -(-K // vc)
+        ngrp = -(-nr // _E_GROUP)
+        e_col = scratch(ngrp * vc, cdt)  # the rounding error's partial column sums
+        e_row = np.zeros((BT, nchunks), cdt)  # its row sums, per chunk
+        w_bar = np.zeros((nchunks, H), cdt)  # the chunk's mean row of W
+        x_bar = np.zeros((nblocks, H), cdt)  # the block's mean row of X
+        xu = input.view(np.uint16)
+        for k in range(nblocks):
+            run_rows(_col_mean16, H, xu[(k * BT) // nblocks : ((k + 1) * BT) // nblocks], D.BF16, x_bar[k])
+        # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
+        xi_buf = scratch(_bf16dot.b_size(nr, H), np.uint32) if gw is not None else None
+        xint = _bf16dot.interleave(input, xi_buf) if (gw is not None and nblocks == 1) else None
+        wi_buf = scratch(_bf16dot.b_size(vc, H), np.uint32) if gi is not None else None
+    for c, v0 in enumerate(range(0, K, vc)):
         v1 = min(K, v0 + vc)
         w = v1 - v0
-        Wc = W[v0:v1] if W.dtype == cdt else _block(W, v0, v1, cdt, wbuf)
-        if bfl is not None:
+        if b16:
+            assert bfl is not None
             bfl.chunk(v0, v1)
+            Wc = _bf16dot.interleave(W[v0:v1], wi_buf) if gi is not None else None
+            run_rows(_col_mean16, H, W[v0:v1].view(np.uint16), D.BF16, w_bar[c])
+        else:
+            Wc = W[v0:v1] if W.dtype == cdt else _block(W, v0, v1, cdt, wbuf)
+            if bfl is not None:
+                bfl.chunk(v0, v1)
         widths = np.array([w], np.int64)
         for k in range(nblocks):
             b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks
             nb = b1 - b0
-            X = xall[b0:b1] if xall is not None else _block(input, b0, b1, cdt, xbuf)
+            if b16:
+                X = xint if (xint is not None or gw is None) else _bf16dot.interleave(input[b0:b1], xi_buf)
+            else:
+                X = xall[b0:b1] if xall is not None else _block(input, b0, b1, cdt, xbuf)
             G = Lt[: nb * w].reshape(nb, w)
             if bfl is not None:
                 bfl.logits(b0, b1, G)
@@ -513,13 +602,30 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace):
             )
             if gb is not None:
                 run_rows(_colsum_into, w, Lt, 0, w, nb, gb, v0)
-            if gi is not None:
-                matmul_nn(G, Wc, gi[b0:b1], tmp=None if v0 == 0 else th[: nb * H].reshape(nb, H))
+            acc = None
             if gw is not None:
                 acc = gw[v0:v1] if tw is None else tw[: w * H].reshape(w, H)
+            if b16:
+                # g rounded to bf16 in place; gradient GEMMs of exact products on the kernel; the
+                # rounding error's mean part restored: grad_input += (Σ_v e)·mean_v W (below, one
+                # GEMM over the chunks), grad_weight += (Σ_t e)·mean_t X
+                ng = -(-nb // _E_GROUP)
+                ec = e_col[: ng * w].reshape(ng, w)
+                run_rows(_round_g_bf16, ng, G, e_row[b0:b1, c], ec)
+                if acc is not None:
+                    _bf16dot.matmul_tn(G, X, H, acc, acc=k > 0)
+                    run_rows(_add_outer, w, acc, ec.sum(0), x_bar[k])
+                if gi is not None:
+                    _bf16dot.matmul(_bf16dot.pairs_in_place(G), Wc, H, gi[b0:b1], acc=v0 > 0)
+                continue
+            if gi is not None:
+                matmul_nn(G, Wc, gi[b0:b1], tmp=None if v0 == 0 else th[: nb * H].reshape(nb, H))
+            if acc is not None:
                 matmul_tn(G, X, acc, tmp=None if k == 0 else tw2[: w * H].reshape(w, H))
         if tw is not None:
             run_rows(_round_rows, w, gw_acc[v0:v1], tw[: w * H].reshape(w, H), gw_code)
+    if b16 and gi is not None:
+        matmul_nn(e_row, w_bar, gi, tmp=scratch(BT * H, cdt).reshape(BT, H))
 
 
 @single_threaded_blas()
@@ -648,6 +754,7 @@ def linear_cross_entropy_cpu(
             (cw_c, bias_c, par, flags),
             min(vc, VM_CHUNK),
             workspace,
+            bool(params.get("round_grad")),
         )
         return
     # the logits of bf16 operands on the exact-product bf16 kernel where it may run; the weight

@@ -143,6 +143,7 @@ def linear_cross_entropy(
     return_entropy: bool = False,
     grad_entropy=None,
     z_mean=None,
+    precision: str = "accurate",
 ) -> LinearCrossEntropyResult:
     r"""Cross-entropy of ``z = softcap(input·weightᵀ + bias)/temperature`` without ``[BT, V]``.
 
@@ -216,6 +217,19 @@ def linear_cross_entropy(
         entropy.  With ``lse`` (the recompute) ``z_mean`` is required.  Not with
         ``filter_eps`` (161002: the filter's threshold is on the cross-entropy's coefficient).
     z_mean : [BT], optional — the saved ``μ`` for the recompute with ``grad_entropy``.
+    precision : "accurate" (default) | "fast" — ``"fast"``: in the recompute (``lse`` given,
+        dense) of bf16 ``input`` and ``weight``, on a CPU with AVX-512 BF16 and the GEMM setting
+        ``"auto"`` inside ``fastgrad.torch`` (where the logits already run on the exact-product
+        bf16 kernel, ``kernels/_bf16dot.py``), ``dloss/dL`` is rounded to bf16 (RNE; bf16
+        subnormals to 0) so that the two gradient GEMMs run on that kernel too (every product
+        exact, fp32 sums), and the rounding error's mean part is restored: with ``e = g -
+        round(g)``, ``grad_input += Σ_c (Σ_{v∈c} e)·mean_{v∈c} weight`` over the vocabulary chunks
+        ``c`` and ``grad_weight[v] += (Σ_t e[t, v])·mean_t input`` per row block.  What is left,
+        ``Σ_v (e - mean)·(weight_v - mean)``, is a sum of terms below half a bf16 ulp of ``g``:
+        no elementwise bound of one rounding holds for it (unlike ``"accurate"``), but the mean
+        absolute error against float64 stays near the fp32 computation's
+        (``docs/torch.md``, Precision).  Anywhere else ``"fast"`` is ``"accurate"``, bitwise.
+        Strict mode rejects ``"fast"`` (161002); anything else: 161002.
 
     Returns
     -------
@@ -232,7 +246,8 @@ def linear_cross_entropy(
     Raises
     ------
     AclnnError 161001 (input, weight or target None) / 161002 (dtypes, shapes, ranges, targets,
-    ``filter_eps`` not None/"auto"/(0, 1], or given in strict mode).
+    ``filter_eps`` not None/"auto"/(0, 1], or given in strict mode; ``precision`` not
+    "accurate"/"fast", or "fast" in strict mode).
     """
     kind = arrays.kind_of(input, weight, target)
     x = arrays.as_numpy(input, "input", op=OP)
@@ -288,6 +303,10 @@ def linear_cross_entropy(
     if combine is not None and not callable(combine):
         raise invalid("combine", "a callable or None", type(combine).__name__, OP)
     feps = parse_filter_eps(filter_eps, x.dtype)
+    if precision not in ("accurate", "fast"):
+        raise invalid("precision", "'accurate' or 'fast'", repr(precision), OP)
+    if precision == "fast" and is_strict():
+        raise invalid("precision", "'accurate' (the device rounds no gradient this way; strict mode)", "'fast'", OP)
     if not isinstance(return_entropy, (bool, np.bool_)):
         raise invalid("return_entropy", "a bool", repr(return_entropy), OP)
     if grad_entropy is not None and feps is not None:
@@ -374,6 +393,7 @@ def linear_cross_entropy(
         "need_zsum": eps != 0.0 and not recompute,
         "vocab_start_index": start,
         "filter_eps": feps,
+        "round_grad": precision == "fast",
         "filter_rows": tiling.FILTER_ROWS,
         "filter_cols": tiling.FILTER_COLS,
     }

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._config import is_strict, prefer_onednn
+from .._config import bf16_kernel_available, gemm_setting, is_strict, prefer_onednn
 from ..errors import invalid
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce_op
 from ..tiling import workspace_budget
@@ -82,6 +82,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             vocab_size=cfg["V"],
             filter_eps=cfg.get("filter_eps"),
             accum_dtype=cfg.get("accum_dtype"),
+            precision=cfg.get("op_precision", "accurate"),
         )
         with prefer_onednn():  # the GEMM engine: fastgrad.gemm_engine
             r = _lce_op(
@@ -175,6 +176,19 @@ def _fused_fits(h, weight, accum_dtype, filter_eps):
     wsize = 4 if accum_dtype is None or accum_dtype in (torch.float32, torch.float64) else 2
     held = V * H * wsize + h.shape[0] * H * 4
     return held <= workspace_budget()
+
+
+def _fast_applies(h, weight, filter_eps):
+    """``precision="fast"`` changes the computation: bf16 operands, the dense recompute, the
+    exact-product bf16 kernel on this CPU and the GEMM setting ``"auto"``.  The default rule then
+    recomputes (all four GEMMs on the kernel) rather than fusing (two fp32 gradient GEMMs)."""
+    return (
+        h.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and filter_eps is None
+        and gemm_setting() == "auto"
+        and bf16_kernel_available()
+    )
 
 
 def _recompute_gw_dtype(weight, kw):
@@ -314,9 +328,15 @@ def linear_cross_entropy(
         recompute + two in the backward).  Not with ``filter_eps`` nor ``precision="device"``.
     shift : bool or int — CCE's ``shift``: position ``i`` predicts ``target[..., i + shift]``
         (the last ``shift`` positions are ignored; ``"none"`` returns ``[..., T - shift]``)
-    precision : "accurate" (default) | "device" — ``"device"`` (the default in strict mode) runs
-        the NPU's pipeline: statistics from logits rounded to the input dtype, ``g`` rounded
-        before the GEMMs; only the plain loss (no bias, ce_weight, softcap, temperature, z-loss)
+    precision : "accurate" (default) | "device" | "fast" — ``"device"`` (the default in strict
+        mode) runs the NPU's pipeline: statistics from logits rounded to the input dtype, ``g``
+        rounded before the GEMMs; only the plain loss (no bias, ce_weight, softcap, temperature,
+        z-loss).  ``"fast"`` (bf16 on a CPU with AVX-512 BF16, GEMM setting ``"auto"``; elsewhere
+        ``"accurate"``, bitwise): the backward's recompute rounds ``dloss/dlogits`` to bf16 with
+        its mean error restored, so all four GEMMs of the step run on the exact-product bf16
+        kernel (Cut Cross-Entropy's default also rounds it); ``fused=None`` then recomputes.
+        Mean error against float64 near fp32's, no elementwise one-rounding bound
+        (:func:`fastgrad.linear_cross_entropy`, ``docs/torch.md``).  Strict mode rejects it
     fused : bool, optional — None: fuse forward and backward (3 GEMMs) when the rule in the
         module docstring allows it (a scalar loss whose held fp32 gradients fit the workspace
         budget); True: fuse whenever the loss is scalar; False: always recompute in the backward
@@ -357,8 +377,10 @@ def linear_cross_entropy(
         raise _bad("shift", "a bool or an int >= 0", repr(shift))
     if precision is None:
         precision = "device" if is_strict() else "accurate"
-    if precision not in ("accurate", "device"):
-        raise _bad("precision", "'accurate' or 'device'", repr(precision))
+    if precision not in ("accurate", "device", "fast"):
+        raise _bad("precision", "'accurate', 'device' or 'fast'", repr(precision))
+    if precision == "fast" and is_strict():
+        raise _bad("precision", "'accurate' or 'device' in strict mode (the device has no 'fast')", "'fast'")
     if fused not in (None, True, False):
         raise _bad("fused", "None, True or False", repr(fused))
     K = weight.shape[0]
@@ -429,7 +451,12 @@ def linear_cross_entropy(
     # the upstream gradients must be known in the forward: a reduced loss, no entropy output
     fusable = reduction != "none" and not return_entropy
     if fused is None:
-        fused_ok = torch.is_grad_enabled() and fusable and _fused_fits(h, weight, accum_dtype, filter_eps)
+        fused_ok = (
+            torch.is_grad_enabled()
+            and fusable
+            and _fused_fits(h, weight, accum_dtype, filter_eps)
+            and not (precision == "fast" and _fast_applies(h, weight, filter_eps))
+        )
     else:
         fused_ok = bool(fused) and fusable
     cfg = {
@@ -446,6 +473,7 @@ def linear_cross_entropy(
         "filter_eps": filter_eps,
         "accum_dtype": accum_dtype,
         "return_entropy": return_entropy,
+        "op_precision": "fast" if precision == "fast" else "accurate",
     }
     cw = None if ce_weight is None else ce_weight.detach()
     loss, z_loss, acc, pred, ent = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)
