@@ -178,6 +178,10 @@ def test_fast_is_accurate_without_the_kernel(dtype):
         r = _fast_and_accurate(h, w, t, fused=False)
         for a, b in zip(r["fast"], r["accurate"]):
             assert torch.equal(a, b)
+    # fused=True computes the gradients in the forward (fp32 gradient GEMMs): no rounding either
+    r = _fast_and_accurate(h, w, t, fused=True)
+    for a, b in zip(r["fast"], r["accurate"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not bf16_kernel_available(), reason="needs AVX-512 BF16 (the kernel 'fast' runs on)")

@@ -331,12 +331,14 @@ def linear_cross_entropy(
     precision : "accurate" (default) | "device" | "fast" — ``"device"`` (the default in strict
         mode) runs the NPU's pipeline: statistics from logits rounded to the input dtype, ``g``
         rounded before the GEMMs; only the plain loss (no bias, ce_weight, softcap, temperature,
-        z-loss).  ``"fast"`` (bf16 on a CPU with AVX-512 BF16, GEMM setting ``"auto"``; elsewhere
-        ``"accurate"``, bitwise): the backward's recompute rounds ``dloss/dlogits`` to bf16 with
-        its mean error restored, so all four GEMMs of the step run on the exact-product bf16
-        kernel (Cut Cross-Entropy's default also rounds it); ``fused=None`` then recomputes.
+        z-loss).  ``"fast"`` (bf16 on a CPU with AVX-512 BF16, GEMM setting ``"auto"``, not fused,
+        no ``filter_eps``; elsewhere ``"accurate"``, bitwise): the backward's recompute rounds
+        ``dloss/dlogits`` to bf16 with its mean error restored, so all four GEMMs of the step run
+        on the exact-product bf16 kernel (Cut Cross-Entropy's default also rounds it);
+        ``fused=None`` then recomputes.
         Mean error against float64 near fp32's, no elementwise one-rounding bound
         (:func:`fastgrad.linear_cross_entropy`, ``docs/torch.md``).  Strict mode rejects it
+        (161002).
     fused : bool, optional — None: fuse forward and backward (3 GEMMs) when the rule in the
         module docstring allows it (a scalar loss whose held fp32 gradients fit the workspace
         budget); True: fuse whenever the loss is scalar; False: always recompute in the backward
