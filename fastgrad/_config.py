@@ -224,3 +224,9 @@ def bf16_kernel_available() -> bool:
     from .kernels import _bf16dot
 
     return _bf16dot.available()
+
+
+def bf16_kernel_in_use() -> bool:
+    """GEMMs of bf16 values go to the exact-product bf16 kernel: the GEMM setting ``"auto"`` on a
+    CPU where the kernel runs (:func:`bf16_kernel_available`)."""
+    return gemm_setting() == "auto" and bf16_kernel_available()

@@ -30,3 +30,49 @@ def lm_head_problem(BT, H, V, seed, dtype=np.float32, ignore_index=-100):
     if np.dtype(dtype) != F32:
         x, w, b = x.astype(dtype), w.astype(dtype), b.astype(dtype)
     return x, w, b, cw, t
+
+
+def bf16_lm_inputs(BT, H, V, gen, seed=0):
+    """bf16 ``(hidden [BT, H], weight [V, H], target [BT])`` for the accuracy targets of the
+    training loss: ``"rand"`` (all positive, |logits| ~ H/4: sharply peaked, cancelling row
+    sums), ``"rand-small"``, ``"randn"`` (logits of a few units), ``"randn-big"`` (|logits| ~ 30),
+    ``"offset"`` (hidden states and weights with a non-zero mean)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(seed)
+    if gen == "rand":
+        h, w = torch.rand(BT, H, generator=g), torch.rand(V, H, generator=g)
+    elif gen == "rand-small":
+        h, w = torch.rand(BT, H, generator=g) * 0.2, torch.rand(V, H, generator=g) * 0.2
+    elif gen == "randn":
+        h, w = torch.randn(BT, H, generator=g), torch.randn(V, H, generator=g) * (3 / H**0.5)
+    elif gen == "randn-big":
+        h, w = torch.randn(BT, H, generator=g), torch.randn(V, H, generator=g) * (30 / H**0.5)
+    else:
+        h = torch.randn(BT, H, generator=g) + 1.0
+        w = torch.randn(V, H, generator=g) / H**0.5 + 0.05
+    t = torch.randint(0, V, (BT,), generator=g)
+    return h.to(torch.bfloat16), w.to(torch.bfloat16), t
+
+
+def grads_in(h, w, fn, dtype):
+    """``(hidden.grad, weight.grad)`` of ``fn(hidden, weight).backward()`` computed in ``dtype``."""
+    hh = h.detach().to(dtype).requires_grad_()
+    ww = w.detach().to(dtype).requires_grad_()
+    fn(hh, ww).backward()
+    return hh.grad, ww.grad
+
+
+def bf16_grad_errors(h, w, t, losses):
+    """Mean abs error against float64 autograd on the same bf16 inputs of grad_input /
+    grad_weight, for each loss of ``losses`` (``{name: fn(hidden, weight)}`` run in bf16), for
+    PyTorch computing in fp32 on the bf16 parameters (rounded once at the end, ``"torch-fp32"``)
+    and for pure-bf16 autograd (``"torch-bf16"``)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    ce = lambda a, b: F.cross_entropy(a @ b.T, t)  # noqa: E731
+    ref = grads_in(h, w, ce, torch.float64)
+    res = {k: grads_in(h, w, fn, torch.bfloat16) for k, fn in losses.items()}
+    res["torch-fp32"] = tuple(g.to(torch.bfloat16) for g in grads_in(h, w, ce, torch.float32))
+    res["torch-bf16"] = grads_in(h, w, ce, torch.bfloat16)
+    return {k: [(g.double() - r).abs().mean().item() for g, r in zip(v, ref)] for k, v in res.items()}

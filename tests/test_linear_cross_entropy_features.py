@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
+from common import bf16_grad_errors, bf16_lm_inputs  # noqa: E402
 
 import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
@@ -205,42 +206,14 @@ def test_module_face_with_features():
 # bf16 accuracy (issue 13): Liger's test shape, torch.rand inputs (|logits| up to ~150)
 # ---------------------------------------------------------------------------------------------
 
-def _bf16_errors(h, w, t):
-    """Mean abs error vs float64 (same bf16 inputs) of grad_input / grad_weight for fastgrad,
-    PyTorch fp32 on the bf16 parameters (rounded once at the end) and pure-bf16 autograd."""
-    def grads(dtype, fn):
-        hh = h.detach().to(dtype).requires_grad_()
-        ww = w.detach().to(dtype).requires_grad_()
-        fn(hh, ww).backward()
-        return hh.grad, ww.grad
-    ce = lambda a, b: F.cross_entropy(a @ b.T, t)  # noqa: E731
-    ref = grads(torch.float64, ce)
-    res = {"fastgrad": grads(torch.bfloat16, lambda a, b: ft.linear_cross_entropy(a, b, t)),
-           "torch-fp32": tuple(g.to(torch.bfloat16) for g in grads(torch.float32, ce)),
-           "torch-bf16": grads(torch.bfloat16, ce)}
-    return {k: [(g.double() - r).abs().mean().item() for g, r in zip(v, ref)]
-            for k, v in res.items()}
-
-
 @pytest.mark.parametrize("engine", ["auto", "blas", "onednn"])
 @pytest.mark.parametrize("shape,gen", [((2, 4, 512, 512), "rand"), ((2, 64, 256, 3000), "randn"),
                                        ((1, 96, 128, 2000), "rand-small")])
 def test_bf16_accuracy_target(shape, gen, engine):
     B, T, H, V = shape
-    g = torch.Generator().manual_seed(0)
-    if gen == "rand":
-        h = torch.rand(B * T, H, generator=g)
-        w = torch.rand(V, H, generator=g)
-    elif gen == "rand-small":
-        h = torch.rand(B * T, H, generator=g) * 0.2
-        w = torch.rand(V, H, generator=g) * 0.2
-    else:
-        h = torch.randn(B * T, H, generator=g)
-        w = torch.randn(V, H, generator=g) * (3 / H ** 0.5)
-    h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
-    t = torch.randint(0, V, (B * T,), generator=g)
+    h, w, t = bf16_lm_inputs(B * T, H, V, gen)
     with fg.gemm(engine):
-        e = _bf16_errors(h, w, t)
+        e = bf16_grad_errors(h, w, t, {"fastgrad": lambda a, b: ft.linear_cross_entropy(a, b, t)})
     for i, name in enumerate(("grad_input", "grad_weight")):
         fgm, f32, b16 = e["fastgrad"][i], e["torch-fp32"][i], e["torch-bf16"][i]
         assert fgm <= 2 * f32 + 1e-12, (name, e)

@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
+from common import bf16_grad_errors, bf16_lm_inputs, grads_in  # noqa: E402
 
 import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
@@ -27,40 +28,9 @@ from fastgrad._config import bf16_kernel_available  # noqa: E402
 IGN = -100
 
 
-def _inputs(BT, H, V, gen, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if gen == "rand":  # all positive, |logits| ~ H/4: sharply peaked, cancelling row sums
-        h, w = torch.rand(BT, H, generator=g), torch.rand(V, H, generator=g)
-    elif gen == "rand-small":
-        h, w = torch.rand(BT, H, generator=g) * 0.2, torch.rand(V, H, generator=g) * 0.2
-    elif gen == "randn":
-        h, w = torch.randn(BT, H, generator=g), torch.randn(V, H, generator=g) * (3 / H**0.5)
-    elif gen == "randn-big":  # |logits| ~ 30
-        h, w = torch.randn(BT, H, generator=g), torch.randn(V, H, generator=g) * (30 / H**0.5)
-    else:  # "offset": hidden states and weights with a non-zero mean
-        h = torch.randn(BT, H, generator=g) + 1.0
-        w = torch.randn(V, H, generator=g) / H**0.5 + 0.05
-    t = torch.randint(0, V, (BT,), generator=g)
-    return h.to(torch.bfloat16), w.to(torch.bfloat16), t
-
-
-def _grads(h, w, fn, dtype):
-    hh = h.detach().to(dtype).requires_grad_()
-    ww = w.detach().to(dtype).requires_grad_()
-    fn(hh, ww).backward()
-    return hh.grad, ww.grad
-
-
 def _errors(h, w, t, **kw):
     """Mean abs error vs float64 autograd (same bf16 inputs) of grad_input / grad_weight."""
-    ce = lambda a, b: F.cross_entropy(a @ b.T, t)  # noqa: E731
-    ref = _grads(h, w, ce, torch.float64)
-    res = {
-        "fast": _grads(h, w, lambda a, b: ft.linear_cross_entropy(a, b, t, precision="fast", **kw), torch.bfloat16),
-        "torch-fp32": tuple(g.to(torch.bfloat16) for g in _grads(h, w, ce, torch.float32)),
-        "torch-bf16": _grads(h, w, ce, torch.bfloat16),
-    }
-    return {k: [(g.double() - r).abs().mean().item() for g, r in zip(v, ref)] for k, v in res.items()}
+    return bf16_grad_errors(h, w, t, {"fast": lambda a, b: ft.linear_cross_entropy(a, b, t, precision="fast", **kw)})
 
 
 @pytest.mark.parametrize(
@@ -76,7 +46,7 @@ def _errors(h, w, t, **kw):
 )
 def test_fast_accuracy_target(shape, gen, budget):
     BT, H, V = shape
-    h, w, t = _inputs(BT, H, V, gen)
+    h, w, t = bf16_lm_inputs(BT, H, V, gen)
     if budget:
         tiling.set_workspace_budget(budget)
     try:
@@ -124,7 +94,7 @@ def _oracle(h, w, t, bias, cw, softcap, temperature, eps, zscale, reduction):
 def test_fast_features_near_accurate(feat):
     """Each feature with ``"fast"``: mean error vs float64 autograd ≤ 2× that of ``"accurate"``."""
     BT, H, V = 97, 48, 2500
-    h, w, t = _inputs(BT, H, V, "randn", seed=3)
+    h, w, t = bf16_lm_inputs(BT, H, V, "randn", seed=3)
     t[::7] = IGN
     g = torch.Generator().manual_seed(5)
     bias = (torch.randn(V, generator=g) * 0.5).to(torch.bfloat16) if feat.get("bias") else None
@@ -161,14 +131,14 @@ def test_fast_features_near_accurate(feat):
 
 
 def _fast_and_accurate(h, w, t, **kw):
-    return {p: _grads(h, w, lambda a, b, p=p: ft.linear_cross_entropy(a, b, t, precision=p, **kw), h.dtype)
+    return {p: grads_in(h, w, lambda a, b, p=p: ft.linear_cross_entropy(a, b, t, precision=p, **kw), h.dtype)
             for p in ("fast", "accurate")}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fast_is_accurate_without_the_kernel(dtype):
     """``gemm("blas")`` (or a CPU without AVX-512 BF16, or a non-bf16 dtype): bitwise accurate."""
-    h, w, t = _inputs(75, 40, 2300, "randn", seed=1)
+    h, w, t = bf16_lm_inputs(75, 40, 2300, "randn", seed=1)
     h, w = h.to(dtype), w.to(dtype)
     with fg.gemm("blas"):
         r = _fast_and_accurate(h, w, t, fused=False)
@@ -186,7 +156,7 @@ def test_fast_is_accurate_without_the_kernel(dtype):
 
 @pytest.mark.skipif(not bf16_kernel_available(), reason="needs AVX-512 BF16 (the kernel 'fast' runs on)")
 def test_fast_takes_the_kernel_and_is_bitwise_across_threads():
-    h, w, t = _inputs(101, 72, 4500, "rand", seed=2)
+    h, w, t = bf16_lm_inputs(101, 72, 4500, "rand", seed=2)
     with fg.num_threads(1):
         one = _fast_and_accurate(h, w, t)
     with fg.num_threads(2):
@@ -200,7 +170,7 @@ def test_fast_takes_the_kernel_and_is_bitwise_across_threads():
 def test_fast_non_finite_like_accurate():
     """A NaN / Inf hidden row: the same non-finite pattern as ``"accurate"`` (the rounding's
     compensation never turns a finite gradient into NaN)."""
-    h, w, t = _inputs(64, 32, 2100, "randn", seed=4)
+    h, w, t = bf16_lm_inputs(64, 32, 2100, "randn", seed=4)
     h = h.clone()
     h[5, 3] = float("nan")
     h[9, 0] = float("inf")
@@ -211,7 +181,7 @@ def test_fast_non_finite_like_accurate():
 
 
 def test_fast_rejected_in_strict_mode_and_validated():
-    h, w, t = _inputs(4, 8, 16, "randn")
+    h, w, t = bf16_lm_inputs(4, 8, 16, "randn")
     with fg.strict():
         with pytest.raises(fg.AclnnError) as e:
             ft.linear_cross_entropy(h, w, t, precision="fast")
@@ -229,7 +199,7 @@ def test_op_fast_recompute_matches_float64():
     a float64 NumPy oracle written from the contract."""
     from fastgrad._config import prefer_onednn
 
-    h, w, t = _inputs(133, 57, 4200, "rand", seed=6)
+    h, w, t = bf16_lm_inputs(133, 57, 4200, "rand", seed=6)
     X = h.float().double().numpy()
     W = w.float().double().numpy()
     tt = t.numpy()

@@ -123,7 +123,7 @@ def _gemm_engines(has_torch: bool) -> dict:
     """The GEMM engine of the NumPy-level ops and of fastgrad.torch's training loss here."""
     from .. import _config
 
-    bf16 = _config.gemm_setting() == "auto" and _config.bf16_kernel_available()
+    bf16 = _config.bf16_kernel_in_use()
     suffix = " (bf16 operands: the exact-product bf16 kernel)" if bf16 else ""
     out = {"ops": _config.gemm_engine() + suffix}
     if has_torch:

@@ -105,14 +105,10 @@ def single_threaded_blas():
         from threadpoolctl import ThreadpoolController
 
         _controller = ThreadpoolController()
-    from .._config import gemm_engine, gemm_setting
+    from .._config import bf16_kernel_in_use, gemm_engine
 
     engine = gemm_engine()
-    auto16 = gemm_setting() == "auto"
-    if auto16:
-        from . import _bf16dot
-
-        auto16 = _bf16dot.available()
+    auto16 = bf16_kernel_in_use()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_controller.limit(limits=1, user_api="blas"))
         if engine == "onednn":

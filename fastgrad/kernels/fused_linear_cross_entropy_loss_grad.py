@@ -108,10 +108,10 @@ def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flag
 def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None) -> None:
     """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc).
 
-    ``b16``: None (fp32 operands ``Xb``, ``W32`` on BLAS) or ``(W16, xinter, w16_buf, wi_buf)``
-    for the exact-product bf16 kernel: the tile's bf16 weight rows (uint16 bits), the row tile
-    interleaved as ``B`` (:func:`_bf16dot.interleave`; ``rb`` even, so a row block starts on a
-    pair), and scratch for the gathered rows and their interleaving.  ``g`` holds bf16 values
+    ``b16``: None (fp32 operands ``Xb``, ``W32`` on BLAS) or ``(xinter, W16, w16_buf, wi_buf)``
+    for the exact-product bf16 kernel: the row tile interleaved as ``B``
+    (:func:`_bf16dot.interleave`; ``rb`` even, so a row block starts on a pair), the tile's bf16
+    weight rows (uint16 bits), and scratch for the gathered rows and their interleaving.  ``g`` holds bf16 values
     (the epilogue rounds it), so both ways compute every product exactly."""
     nb, nv = G.shape
     g_c, w_c, q_c, p_c = bufs
@@ -120,7 +120,7 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None) -
         Gc = g_c[: nr * nk].reshape(nr, nk)
         np.take(G[r0:r1], cols, axis=1, out=Gc)
         if b16 is not None:
-            W16, xinter, w16_buf, wi_buf = b16
+            xinter, W16, w16_buf, wi_buf = b16
             H = W16.shape[1]
             Q = q_c[: nk * H].reshape(nk, H)
             _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q)
@@ -202,8 +202,7 @@ def fused_linear_cross_entropy_loss_grad(
         eps = None  # the uniform smoothing term alone is not negligible
     # bf16 operands: the three GEMMs on the exact-product bf16 kernel where it may run
     b16 = bf16_auto() and input.dtype == D.BFLOAT16 and weight.dtype == D.BFLOAT16
-    fp32_operands = not b16  # the BLAS path
-    X32 = fp32_block(input, 0, BT) if fp32_operands else None  # [BT, H] exact fp32
+    X32 = None if b16 else fp32_block(input, 0, BT)  # [BT, H] exact fp32 (the BLAS path)
     gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
     # scratch on recycled memory (fastgrad._outcache): no fresh pages on the next call
     g_buf = scratch(bt * vt, np.float32)  # logits / g tile
@@ -235,13 +234,15 @@ def fused_linear_cross_entropy_loss_grad(
             scratch(vt * H, np.float32),
             None if b16 else scratch(min(rb, bt) * H, np.float32),
         )
-        # the kept blocks on the bf16 kernel: the tile's weight rows gathered as bits, interleaved
+        # the kept blocks on the bf16 kernel: the weight rows gathered as bits, then interleaved
         fb16_bufs = (scratch(vt * H, np.uint16), scratch(_bf16dot.b_size(vt, H), np.uint32)) if b16 else None
         assert rb % 2 == 0 or not b16
     done = 0
     for v0, v1 in plan.v_ranges():
         nv = v1 - v0
-        W32 = fp32_block(W, v0, v1, w_buf) if fp32_operands else None
+        W32 = None if b16 else fp32_block(W, v0, v1, w_buf)
+        # the kept blocks on the bf16 kernel: the tile's weight rows as bits, the gather buffers
+        fb16 = None if fb16_bufs is None else (W[v0:v1].view(np.uint16), *fb16_bufs)
         if b16:
             if lg is not None:
                 lg.chunk(v0, v1)
@@ -277,8 +278,8 @@ def fused_linear_cross_entropy_loss_grad(
                 if first:
                     gwt[...] = 0
                     first = False
-                fb16 = (W[v0:v1].view(np.uint16), xinter[b0], *fb16_bufs) if fb16_bufs is not None else None
-                _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs, fb16)
+                b16_ops = None if fb16 is None else (xinter[b0], *fb16)
+                _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs, b16_ops)
             elif b16:
                 # gᵀ paired per task (thread scratch), then g paired in place over itself
                 _bf16dot.matmul_tn(G, xinter[b0], H, gwt, acc=not first)

@@ -527,6 +527,7 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
     nr = max(1, min(BT, workspace // 2 // max(1, vc * isz)))
     nblocks = -(-BT // nr)
     nr = -(-BT // nblocks)  # equal blocks
+    blocks = [((k * BT) // nblocks, ((k + 1) * BT) // nblocks) for k in range(nblocks)]
     bfl = _bf16_logits(input, W, cdt, vc)
     # precision="fast": the gradient GEMMs on the kernel too, g rounded and compensated
     b16 = bfl is not None and round_grad
@@ -548,8 +549,8 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
         w_bar = np.zeros((nchunks, H), cdt)  # the chunk's mean row of W
         x_bar = np.zeros((nblocks, H), cdt)  # the block's mean row of X
         xu = input.view(np.uint16)
-        for k in range(nblocks):
-            run_rows(_col_mean16, H, xu[(k * BT) // nblocks : ((k + 1) * BT) // nblocks], D.BF16, x_bar[k])
+        for k, (b0, b1) in enumerate(blocks):
+            run_rows(_col_mean16, H, xu[b0:b1], D.BF16, x_bar[k])
         # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
         xi_buf = scratch(_bf16dot.b_size(nr, H), np.uint32) if gw is not None else None
         xint = _bf16dot.interleave(input, xi_buf) if (gw is not None and nblocks == 1) else None
@@ -567,8 +568,7 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
             if bfl is not None:
                 bfl.chunk(v0, v1)
         widths = np.array([w], np.int64)
-        for k in range(nblocks):
-            b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks
+        for k, (b0, b1) in enumerate(blocks):
             nb = b1 - b0
             if b16:
                 X = xint if (xint is not None or gw is None) else _bf16dot.interleave(input[b0:b1], xi_buf)

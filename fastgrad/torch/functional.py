@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._config import bf16_kernel_available, gemm_setting, is_strict, prefer_onednn
+from .._config import bf16_kernel_in_use, is_strict, prefer_onednn
 from ..errors import invalid
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce_op
 from ..tiling import workspace_budget
@@ -182,13 +182,7 @@ def _fast_applies(h, weight, filter_eps):
     """``precision="fast"`` changes the computation: bf16 operands, the dense recompute, the
     exact-product bf16 kernel on this CPU and the GEMM setting ``"auto"``.  The default rule then
     recomputes (all four GEMMs on the kernel) rather than fusing (two fp32 gradient GEMMs)."""
-    return (
-        h.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and filter_eps is None
-        and gemm_setting() == "auto"
-        and bf16_kernel_available()
-    )
+    return h.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and filter_eps is None and bf16_kernel_in_use()
 
 
 def _recompute_gw_dtype(weight, kw):
