@@ -230,3 +230,12 @@ def bf16_kernel_in_use() -> bool:
     """GEMMs of bf16 values go to the exact-product bf16 kernel: the GEMM setting ``"auto"`` on a
     CPU where the kernel runs (:func:`bf16_kernel_available`)."""
     return gemm_setting() == "auto" and bf16_kernel_available()
+
+
+def fp16_kernel_in_use() -> bool:
+    """GEMMs of fp16 values in the NumPy-level fused linear ops go to the fp32 AVX-512 kernel
+    (``fastgrad/kernels/_bf16dot.py``, kind ``"f32"``: the products of fp16 values are exact in
+    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on a CPU with AVX-512F."""
+    from .kernels import _bf16dot
+
+    return gemm_setting() == "auto" and _bf16dot.available("f32")

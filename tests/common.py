@@ -76,3 +76,68 @@ def bf16_grad_errors(h, w, t, losses):
     res["torch-fp32"] = tuple(g.to(torch.bfloat16) for g in grads_in(h, w, ce, torch.float32))
     res["torch-bf16"] = grads_in(h, w, ce, torch.bfloat16)
     return {k: [(g.double() - r).abs().mean().item() for g, r in zip(v, ref)] for k, v in res.items()}
+
+
+def assert_gemm_kernel_invariant(run, xp, bp):
+    """An exact-product kernel's GEMM (``fastgrad/kernels/_bf16dot.py``): ``run()`` (the output
+    [M ≥ 300, N ≥ 1088] over the GEMM pool) equals the same operands ``xp``, ``bp`` computed tile
+    by tile over an irregular grid, and ``run()`` at one thread, bitwise.  Returns the output."""
+    import numba
+
+    from fastgrad.kernels import _bf16dot
+
+    full = run()
+    m, n = full.shape
+    part = np.empty_like(full)
+    for r0, r1 in ((0, 7), (7, 300), (300, m)):
+        for c0, c1 in ((0, 64), (64, 1088), (1088, n)):
+            _bf16dot.gemm_tile(xp[r0:r1], bp, c0, c1, part[r0:r1, c0:c1])
+    assert np.array_equal(full.view(np.uint32), part.view(np.uint32))
+    old = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = run()
+    finally:
+        numba.set_num_threads(old)
+    assert np.array_equal(full.view(np.uint32), one.view(np.uint32))
+    return full
+
+
+def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None):
+    """The NumPy-level FLCE grad of 16-bit operands on "auto" (its GEMMs on an exact-product
+    kernel: asserted), at one thread (bitwise the same: asserted), and on "blas" (the kernel
+    not called: asserted); the first checked against the float64 oracle of tests/naive.py.
+    Returns (on the kernel, on BLAS)."""
+    from flce_helpers import stats64
+    from naive import check_fused_linear_cross_entropy_loss_grad
+
+    import fastgrad as fg
+    from fastgrad import tiling
+    from fastgrad.kernels import _bf16dot
+
+    mask = np.packbits(masked, bitorder="little")
+    m, s = stats64(x, w)
+
+    def flce():
+        return fg.fused_linear_cross_entropy_loss_grad(grad, x, w, mask, t, logits_max=m, sum_exp_logits=s)
+
+    calls = []
+    real = _bf16dot.gemm_tile
+    monkeypatch.setattr(_bf16dot, "gemm_tile", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    tiling.set_workspace_budget(budget)
+    try:
+        got = flce()
+        assert calls, "the kernel did not run"
+        with fg.num_threads(1):
+            one = flce()
+        calls.clear()
+        with fg.gemm("blas"):
+            ref = flce()
+        assert not calls
+    finally:
+        tiling.set_workspace_budget(None)
+    check_fused_linear_cross_entropy_loss_grad(got, grad, x, w, mask, t, logits_max=m, sum_exp_logits=s)
+    for a, b in zip(got, one):
+        assert a.dtype == x.dtype
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))  # any thread count
+    return got, ref

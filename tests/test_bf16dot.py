@@ -4,7 +4,6 @@ The kernel needs AVX-512 BF16; on other CPUs only the availability logic is test
 cannot run there, and the training loss then never asks for it)."""
 
 import ml_dtypes
-import numba
 import numpy as np
 import pytest
 import torch
@@ -62,23 +61,12 @@ def test_non_contiguous_rows_and_strided_output():
 
 @needs_kernel
 def test_bitwise_independent_of_tiling_and_threads():
+    from common import assert_gemm_kernel_invariant
+
     rng = np.random.default_rng(5)
     X = rng.standard_normal((700, 96)).astype(BF)
     W = rng.standard_normal((1100, 96)).astype(BF)
-    full = _run(X, W)
-    xp, bp = B.pairs(X), B.pack(B.pairs(W))
-    part = np.empty_like(full)
-    for r0, r1 in ((0, 7), (7, 300), (300, 700)):
-        for c0, c1 in ((0, 64), (64, 1088), (1088, 1100)):
-            B.gemm_tile(xp[r0:r1], bp, c0, c1, part[r0:r1, c0:c1])
-    assert np.array_equal(full.view(np.uint32), part.view(np.uint32))
-    old = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
-        one = _run(X, W)
-    finally:
-        numba.set_num_threads(old)
-    assert np.array_equal(full.view(np.uint32), one.view(np.uint32))
+    assert_gemm_kernel_invariant(lambda: _run(X, W), B.pairs(X), B.pack(B.pairs(W)))
 
 
 @needs_kernel
@@ -96,8 +84,10 @@ def test_special_values_and_the_documented_flush():
 
 
 def test_unavailable_without_the_cpu_flag(monkeypatch):
-    monkeypatch.setattr(B, "_host_has_bf16", lambda: False)
-    assert B._build() is None
+    monkeypatch.setattr(B, "_host_flags", lambda: {"avx512f", "fma"})
+    assert B._build("bf16") is None
+    monkeypatch.setattr(B, "_host_flags", lambda: {"avx2", "fma"})
+    assert B._build("f32") is None
 
 
 def test_the_training_loss_uses_it_only_on_auto(monkeypatch):
@@ -189,10 +179,7 @@ def _flce(x, w, t, masked, grad, m, s):
 def test_flce_grad_on_the_kernel_matches_float64_and_blas(monkeypatch, BT, H, V, budget):
     """The NumPy-level FLCE grad of bf16 operands runs its three GEMMs on the kernel (on "auto"),
     within the contract's bound of float64, equal to the BLAS path but for last-bit flips."""
-    from flce_helpers import stats64
-    from naive import check_fused_linear_cross_entropy_loss_grad
-
-    from fastgrad import tiling
+    from common import flce_grad_on_and_off_kernel
 
     rng = np.random.default_rng(BT + H + V)
     x = rng.standard_normal((BT, H)).astype(BF)
@@ -200,25 +187,7 @@ def test_flce_grad_on_the_kernel_matches_float64_and_blas(monkeypatch, BT, H, V,
     t = rng.integers(0, V, BT)
     masked = rng.random(BT) < 0.2
     grad = rng.uniform(0.1, 1.0, BT).astype(np.float32)
-    m, s = stats64(x, w)
-    calls = []
-    real = B.matmul
-    monkeypatch.setattr(B, "matmul", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    tiling.set_workspace_budget(budget)
-    try:
-        got = _flce(x, w, t, masked, grad, m, s)
-        assert calls, "the bf16 kernel did not run"
-        with fg.num_threads(1):
-            one = _flce(x, w, t, masked, grad, m, s)
-        calls.clear()
-        with fg.gemm("blas"):
-            ref = _flce(x, w, t, masked, grad, m, s)
-        assert not calls
-    finally:
-        tiling.set_workspace_budget(None)
-    check_fused_linear_cross_entropy_loss_grad(got, grad, x, w, np.packbits(masked, bitorder="little"), t,
-                                               logits_max=m, sum_exp_logits=s)
-    for a, b, c in zip(got, one, ref):
-        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))  # any thread count
+    got, ref = flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget)
+    for a, c in zip(got, ref):
         a64, c64 = a.astype(np.float64), c.astype(np.float64)
         assert np.all(np.abs(a64 - c64) <= 2.0**-7 * np.abs(c64) + 2.0**-7 * np.abs(c64).max())

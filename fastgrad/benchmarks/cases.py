@@ -208,7 +208,10 @@ def _stats(inp) -> dict:
     return {"logits_max": inp["logits_max"], "sum_exp_logits": inp["sum_exp_logits"]}
 
 
-def _flce_cases(BT, H, V, dtype, quick) -> list:
+def _flce_cases(BT, H, V, dtype, quick, grad_only=False) -> list:
+    """The FLCE grad in both modes and the online max-sum at one shape; ``grad_only``: the
+    memory-saving grad against its bound alone (no PyTorch rows: the fp16 case, where PyTorch's
+    CPU fp16 GEMMs would take minutes)."""
     import fastgrad as fg
 
     s = _DT[dtype].itemsize
@@ -259,7 +262,9 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
             dtype,
             shape,
             lambda: _flce_inputs(BT, H, V, dtype, 0),
-            [
+            [Runner("fastgrad", "fastgrad", ms), Runner("bound", "bound", None)]
+            if grad_only
+            else [
                 Runner("fastgrad", "fastgrad", ms),
                 Runner("fastgrad-onednn", "baseline", ms_onednn, needs_torch=True),
                 Runner("torch-fp32", "baseline", _torch_flce("float32"), needs_torch=True),
@@ -271,8 +276,8 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
             bound="gemm",
             gemm=g3,
             memory=True,
-            note="bound: the 3 fp32 GEMMs [BT,H]x[H,V], [BT,V]x[V,H], [V,BT]x[BT,H]; "
-            "fastgrad-onednn: the same op on the oneDNN GEMM engine (fg.gemm('onednn'))",
+            note="bound: the 3 fp32 GEMMs [BT,H]x[H,V], [BT,V]x[V,H], [V,BT]x[BT,H]"
+            + ("" if grad_only else "; fastgrad-onednn: the same op on the oneDNN GEMM engine (fg.gemm('onednn'))"),
         ),
         Case(
             "fused_linear_cross_entropy_loss_grad",
@@ -307,7 +312,7 @@ def _flce_cases(BT, H, V, dtype, quick) -> list:
             note="bound: the fp32 GEMM [BT,H]x[H,V]",
         ),
     ]
-    return cases
+    return cases[:1] if grad_only else cases
 
 
 #: The sparsity sweep of the gradient-filtering cases: target mean softmax entropies (nats);
@@ -862,6 +867,7 @@ def all_cases(quick: bool = False) -> list:
     if quick:
         for dtype in ("bfloat16",):
             cases += _flce_cases(128, 64, 2048, dtype, quick)
+        cases += _flce_cases(128, 64, 2048, "float16", quick, grad_only=True)
         cases.append(_fce_case(256, 4096, "bfloat16"))
         for dtype in ("float32", "bfloat16"):
             cases.append(_ce_case(512, 4096, dtype))
@@ -876,6 +882,8 @@ def all_cases(quick: bool = False) -> list:
         return cases
     for BT, H, V in ((2048, 896, 151936), (1024, 896, 32000)):
         cases += _flce_cases(BT, H, V, "bfloat16", quick)
+    for BT, H, V in ((2048, 896, 151936), (1024, 896, 32000)):
+        cases += _flce_cases(BT, H, V, "float16", quick, grad_only=True)
     cases.append(_fce_case(2048, 32000, "bfloat16"))
     for dtype in ("float32", "bfloat16"):
         cases.append(_ce_case(4096, 32000, dtype))

@@ -124,7 +124,10 @@ def _gemm_engines(has_torch: bool) -> dict:
     from .. import _config
 
     bf16 = _config.bf16_kernel_in_use()
-    suffix = " (bf16 operands: the exact-product bf16 kernel)" if bf16 else ""
+    kernels = ["bf16 operands: the exact-product bf16 kernel"] if bf16 else []
+    if _config.fp16_kernel_in_use():
+        kernels.append("fp16 operands: the fp32 AVX-512 kernel")
+    suffix = f" ({'; '.join(kernels)})" if kernels else ""
     out = {"ops": _config.gemm_engine() + suffix}
     if has_torch:
         with _config.prefer_onednn():

@@ -33,6 +33,7 @@ import threading
 
 import numpy as np
 
+from .. import dtypes as D
 from .._jit import tjit
 
 _NR = 4  # 16-lane vectors of columns per micro-tile: 64 columns
@@ -45,13 +46,18 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def _ir(mr: int, acc: bool = False) -> str:
-    """LLVM IR of ``bf16gemm_mr{mr}(A, lda, B, ldb, C, ldc, M, N, KP)``: ``C[M, N] = A · B`` for
-    ``A`` [M, KP] and ``B`` [KP, N] 32-bit bf16 pairs, ``M % mr == 0``, ``N % 64 == 0``, KP ≥ 1;
-    ``acc`` (``bf16gemm_acc_mr{mr}``): ``C += A · B``, the products summed onto ``C``'s values."""
-    f = f"bf16gemm_acc_mr{mr}" if acc else f"bf16gemm_mr{mr}"
+def _ir(mr: int, acc: bool = False, kind: str = "bf16") -> str:
+    """LLVM IR of ``{kind}gemm_mr{mr}(A, lda, ska, B, ldb, C, ldc, M, N, K)``: ``C[M, N] = A · B``,
+    ``M % mr == 0``, ``N % 64 == 0``, K ≥ 1; ``A[i, k]`` at ``A + i·lda + k·ska`` (elements);
+    ``acc`` (``{kind}gemm_acc_mr{mr}``): ``C += A · B``, the products summed onto ``C``'s values.
+
+    ``kind="bf16"``: ``A`` [M, K] and ``B`` [K, N] 32-bit bf16 pairs, ``vdpbf16ps`` per pair;
+    ``kind="f32"``: fp32 ``A`` and ``B``, one fused multiply-add per ``k`` (the fp16 operands'
+    kernel: their products are exact in fp32, as bf16's)."""
+    f = f"{kind}gemm_acc_mr{mr}" if acc else f"{kind}gemm_mr{mr}"
+    elt, vec = ("i32", "<16 x i32>") if kind == "bf16" else ("float", "<16 x float>")
     L = [
-        f"define void @{f}(ptr noalias %A, i64 %lda, ptr noalias %B, i64 %ldb, ptr noalias %C, "
+        f"define void @{f}(ptr noalias %A, i64 %lda, i64 %ska, ptr noalias %B, i64 %ldb, ptr noalias %C, "
         "i64 %ldc, i64 %M, i64 %N, i64 %KP) #0 {",
         "entry:",
         "  br label %mloop",
@@ -77,29 +83,38 @@ def _ir(mr: int, acc: bool = False) -> str:
             L.append(f"  %acc{i}_{j} = phi <16 x float> [{init}, %nloop], [%nacc{i}_{j}, %kloop]")
     L.append("  %brow = mul i64 %kp, %ldb")
     L.append("  %bn = add i64 %brow, %n")
+    L.append("  %ak = mul i64 %kp, %ska")
     for j in range(_NR):
         L += [
             f"  %bo{j} = add i64 %bn, {16 * j}",
-            f"  %bp{j} = getelementptr i32, ptr %B, i64 %bo{j}",
-            f"  %bv{j} = load <16 x i32>, ptr %bp{j}, align 4",
-            f"  %bb{j} = bitcast <16 x i32> %bv{j} to <32 x bfloat>",
+            f"  %bp{j} = getelementptr {elt}, ptr %B, i64 %bo{j}",
+            f"  %bv{j} = load {vec}, ptr %bp{j}, align 4",
         ]
+        if kind == "bf16":
+            L.append(f"  %bb{j} = bitcast <16 x i32> %bv{j} to <32 x bfloat>")
     for i in range(mr):
         L += [
             f"  %ar{i} = add i64 %m, {i}",
             f"  %aoa{i} = mul i64 %ar{i}, %lda",
-            f"  %ao{i} = add i64 %aoa{i}, %kp",
-            f"  %ap{i} = getelementptr i32, ptr %A, i64 %ao{i}",
-            f"  %as{i} = load i32, ptr %ap{i}, align 4",
-            f"  %ai{i} = insertelement <16 x i32> poison, i32 %as{i}, i32 0",
-            f"  %av{i} = shufflevector <16 x i32> %ai{i}, <16 x i32> poison, <16 x i32> zeroinitializer",
-            f"  %ab{i} = bitcast <16 x i32> %av{i} to <32 x bfloat>",
+            f"  %ao{i} = add i64 %aoa{i}, %ak",
+            f"  %ap{i} = getelementptr {elt}, ptr %A, i64 %ao{i}",
+            f"  %as{i} = load {elt}, ptr %ap{i}, align 4",
+            f"  %ai{i} = insertelement {vec} poison, {elt} %as{i}, i32 0",
+            f"  %av{i} = shufflevector {vec} %ai{i}, {vec} poison, <16 x i32> zeroinitializer",
         ]
+        if kind == "bf16":
+            L.append(f"  %ab{i} = bitcast <16 x i32> %av{i} to <32 x bfloat>")
         for j in range(_NR):
-            L.append(
-                f"  %nacc{i}_{j} = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512("
-                f"<16 x float> %acc{i}_{j}, <32 x bfloat> %ab{i}, <32 x bfloat> %bb{j})"
-            )
+            if kind == "bf16":
+                L.append(
+                    f"  %nacc{i}_{j} = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512("
+                    f"<16 x float> %acc{i}_{j}, <32 x bfloat> %ab{i}, <32 x bfloat> %bb{j})"
+                )
+            else:
+                L.append(
+                    f"  %nacc{i}_{j} = call <16 x float> @llvm.fma.v16f32("
+                    f"<16 x float> %av{i}, <16 x float> %bv{j}, <16 x float> %acc{i}_{j})"
+                )
     L += [
         "  %kp.next = add i64 %kp, 1",
         "  %kdone = icmp eq i64 %kp.next, %KP",
@@ -126,20 +141,36 @@ def _ir(mr: int, acc: bool = False) -> str:
     return "\n".join(L)
 
 
-def _host_has_bf16() -> bool:
+#: per kernel kind: the CPU flag it needs, the intrinsic it calls, LLVM's target features
+_KIND_SPEC = {
+    "bf16": (
+        "avx512_bf16",
+        "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
+        "+avx512f,+avx512bw,+avx512vl,+avx512bf16",
+    ),
+    "f32": (
+        "avx512f",
+        "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
+        "+avx512f,+fma",
+    ),
+}
+
+
+def _host_flags() -> set:
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
                 if line.startswith("flags"):
-                    return "avx512_bf16" in line.split()
+                    return set(line.split())
     except OSError:
         pass
-    return False
+    return set()
 
 
-def _build():
-    """Compile the kernels (MR = 1..6) once; None where the CPU or LLVM cannot."""
-    if not _host_has_bf16():
+def _build(kind: str):
+    """Compile the ``kind`` kernels (MR = 1..6) once; None where the CPU or LLVM cannot."""
+    flag, decl, features = _KIND_SPEC[kind]
+    if flag not in _host_flags():
         return None
     try:
         import llvmlite.binding as llvm
@@ -148,9 +179,9 @@ def _build():
         llvm.initialize_native_asmprinter()
         text = "\n".join(
             [
-                "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
-                *(_ir(mr, acc) for mr in range(1, _MR + 1) for acc in (False, True)),
-                'attributes #0 = { "target-features"="+avx512f,+avx512bw,+avx512vl,+avx512bf16" }',
+                decl,
+                *(_ir(mr, acc, kind) for mr in range(1, _MR + 1) for acc in (False, True)),
+                f'attributes #0 = {{ "target-features"="{features}" }}',
             ]
         )
         mod = llvm.parse_assembly(text)
@@ -161,20 +192,10 @@ def _build():
         )
         ee = llvm.create_mcjit_compiler(mod, tm)
         ee.finalize_object()
-        proto = ctypes.CFUNCTYPE(
-            None,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-        )
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        proto = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64)
         fns = {
-            (mr, acc): proto(ee.get_function_address(f"bf16gemm_{'acc_' if acc else ''}mr{mr}"))
+            (mr, acc): proto(ee.get_function_address(f"{kind}gemm_{'acc_' if acc else ''}mr{mr}"))
             for mr in range(1, _MR + 1)
             for acc in (False, True)
         }
@@ -183,17 +204,18 @@ def _build():
         return None
 
 
-def _kernels():
+def _kernels(kind: str = "bf16"):
     with _lock:
-        if "k" not in _state:
-            _state["k"] = _build()
-        return _state["k"]
+        if kind not in _state:
+            _state[kind] = _build(kind)
+        return _state[kind]
 
 
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-    """The CPU has AVX-512 BF16 and the kernels compiled (once per process)."""
-    return _kernels() is not None
+@functools.lru_cache(maxsize=2)
+def available(kind: str = "bf16") -> bool:
+    """The CPU has the ``kind``'s instructions (``"bf16"``: AVX-512 BF16; ``"f32"``: AVX-512F)
+    and its kernels compiled (once per process)."""
+    return _kernels(kind) is not None
 
 
 def pairs(a16: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
@@ -226,10 +248,30 @@ def _transpose_rows(lo, hi, src, dst):
             dst[k, j] = 0
 
 
+@tjit
+def _transpose_widen_rows(lo, hi, src, code, dst):
+    """dst[k, j] = fp32(src[j, k]) for the rows ``lo:hi`` of ``dst`` (zero past src's rows):
+    :func:`_transpose_rows` of 16-bit values (uint16 bits of the dtype ``code``) widened."""
+    n = src.shape[0]
+    for j0 in range(0, n, 16):
+        j1 = min(j0 + 16, n)
+        for k in range(lo, hi):
+            for j in range(j0, j1):
+                dst[k, j] = D.to_f32(src[j, k], code)
+    for k in range(lo, hi):
+        for j in range(n, dst.shape[1]):
+            dst[k, j] = 0
+
+
 def b_size(k: int, n: int) -> int:
     """uint32 elements of the kernel's ``B`` for a ``[K, N]`` product: ``ceil(K/2)`` rows of
     ``64·⌈N/64⌉`` (the ``out`` that :func:`pack` and :func:`interleave` need)."""
     return ((k + 1) // 2) * _npad(n)
+
+
+def npad(n: int) -> int:
+    """Columns of the kernels' ``B`` for ``n`` output columns: ``64·⌈n/64⌉``."""
+    return _npad(n)
 
 
 def _npad(n: int) -> int:
@@ -243,14 +285,14 @@ def _col_spans(n: int) -> list[tuple[int, int]]:
     return [(a * _COLS, min(n, b * _COLS)) for a, b in _spans(-(-n // _COLS), 512 // _COLS)] if n else []
 
 
-def _b_operand(kernel, src: np.ndarray, kp: int, n: int, out: np.ndarray | None) -> np.ndarray:
-    """The kernel's ``B`` ``[kp, 64·⌈n/64⌉]`` (in ``out`` when given) filled from ``src`` by
-    ``kernel`` over its rows, on the GEMM pool."""
+def _b_operand(kernel, src: np.ndarray, kp: int, n: int, out: np.ndarray | None, *args) -> np.ndarray:
+    """The kernel's ``B`` ``[kp, 64·⌈n/64⌉]`` (in ``out`` when given, uint32 without) filled
+    from ``src`` by ``kernel(lo, hi, src, *args, B)`` over its rows, on the GEMM pool."""
     from ._gemm import run_rows
 
     npad = _npad(n)
     bp = np.empty((kp, npad), np.uint32) if out is None else out[: kp * npad].reshape(kp, npad)
-    run_rows(kernel, kp, src, bp)
+    run_rows(kernel, kp, src, *args, bp)
     return bp
 
 
@@ -356,10 +398,14 @@ def _local(size: int) -> np.ndarray:
 
 
 def gemm_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray, acc: bool = False) -> None:
-    """``out[M, c1-c0] (+)= A · B[:, c0:c1]`` in fp32 from the pairs ``xp`` [M, KP] (rows of unit
-    stride) and the packed ``bp`` [KP, NPAD]; ``c0`` a multiple of 64; ``acc``: summed onto
-    ``out``.  One thread."""
-    fns = _kernels()["fns"]
+    """``out[M, c1-c0] (+)= A · B[:, c0:c1]`` in fp32; ``c0`` a multiple of 64; ``acc``: summed
+    onto ``out``.  One thread.
+
+    ``xp`` uint32: the bf16 kernel, ``A`` as pairs [M, KP] (rows of unit stride) and ``bp`` the
+    packed [KP, NPAD] pairs; ``xp`` float32: the fp32 kernel, ``A`` [M, K] of any strides (``Aᵀ``
+    of a C-contiguous array too) and ``bp`` fp32 [K, ≥ 64·⌈c1/64⌉] with unit column stride."""
+    kind = "bf16" if xp.dtype == np.uint32 else "f32"
+    fns = _kernels(kind)["fns"]
     m, kp = xp.shape
     n = c1 - c0
     if m == 0 or n == 0:
@@ -369,10 +415,11 @@ def gemm_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray,
             out[...] = 0
         return
     assert c0 % _COLS == 0 and out.dtype == np.float32 and out.strides[1] == 4
-    assert xp.strides[1] == 4 and bp.flags.c_contiguous
+    assert bp.dtype.itemsize == 4 and bp.strides[1] == 4 and bp.shape[1] >= _npad(c1)
+    assert kind == "f32" or xp.strides[1] == 4
     ldc = out.strides[0] // 4
-    lda = xp.strides[0] // 4
-    ldb = bp.shape[1]
+    lda, ska = xp.strides[0] // 4, xp.strides[1] // 4
+    ldb = bp.strides[0] // 4
     n64 = (n // _COLS) * _COLS
     m6 = (m // _MR) * _MR
     tail = None
@@ -388,12 +435,12 @@ def gemm_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray,
             if r1 <= r0:
                 continue
             f = fns[(mr, ac)]
-            a = xp.ctypes.data + (r0 * lda + k0) * 4
+            a = xp.ctypes.data + (r0 * lda + k0 * ska) * 4
             b = bp.ctypes.data + (k0 * ldb + c0) * 4
             if n64:
-                f(a, lda, b, ldb, out.ctypes.data + r0 * ldc * 4, ldc, r1 - r0, n64, k1 - k0)
+                f(a, lda, ska, b, ldb, out.ctypes.data + r0 * ldc * 4, ldc, r1 - r0, n64, k1 - k0)
             if tail is not None:
-                f(a, lda, b + n64 * 4, ldb, tail.ctypes.data + r0 * _COLS * 4, _COLS, r1 - r0, _COLS, k1 - k0)
+                f(a, lda, ska, b + n64 * 4, ldb, tail.ctypes.data + r0 * _COLS * 4, _COLS, r1 - r0, _COLS, k1 - k0)
     if tail is not None:
         out[:, n64:] = tail[:, : n - n64]
 
@@ -422,7 +469,7 @@ def matmul_nt(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray) -> None:
 
 def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False) -> None:
     """``out[M, n] (+)= gᵀ · B`` for ``g`` fp32 ``[K, M]`` of bf16 values and the packed ``bp``
-    [ceil(K/2), ≥ n] (:func:`interleave`): tasks of ≤ 512 rows of ``out``, each pairing its
+    [ceil(K/2), ≥ n] (:func:`interleave`): tasks of ≤ 512 rows of ``out`` (two from 128 rows), each pairing its
     columns of ``g`` into its thread's scratch (no ``[M, K]`` copy is held), then its
     column spans; the same sums as :func:`matmul` on ``pairs_of_f32(g, transpose=True)``."""
     from ._gemm import ROW_BLOCK, _run, _spans
@@ -438,27 +485,47 @@ def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool 
         for c0, c1 in cols:
             gemm_tile(xp, bp, c0, c1, out[r0:r1, c0:c1], acc)
 
-    _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(m, ROW_BLOCK)])
+    # ≤ 512 rows per task, and at least two tasks from 128 rows on (a filtered tile's few kept
+    # columns would otherwise run on one thread); the sums do not depend on the split
+    _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(m, min(ROW_BLOCK, max(64, -(-m // 2))))])
 
 
 class Logits:
-    """The logits GEMM ``X · W[v0:v1]ᵀ`` of bf16 ``X`` and ``W``: ``X`` read in place as pairs,
-    each chunk of at most ``vc`` rows of ``W`` packed by :meth:`chunk` (into recycled scratch),
-    then :meth:`logits` for any row block."""
+    """The logits GEMM ``X · W[v0:v1]ᵀ`` of 16-bit ``X`` and ``W`` on an exact-product kernel:
+    :meth:`chunk` packs at most ``vc`` rows of ``W`` (into recycled scratch), then
+    :meth:`logits` for any row block.
 
-    def __init__(self, input: np.ndarray, W: np.ndarray, vc: int):
+    bf16 (the bf16 kernel): ``X`` read in place as pairs, ``W``'s chunk paired and transposed.
+    fp16 (the fp32 kernel, ``kind="f32"``): ``X`` widened once into :attr:`x32` ``[BT,
+    64·⌈H/64⌉]`` (columns past H zero: also the grad_weight GEMM's ``B``; the caller's when
+    given), ``W``'s chunk widened and transposed."""
+
+    def __init__(self, input: np.ndarray, W: np.ndarray, vc: int, x32: np.ndarray | None = None):
         from .._outcache import empty as scratch
+        from ._linear import fp32_block
 
         H = input.shape[1]
-        self.xp = pairs(input)
         self.W = W
-        self.pbuf = scratch(b_size(H, vc), np.uint32)
-        self.wbuf = scratch(vc * (H + 1), np.uint16) if H % 2 else None
+        self.H = H
+        self.f16 = input.dtype == np.float16
+        if self.f16:
+            self.x32 = x32 if x32 is not None else fp32_block(input, 0, input.shape[0], width=_npad(H))
+            self.xp = self.x32[:, :H]
+            self.pbuf = scratch(H * _npad(vc), np.float32)
+            self.code = D.code_of(input.dtype)
+        else:
+            self.xp = pairs(input)
+            self.pbuf = scratch(b_size(H, vc), np.uint32)
+            self.wbuf = scratch(vc * (H + 1), np.uint16) if H % 2 else None
         self.bp = np.empty((0, 0), np.uint32)
         self.n = 0
 
     def chunk(self, v0: int, v1: int) -> None:
-        self.bp = pack(pairs(self.W[v0:v1], self.wbuf), self.pbuf)
+        if self.f16:
+            w = self.W[v0:v1].view(np.uint16)
+            self.bp = _b_operand(_transpose_widen_rows, w, self.H, v1 - v0, self.pbuf, self.code)
+        else:
+            self.bp = pack(pairs(self.W[v0:v1], self.wbuf), self.pbuf)
         self.n = v1 - v0
 
     def logits(self, b0: int, b1: int, out: np.ndarray) -> None:

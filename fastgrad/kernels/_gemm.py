@@ -68,6 +68,24 @@ def bf16_auto() -> bool:
     return bool(getattr(_tls, "bf16_auto", False))
 
 
+def fp16_auto() -> bool:
+    """GEMMs whose operands are fp16 values may run on the fp32 AVX-512 kernel (``_bf16dot``,
+    kind ``"f32"``): the setting ``"auto"`` on a CPU with AVX-512F (set for the duration of
+    :func:`single_threaded_blas`).  The NumPy-level FLCE grad (``g`` rounded to fp16 by its
+    contract) and online max-sum of fp16 operands run their GEMMs there."""
+    return bool(getattr(_tls, "fp16_auto", False))
+
+
+def exact_kernel(a: np.ndarray, b: np.ndarray) -> str | None:
+    """The exact-product kernel the GEMMs of these 16-bit operands run on now: ``"bf16"`` (both
+    bf16, :func:`bf16_auto`), ``"f32"`` (both fp16, :func:`fp16_auto`), else None (BLAS)."""
+    if a.dtype != b.dtype or a.dtype.itemsize != 2:
+        return None
+    if a.dtype.name == "bfloat16":
+        return "bf16" if bf16_auto() else None
+    return "f32" if a.dtype == np.float16 and fp16_auto() else None
+
+
 def mm(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "blas") -> None:
     """``out = A · B`` (2-D, fp32 or fp64) on ``engine``; one single-threaded call."""
     if engine == "onednn" and out.dtype == np.float32:
@@ -105,20 +123,20 @@ def single_threaded_blas():
         from threadpoolctl import ThreadpoolController
 
         _controller = ThreadpoolController()
-    from .._config import bf16_kernel_in_use, gemm_engine
+    from .._config import bf16_kernel_in_use, fp16_kernel_in_use, gemm_engine
 
     engine = gemm_engine()
-    auto16 = bf16_kernel_in_use()
+    auto16 = bf16_kernel_in_use(), fp16_kernel_in_use()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_controller.limit(limits=1, user_api="blas"))
         if engine == "onednn":
             stack.enter_context(_onednn.fp32_precision_bf16())
-        old = getattr(_tls, "engine", None), getattr(_tls, "bf16_auto", False)
-        _tls.engine, _tls.bf16_auto = engine, auto16
+        old = getattr(_tls, "engine", None), getattr(_tls, "bf16_auto", False), getattr(_tls, "fp16_auto", False)
+        _tls.engine, (_tls.bf16_auto, _tls.fp16_auto) = engine, auto16
         try:
             yield
         finally:
-            _tls.engine, _tls.bf16_auto = old
+            _tls.engine, _tls.bf16_auto, _tls.fp16_auto = old
 
 
 def _run(tasks):

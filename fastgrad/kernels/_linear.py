@@ -22,17 +22,22 @@ def _widen_rows(lo, hi, src, code, dst):
             dst[i, j] = D.to_f32(src[i, j], code)
 
 
-def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None) -> np.ndarray:
+def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None, width: int | None = None) -> np.ndarray:
     """Rows ``r0:r1`` of a 2-D bf16/fp16/fp32 array as a C-contiguous fp32 array (exact).
 
     fp32 inputs are returned as a view when already contiguous; 16-bit rows are widened into
-    ``buf`` (a flat fp32 scratch of at least (r1-r0)*H elements) when given.
+    ``buf`` (a flat fp32 scratch of at least (r1-r0)*H elements) when given.  ``width`` (16-bit
+    inputs, ≥ H): the rows ``[r1-r0, width]`` with the columns past H zero — the fp32 kernel's
+    padded ``B`` (``_bf16dot``); the values are its ``[:, :H]``.
     """
     blk = a[r0:r1]
     n, h = blk.shape
     if a.dtype == D.FLOAT32:
         return np.ascontiguousarray(blk)
-    out = buf[: n * h].reshape(n, h) if buf is not None else np.empty((n, h), np.float32)
+    w = h if width is None else width
+    out = buf[: n * w].reshape(n, w) if buf is not None else np.empty((n, w), np.float32)
+    if w > h:
+        out[:, h:] = 0
     if n and h:
         run_rows(_widen_rows, n, np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
     return out
