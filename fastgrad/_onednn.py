@@ -32,17 +32,22 @@ _omp = None  # (omp_set_num_threads, omp_get_max_threads) of PyTorch's OpenMP ru
 
 
 @functools.cache
-def cpu_has_bf16_dot() -> bool:
-    """AVX-512 BF16 or AMX-BF16 in the CPU flags (Linux ``/proc/cpuinfo``; False elsewhere)."""
+def cpu_flags() -> frozenset:
+    """The CPU's flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = line.split()
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
+                    return frozenset(line.split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_bf16_dot() -> bool:
+    """AVX-512 BF16 or AMX-BF16 in the CPU flags (:func:`cpu_flags`)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _torch_omp():

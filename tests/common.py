@@ -103,6 +103,17 @@ def assert_gemm_kernel_invariant(run, xp, bp):
     return full
 
 
+def count_kernel_calls(monkeypatch) -> list:
+    """A list that receives the ``A`` operand's dtype of every tile the exact-product kernels
+    (``fastgrad/kernels/_bf16dot.py``: ``gemm_tile``) compute from now on (uint32: bf16, float32: fp32)."""
+    from fastgrad.kernels import _bf16dot
+
+    calls = []
+    real = _bf16dot.gemm_tile
+    monkeypatch.setattr(_bf16dot, "gemm_tile", lambda *a, **k: (calls.append(a[0].dtype), real(*a, **k))[1])
+    return calls
+
+
 def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None):
     """The NumPy-level FLCE grad of 16-bit operands on "auto" (its GEMMs on an exact-product
     kernel: asserted), at one thread (bitwise the same: asserted), and on "blas" (the kernel
@@ -113,7 +124,6 @@ def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None)
 
     import fastgrad as fg
     from fastgrad import tiling
-    from fastgrad.kernels import _bf16dot
 
     mask = np.packbits(masked, bitorder="little")
     m, s = stats64(x, w)
@@ -121,9 +131,7 @@ def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None)
     def flce():
         return fg.fused_linear_cross_entropy_loss_grad(grad, x, w, mask, t, logits_max=m, sum_exp_logits=s)
 
-    calls = []
-    real = _bf16dot.gemm_tile
-    monkeypatch.setattr(_bf16dot, "gemm_tile", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = count_kernel_calls(monkeypatch)
     tiling.set_workspace_budget(budget)
     try:
         got = flce()

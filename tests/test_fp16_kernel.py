@@ -129,13 +129,6 @@ def _flce(x, w, t, masked, grad, m, s, **kw):
     )
 
 
-def _count_calls(monkeypatch):
-    calls = []
-    real = B.gemm_tile
-    monkeypatch.setattr(B, "gemm_tile", lambda *a, **k: (calls.append(a[0].dtype), real(*a, **k))[1])
-    return calls
-
-
 @needs_kernel
 @pytest.mark.parametrize(
     "BT,H,V,budget", [(37, 33, 1031, 60_000), (260, 64, 3000, None), (1, 1, 1, None), (13, 130, 517, 40_000)]
@@ -185,11 +178,12 @@ def test_flce_grad_fp16_label_smoothing_and_filtering():
 @needs_kernel
 @pytest.mark.parametrize("BT,H,V", [(37, 33, 1031), (5, 64, 200), (1, 1, 1)])
 def test_online_max_sum_fp16_on_the_kernel(monkeypatch, BT, H, V):
+    from common import count_kernel_calls
     from naive import check_fused_linear_online_max_sum
 
     rng = np.random.default_rng(BT * H + V)
     x, w, t, _, _ = _problem(rng, BT, H, V)
-    calls = _count_calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch)
     got = fg.fused_linear_online_max_sum(x, w, t, 0, V, True)
     assert calls, "the fp32 kernel did not run"
     check_fused_linear_online_max_sum(got, x, w, t, 0, V, return_logits=True)

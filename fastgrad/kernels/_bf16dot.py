@@ -156,15 +156,10 @@ _KIND_SPEC = {
 }
 
 
-def _host_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split())
-    except OSError:
-        pass
-    return set()
+def _host_flags() -> frozenset:
+    from .._onednn import cpu_flags
+
+    return cpu_flags()
 
 
 def _build(kind: str):
@@ -266,15 +261,11 @@ def _transpose_widen_rows(lo, hi, src, code, dst):
 def b_size(k: int, n: int) -> int:
     """uint32 elements of the kernel's ``B`` for a ``[K, N]`` product: ``ceil(K/2)`` rows of
     ``64·⌈N/64⌉`` (the ``out`` that :func:`pack` and :func:`interleave` need)."""
-    return ((k + 1) // 2) * _npad(n)
+    return ((k + 1) // 2) * npad(n)
 
 
 def npad(n: int) -> int:
     """Columns of the kernels' ``B`` for ``n`` output columns: ``64·⌈n/64⌉``."""
-    return _npad(n)
-
-
-def _npad(n: int) -> int:
     return -(-n // _COLS) * _COLS
 
 
@@ -290,8 +281,8 @@ def _b_operand(kernel, src: np.ndarray, kp: int, n: int, out: np.ndarray | None,
     from ``src`` by ``kernel(lo, hi, src, *args, B)`` over its rows, on the GEMM pool."""
     from ._gemm import run_rows
 
-    npad = _npad(n)
-    bp = np.empty((kp, npad), np.uint32) if out is None else out[: kp * npad].reshape(kp, npad)
+    w = npad(n)
+    bp = np.empty((kp, w), np.uint32) if out is None else out[: kp * w].reshape(kp, w)
     run_rows(kernel, kp, src, *args, bp)
     return bp
 
@@ -415,7 +406,7 @@ def gemm_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray,
             out[...] = 0
         return
     assert c0 % _COLS == 0 and out.dtype == np.float32 and out.strides[1] == 4
-    assert bp.dtype.itemsize == 4 and bp.strides[1] == 4 and bp.shape[1] >= _npad(c1)
+    assert bp.dtype.itemsize == 4 and bp.strides[1] == 4 and bp.shape[1] >= npad(c1)
     assert kind == "f32" or xp.strides[1] == 4
     ldc = out.strides[0] // 4
     lda, ska = xp.strides[0] // 4, xp.strides[1] // 4
@@ -509,9 +500,9 @@ class Logits:
         self.H = H
         self.f16 = input.dtype == np.float16
         if self.f16:
-            self.x32 = x32 if x32 is not None else fp32_block(input, 0, input.shape[0], width=_npad(H))
+            self.x32 = x32 if x32 is not None else fp32_block(input, 0, input.shape[0], width=npad(H))
             self.xp = self.x32[:, :H]
-            self.pbuf = scratch(H * _npad(vc), np.float32)
+            self.pbuf = scratch(H * npad(vc), np.float32)
             self.code = D.code_of(input.dtype)
         else:
             self.xp = pairs(input)
