@@ -63,6 +63,12 @@ def _cases(rep):
     return cases
 
 
+def _err(r):
+    """`` (loss err 1.2e-06)`` for a train-step row (its loss against float64), else ``""``."""
+    e = r.get("loss_err_fp64")
+    return "" if e is None else f" (loss err {e:.1e})"
+
+
 def _main_table(cases):
     print(
         "| op | shape, dtype, mode | fastgrad | with `out=` | fresh pages | of bound | PyTorch "
@@ -78,14 +84,14 @@ def _main_table(cases):
         torch_rows = [(k, v) for k, v in base if not k.startswith("fastgrad")]
         # the same op in another configuration (fused, another GEMM engine): time, of bound, peak
         other = "; ".join(
-            f"{k}: {_t(v)}"
+            f"{k}: {_t(v)}{_err(v)}"
             + (f", {v['fraction_of_bound']:.0%} of bound" if v.get("fraction_of_bound") else "")
             + (f", {_mib(v)} MiB" if v.get("peak_rss_mib") else "")
             for k, v in base
             if k.startswith("fastgrad")
         )
         frac = f"{fg['fraction_of_bound']:.0%}" + (f" / {fo['fraction_of_bound']:.0%}" if fo else "")
-        torch_s = "; ".join(f"{k}: {_t(v)}" for k, v in torch_rows) or "—"
+        torch_s = "; ".join(f"{k}: {_t(v)}{_err(v)}" for k, v in torch_rows) or "—"
         sp = (
             "; ".join(
                 f"{k}: {v['time_median_s'] / fg['time_median_s']:.2f}×"
@@ -100,7 +106,7 @@ def _main_table(cases):
             others = [f"{k} {_mib(v)}" for k, v in torch_rows if v.get("peak_rss_mib")]
             mem = f"{_mib(fg)} MiB" + (" / " + ", ".join(others) + " MiB" if others else "")
         print(
-            f"| {c['op']} | {c['shape']}, {c['dtype']}, {c['mode']} | {_t(fg)} | {_t(fo) if fo else '—'} | "
+            f"| {c['op']} | {c['shape']}, {c['dtype']}, {c['mode']} | {_t(fg)}{_err(fg)} | {_t(fo) if fo else '—'} | "
             f"{_t(ff) if ff else '—'} | {frac} | {torch_s} | {sp} | {mem} | {other or '—'} |"
         )
 

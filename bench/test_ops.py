@@ -34,6 +34,9 @@ def test_case(benchmark, fg_row, fg_inputs, fg_rounds):
         pytest.skip(f"not implemented: {e}")
     benchmark.extra_info.update(info)
     benchmark.pedantic(fn, rounds=fg_rounds, iterations=1, warmup_rounds=0)
+    metrics = getattr(fn, "metrics", None)
+    if metrics is not None:  # the runner's own figures: the train step's loss and its error vs float64
+        benchmark.extra_info.update(metrics())
     med = benchmark.stats.stats.median
     if med:
         if case.flops:

@@ -78,11 +78,46 @@ class TinyLM(nn.Module):
         return self.norm(h)                     # [B, T, D]
 
 
+#: The dtypes the examples take (``--dtype``), as the ``fastgrad`` command spells them.
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def dtype_arg(s: str) -> str:
+    """``--dtype``: float32 | bfloat16 (aliases fp32, bf16), returned as the full name."""
+    import argparse
+
+    key = s.strip().lower()
+    if key not in DTYPES:
+        raise argparse.ArgumentTypeError(f"expected float32 or bfloat16 (aliases fp32, bf16), got {s!r}")
+    return "float32" if DTYPES[key] == torch.float32 else "bfloat16"
+
+
+def positive_int(s: str) -> int:
+    import argparse
+
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}")
+    return v
+
+
 def add_training_args(ap) -> None:
     """The arguments both training examples take (same defaults: same run)."""
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=positive_int, default=40, help="training steps (default 40)")
+    ap.add_argument("--quick", action="store_true", help="8 steps: a few seconds, to see it run")
+    ap.add_argument("--batch", type=positive_int, default=16, help="sequences per step (default 16)")
+    ap.add_argument("--seq-len", type=positive_int, default=64, help="characters per sequence (default 64)")
+    ap.add_argument("--dim", type=positive_int, default=64, help="model width (default 64)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initialization and the batches (default 0)")
+
+
+def training_args(ap, argv=None):
+    """Parse, applying ``--quick``."""
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps = min(args.steps, 8)
+    return args

@@ -11,7 +11,9 @@ Public ops (aclnn names in snake_case; contract in docs/spec.md):
 * :func:`embedding_dense_backward`               (aclnnEmbeddingDenseBackward)
 
 Backends: ``available_backends``, ``set_backend``, ``use_backend``; strict device parity:
-``strict``; errors: :class:`AclnnError` with ``.status``; large fresh outputs on recycled memory:
+``strict``; the SoC whose kernels the ops follow:
+``soc_version``, ``set_soc_version``, ``get_soc_version`` (fastgrad/soc.py); errors:
+:class:`AclnnError` with ``.status``; large fresh outputs on recycled memory:
 ``output_cache``, ``set_output_cache_limit``, ``empty_cache``, ``output_cache_info``; the GEMM
 engine of the fused linear kernels: ``gemm_engine``, ``set_gemm_engine``, ``gemm``.
 """
@@ -20,12 +22,15 @@ from ._config import (
     gemm,
     gemm_engine,
     get_num_threads,
+    get_soc_version,
     is_strict,
     num_threads,
     progress,
     set_gemm_engine,
     set_num_threads,
+    set_soc_version,
     set_strict,
+    soc_version,
     strict,
 )
 from ._outcache import empty_cache, output_cache, output_cache_info, set_output_cache_limit
@@ -63,6 +68,9 @@ __all__ = [
     "strict",
     "set_strict",
     "is_strict",
+    "soc_version",
+    "set_soc_version",
+    "get_soc_version",
     "set_num_threads",
     "get_num_threads",
     "num_threads",

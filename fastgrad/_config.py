@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+from collections.abc import Callable, Iterator
 
 _STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fastgrad_strict", default=None)
 _strict_global: bool | None = None
@@ -22,7 +23,7 @@ def is_strict() -> bool:
         return v
     if _strict_global is not None:
         return _strict_global
-    return os.environ.get("FASTGRAD_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("FASTGRAD_STRICT")
 
 
 def set_strict(enabled: bool | None) -> None:
@@ -32,7 +33,7 @@ def set_strict(enabled: bool | None) -> None:
 
 
 @contextlib.contextmanager
-def strict(enabled: bool = True):
+def strict(enabled: bool = True) -> Iterator[None]:
     """Context manager: reject exactly what the device rejects, with its status codes.
 
     >>> with fg.strict():
@@ -45,27 +46,77 @@ def strict(enabled: bool = True):
         _STRICT.reset(token)
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool:
+    """A boolean environment variable (``1/true/yes/on`` or ``0/false/no/off``, unset = off).
+
+    Raises ``AclnnParamError`` (161002, a ``ValueError``) naming the variable for any other
+    value: a typo is refused, never read as "off"."""
+    v = os.environ.get(name, "").strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    from .errors import invalid
+
+    raise invalid(name, "one of 1, true, yes, on, 0, false, no, off (environment variable)", repr(os.environ[name]))
+
+
 def env_bytes(name: str, default_mib: float, minimum: int) -> int:
-    """A size from the environment variable ``name`` in MiB (bytes, at least ``minimum``);
-    ``default_mib`` when unset or not a number."""
-    mb = os.environ.get(name)
-    if mb:
-        try:
-            return max(minimum, int(float(mb) * 2**20))
-        except ValueError:
-            pass
-    return int(default_mib * 2**20)
+    """A size from the environment variable ``name`` in MiB (returned in bytes); ``default_mib``
+    when unset or empty.
+
+    Raises ``AclnnParamError`` (161002, a ``ValueError``) naming the variable when the value is
+    not a number or is below ``minimum`` bytes: an invalid setting is refused, never replaced
+    by the default."""
+    mb = os.environ.get(name, "").strip()
+    if not mb:
+        return int(default_mib * 2**20)
+    from .errors import invalid
+
+    lo = "> 0" if 0 < minimum <= 1 else f">= {minimum / 2**20:g}"
+    try:
+        v = float(mb)
+    except ValueError:
+        v = float("nan")
+    if not (v == v and v * 2**20 >= minimum and v < float("inf")):
+        raise invalid(name, f"a number of MiB {lo} (environment variable)", repr(os.environ[name]))
+    return int(v * 2**20)
+
+
+def max_threads() -> int:
+    """The most threads the kernels can run: Numba's ``NUMBA_NUM_THREADS`` (by default the CPUs
+    this process may use)."""
+    import numba
+
+    return int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+
+
+def _check_threads(n: object, name: str = "n", op: str = "set_num_threads") -> int:
+    import numbers
+
+    from .errors import invalid
+
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise invalid(name, "an integer number of threads", repr(n), op)
+    hi = max_threads()
+    if not 1 <= int(n) <= hi:
+        raise invalid(name, f"1..{hi} (the CPUs Numba may use, NUMBA_NUM_THREADS)", int(n), op)
+    return int(n)
 
 
 def set_num_threads(n: int) -> None:
-    """Set the threads used by the Numba kernels and by NumPy's BLAS (threadpoolctl)."""
+    """Set the threads used by the Numba kernels and by NumPy's BLAS (threadpoolctl).
+
+    Raises ``AclnnParamError`` (161002, a ``ValueError``) unless ``1 <= n <= max_threads()``:
+    more threads than the CPUs Numba may use are refused, never silently reduced."""
     import numba
     from threadpoolctl import threadpool_limits
 
-    n = int(n)
-    if n < 1:
-        raise ValueError(f"threads must be >= 1, got {n}")
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    n = _check_threads(n)
+    numba.set_num_threads(n)
     threadpool_limits(limits=n, user_api="blas")
 
 
@@ -76,13 +127,14 @@ def get_num_threads() -> int:
 
 
 @contextlib.contextmanager
-def num_threads(n: int):
+def num_threads(n: int) -> Iterator[None]:
     """Context manager running the kernels and BLAS on ``n`` threads, restoring afterwards."""
     import numba
     from threadpoolctl import threadpool_limits
 
+    n = _check_threads(n, op="num_threads")
     old = numba.get_num_threads()
-    numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    numba.set_num_threads(n)
     try:
         with threadpool_limits(limits=int(n), user_api="blas"):
             yield
@@ -118,7 +170,13 @@ def gemm_setting() -> str:
     if _gemm_global is not None:
         return _gemm_global
     env = os.environ.get("FASTGRAD_GEMM", "").strip().lower()
-    return env if env in GEMM_ENGINES else "auto"
+    if not env:
+        return "auto"
+    if env not in GEMM_ENGINES:  # a typo (FASTGRAD_GEMM=mkl) is refused, never read as "auto"
+        from .errors import invalid
+
+        raise invalid("FASTGRAD_GEMM", "auto, blas or onednn (environment variable)", repr(os.environ["FASTGRAD_GEMM"]))
+    return env
 
 
 def set_gemm_engine(name: str | None) -> None:
@@ -129,7 +187,7 @@ def set_gemm_engine(name: str | None) -> None:
 
 
 @contextlib.contextmanager
-def gemm(name: str):
+def gemm(name: str) -> Iterator[None]:
     """Context manager: run the fused linear kernels' fp32 GEMMs on engine ``name``."""
     token = _GEMM.set(_check_engine(name))
     try:
@@ -168,10 +226,11 @@ def gemm_engine() -> str:
       has AVX-512 BF16 or AMX-BF16 (Zen 4/5 EPYC: oneDNN at least as fast as OpenBLAS) and the
       probe passes; ``"blas"`` everywhere else — the NumPy-level ops (golden data) give the same
       bits whatever else the process imported.  Also on ``"auto"`` inside the training loss, on a
-      CPU with AVX-512 BF16, the logits GEMMs of bf16 ``hidden`` and ``weight`` run on an
+      CPU with AVX2 + FMA or AVX-512, the logits GEMMs of bf16 ``hidden`` and ``weight`` run on an
       exact-product bf16 kernel (``fastgrad/kernels/_bf16dot.py``: the products of bf16 values are
-      exact in fp32, summed in fp32 in a fixed order; ~2.2× sgemm per core on a Zen 4 EPYC;
-      bf16 subnormals read as zero) — ``"blas"`` or ``"onednn"`` set explicitly turn it off.
+      exact in fp32, summed in fp32 in a fixed order, the same bits on every ISA
+      (:func:`native_isa`); ~2.2× sgemm per core on a Zen 4 EPYC with AVX-512 BF16; bf16
+      subnormals read as zero) — ``"blas"`` or ``"onednn"`` set explicitly turn it off.
       On ``"auto"`` the NumPy-level ``fused_linear_online_max_sum`` and
       ``fused_linear_cross_entropy_loss_grad`` of bf16 operands run their GEMMs on that kernel
       too: every operand there is a bf16 value (the grad's ``g`` is rounded to bf16 by the op's
@@ -196,7 +255,7 @@ _PROGRESS: contextvars.ContextVar = contextvars.ContextVar("fastgrad_progress", 
 
 
 @contextlib.contextmanager
-def progress(callback):
+def progress(callback: Callable[[int, int], object] | None) -> Iterator[None]:
     """Context manager: ops that run over a tile plan call ``callback(done, total)`` per tile.
 
     ``fused_linear_cross_entropy_loss_grad`` and ``fused_linear_online_max_sum`` report tiles
@@ -213,29 +272,152 @@ def progress(callback):
         _PROGRESS.reset(token)
 
 
-def progress_callback():
+def progress_callback() -> Callable[[int, int], object] | None:
     """The callback installed by :func:`progress`, or None."""
     return _PROGRESS.get()
 
 
-def bf16_kernel_available() -> bool:
-    """The exact-product bf16 GEMM kernel (``fastgrad/kernels/_bf16dot.py``) runs on this CPU
-    (AVX-512 BF16; compiled once per process)."""
+#: the native kernel's ISA settings (``fastgrad/kernels/_native.py``): ``"auto"`` runs the best
+#: variant the CPU has; ``"avx512"`` / ``"avx2"`` only that ISA's variants (e.g. ``"avx2"`` on an
+#: AVX-512 machine: the code an AVX2-only CPU runs, for CI and tests)
+NATIVE_ISAS = ("auto", "avx512", "avx2")
+_native_isa_global: str | None = None
+
+
+def _check_isa(name: object, what: str = "isa") -> str:
+    v = str(name).strip().lower()
+    if v not in NATIVE_ISAS:
+        from .errors import invalid
+
+        raise invalid(what, "auto, avx512 or avx2", repr(name), "set_native_isa")
+    return v
+
+
+def native_isa() -> str:
+    """The native GEMM kernel's ISA setting: :func:`set_native_isa` > ``FASTGRAD_NATIVE_ISA`` >
+    ``"auto"``.  Raises ``AclnnParamError`` (161002, a ``ValueError``) naming the variable when
+    ``FASTGRAD_NATIVE_ISA`` holds another value.
+
+    * ``"auto"``: the best variant this CPU runs — bf16 operands on ``vdpbf16ps`` (AVX-512 BF16),
+      else AVX-512F FMAs, else AVX2 + FMA; fp16 operands on AVX-512F, else AVX2 + FMA.
+    * ``"avx512"``: only the AVX-512 variants (none on an AVX2-only CPU: BLAS).
+    * ``"avx2"``: only the AVX2 + FMA variants, compiled with the AVX-512 features off — on an
+      AVX-512 machine, the code an AVX2-only CPU runs (``FASTGRAD_NATIVE_ISA=avx2`` in CI).
+
+    The variants give the same bits (``fastgrad/kernels/_native.py``); the setting changes the
+    speed only.  The kernels read it from ``_bf16dot`` (pushed there by this module)."""
+    if _native_isa_global is not None:
+        v = _native_isa_global
+    else:
+        env = os.environ.get("FASTGRAD_NATIVE_ISA", "").strip()
+        v = _check_isa(env, "FASTGRAD_NATIVE_ISA (environment variable)") if env else "auto"
     from .kernels import _bf16dot
 
+    if _bf16dot.selected_isa() != v:
+        _bf16dot.select_isa(v)
+    return v
+
+
+def set_native_isa(name: str | None) -> None:
+    """Run the native GEMM kernel's variants of ISA ``name`` (``"auto"``, ``"avx512"``,
+    ``"avx2"``; None: back to ``FASTGRAD_NATIVE_ISA``, default ``"auto"``) for the process.
+    See :func:`native_isa`.  Raises ``ValueError`` for any other name."""
+    global _native_isa_global
+    _native_isa_global = None if name is None else _check_isa(name)
+    native_isa()
+
+
+def bf16_kernel_available() -> bool:
+    """The exact-product bf16 GEMM kernel (``fastgrad/kernels/_bf16dot.py``) runs on this CPU
+    under the ISA setting (:func:`native_isa`): AVX-512 BF16, AVX-512F or AVX2 + FMA; compiled
+    once per process (a build failure warns once and leaves the GEMMs on BLAS)."""
+    from .kernels import _bf16dot
+
+    native_isa()
     return _bf16dot.available()
 
 
 def bf16_kernel_in_use() -> bool:
     """GEMMs of bf16 values go to the exact-product bf16 kernel: the GEMM setting ``"auto"`` on a
-    CPU where the kernel runs (:func:`bf16_kernel_available`)."""
-    return gemm_setting() == "auto" and bf16_kernel_available()
+    CPU where the kernel runs (:func:`bf16_kernel_available`) — except an AVX2-only CPU under
+    the ISA setting ``"auto"``: there ``"auto"`` keeps BLAS (OpenBLAS's Haswell sgemm path was
+    faster for the FLCE grad, the online max-sum and the training loss: 1.14x, 1.09x, 1.01x
+    its CPU time on the AVX2 code, Zen 4 EPYC, one thread; ``_bf16dot.AUTO_AVX2``).
+    ``set_native_isa("avx2")`` / ``FASTGRAD_NATIVE_ISA=avx2`` runs the AVX2 kernel anyway."""
+    from .kernels import _bf16dot
+
+    native_isa()
+    return gemm_setting() == "auto" and _bf16dot.auto_variant("bf16") is not None
 
 
 def fp16_kernel_in_use() -> bool:
-    """GEMMs of fp16 values in the NumPy-level fused linear ops go to the fp32 AVX-512 kernel
+    """GEMMs of fp16 values in the NumPy-level fused linear ops go to the fp32 kernel
     (``fastgrad/kernels/_bf16dot.py``, kind ``"f32"``: the products of fp16 values are exact in
-    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on a CPU with AVX-512F."""
+    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on a CPU with AVX-512F or
+    AVX2 + FMA (:func:`native_isa`)."""
     from .kernels import _bf16dot
 
-    return gemm_setting() == "auto" and _bf16dot.available("f32")
+    native_isa()
+    return gemm_setting() == "auto" and _bf16dot.auto_variant("f32") is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# SoC profile (which NPU's kernels the ops follow; fastgrad/soc.py holds the table)
+# ----------------------------------------------------------------------------------------------
+
+_SOC: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastgrad_soc_version", default=None)
+_soc_global: str | None = None
+
+
+def _check_soc(name: str, what: str = "soc_version") -> str:
+    from .soc import profile_name
+
+    try:
+        profile_name(name)
+    except ValueError as e:
+        raise ValueError(str(e).replace("soc_version", what, 1)) from None
+    return name.strip()
+
+
+def get_soc_version() -> str:
+    """The SoC whose kernels the ops follow, as CANN writes it (``"Ascend910B"``, ``"Ascend910B3"``,
+    ``"Ascend910_93"``, ``"Ascend950"``, …): context (:func:`soc_version`) > :func:`set_soc_version`
+    > ``FASTGRAD_SOC_VERSION`` > ``"Ascend910B"`` (Atlas A2).
+
+    On the ``"acl"`` backend the ops follow the device's own SoC (``aclrtGetSocName``) instead.
+    Raises ``ValueError`` when ``FASTGRAD_SOC_VERSION`` holds a name fastgrad has no profile for.
+    """
+    v = _SOC.get()
+    if v is not None:
+        return v
+    if _soc_global is not None:
+        return _soc_global
+    env = os.environ.get("FASTGRAD_SOC_VERSION", "").strip()
+    if env:
+        return _check_soc(env, "FASTGRAD_SOC_VERSION (environment variable)")
+    from .soc import DEFAULT_SOC_VERSION
+
+    return DEFAULT_SOC_VERSION
+
+
+def set_soc_version(name: str | None) -> None:
+    """Follow the kernels of SoC ``name`` for the process (None: back to ``FASTGRAD_SOC_VERSION``,
+    default ``"Ascend910B"``).  Names as CANN writes them: ``"Ascend910B"`` (Atlas A2),
+    ``"Ascend910_93"`` (A3), ``"Ascend950"``, or a finer name of one of them (``"Ascend910B3"``,
+    ``"Ascend910_9391"``).  Raises ``ValueError`` for any other name.  See ``fastgrad/soc.py``."""
+    global _soc_global
+    _soc_global = None if name is None else _check_soc(name)
+
+
+@contextlib.contextmanager
+def soc_version(name: str):
+    """Context manager: the ops follow the kernels of SoC ``name`` inside the block.
+
+    >>> with fg.soc_version("Ascend950"):
+    ...     fg.smooth_l1_loss_backward(...)      # the arch35 DAG, not the 910B TBE kernel
+    """
+    token = _SOC.set(_check_soc(name))
+    try:
+        yield
+    finally:
+        _SOC.reset(token)

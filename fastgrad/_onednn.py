@@ -20,34 +20,31 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
 import threading
 
 import numpy as np
+
+from . import _cpu
 
 _lock = threading.Lock()
 _ok: bool | None = None  # the probe's verdict (once per process)
 _omp = None  # (omp_set_num_threads, omp_get_max_threads) of PyTorch's OpenMP runtime
 
 
-@functools.cache
-def cpu_flags() -> frozenset:
-    """The CPU's flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split())
-    except OSError:
-        pass
-    return frozenset()
+def _after_fork_in_child() -> None:
+    """A lock held by a parent thread at the fork would never be released in the child."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def cpu_has_bf16_dot() -> bool:
-    """AVX-512 BF16 or AMX-BF16 in the CPU flags (:func:`cpu_flags`)."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """AVX-512 BF16 or AMX-BF16 in the CPU flags (``fastgrad._cpu``, the one detector)."""
+    return _cpu.has("avx512_bf16") or _cpu.has("amx_bf16")
 
 
 def _torch_omp():

@@ -13,20 +13,25 @@ The kernels take their large scratch buffers (logits tiles, widened weight chunk
 accumulators) from here too: dropped at the end of a call, they serve the next call of the
 same shapes — a training loop's steps — without fresh pages.
 
-How: every output of at least ``MIN_BYTES`` is a view of a block (a ``uint8`` array that owns
-its memory) kept in a list.  A view's ``base`` is its block (NumPy collapses view chains to the
-array that owns the data), so as long as any array, view or tensor (``torch.from_numpy``) of an
-output is alive its block's reference count is above the list's own reference; a block is
-handed out again only when nothing but the list refers to it, to a request of at least half
-its size (best fit: the smallest such free block; so the forward's logits tile serves the
-backward's smaller tile instead of both being held).  The blocks' total (in use or
+How: every output of at least ``MIN_BYTES`` lives on a block (a ``uint8`` array that owns
+its memory) kept in a list, and is owned by a lease (:class:`_Lease`): the output array's
+``base`` is the lease, so every array, view or tensor (``torch.from_numpy``) derived from the
+output keeps the lease alive, and the lease keeps its block's memory alive.  Ownership is
+explicit: a ``weakref.finalize`` on the lease marks the block free when the lease is collected
+— when the last array that refers to the output is gone — and a block is handed out again only
+when it is marked free (no reference count is read: the contract holds on any Python, free-
+threaded builds included).  A free block serves a request of at least half its size (best fit:
+the smallest such free block; so the forward's logits tile serves the backward's smaller tile
+instead of both being held).  The blocks' total (in use or
 free) is capped by ``FASTGRAD_OUTPUT_CACHE_MB`` (default 2048; 0 turns the cache off): past
 the cap, free blocks are released (least recently used first) and, if that is not enough, the
-output is a plain ``np.empty``.  :func:`empty_cache` releases every free block.
+output is a plain ``np.empty``.  :func:`empty_cache` releases every free block.  A block the
+cache forgets while it is in use (``empty_cache`` never does; interpreter exit does) stays
+valid: its lease holds the memory until the last user is gone.
 
 The outputs are not zeroed (neither is ``np.empty``'s memory): every op writes all of its
-output.  Thread-safe (one lock).  "Nothing refers to it" is CPython's reference count of the
-block (every array, view or tensor derived from an output holds a strong reference to it).
+output.  Thread-safe (one lock; the finalizer only sets a flag, so a collection inside the
+lock cannot deadlock).  Fork-safe: the child takes a fresh lock (``os.register_at_fork``).
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -48,7 +55,66 @@ GRANULE = 2 * 2**20  #: block sizes are rounded up to this (nearby sizes share b
 _DEFAULT_MB = 2048
 
 _lock = threading.Lock()
-_blocks: list[np.ndarray] = []  # most recently used last
+
+
+class _Block:
+    """One cached block: its memory and whether an output owns it now."""
+
+    __slots__ = ("buf", "in_use")
+
+    def __init__(self, nbytes: int):
+        self.buf = np.empty(nbytes, np.uint8)
+        self.in_use = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes
+
+    def hand_back(self) -> None:
+        """The lease's finalizer: the output and everything derived from it are gone."""
+        self.in_use = False
+
+
+class _Lease:
+    """The owner of one output on a block: the output array's ``base`` (NumPy keeps the object
+    that supplied ``__array_interface__`` as the base), holding the block's memory alive."""
+
+    __slots__ = ("__array_interface__", "block", "__weakref__")
+
+    def __init__(self, block: _Block, shape: tuple, dt: np.dtype):
+        self.block = block
+        self.__array_interface__ = {
+            "data": (block.buf.ctypes.data, False),
+            "shape": shape,
+            "typestr": dt.str,
+            "version": 3,
+        }
+
+
+def _lease(block: _Block, shape: tuple, dt: np.dtype) -> np.ndarray:
+    """An output of ``shape``/``dt`` on ``block``, owned by a new lease (the block in use until
+    the lease is collected)."""
+    block.in_use = True
+    lease = _Lease(block, shape, dt)
+    out = np.asarray(lease)
+    if out.dtype != dt:  # e.g. ml_dtypes' bfloat16, whose typestr NumPy reads as raw bytes
+        out = out.view(dt)
+    fin = weakref.finalize(lease, block.hand_back)
+    fin.atexit = False
+    return out
+
+
+def _after_fork_in_child() -> None:
+    """A lock held by another thread of the parent at the fork is never released in the child."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_blocks: list[_Block] = []  # most recently used last
 _limit_override: int | None = None
 _hits = 0
 _misses = 0
@@ -92,8 +158,7 @@ def output_cache(mb: float | None):
 
 
 def _free(i: int) -> bool:
-    # references: the list, and getrefcount's argument
-    return sys.getrefcount(_blocks[i]) <= 2
+    return not _blocks[i].in_use
 
 
 def _total() -> int:
@@ -139,10 +204,10 @@ def empty(shape, dtype) -> np.ndarray:
             over = _total() + size - cap
             if over > 0 and _release_free(over) < over:
                 return np.empty(shape, dt)
-            blk = np.empty(size, np.uint8)
+            blk = _Block(size)
         _blocks.append(blk)
-        # a view of the block: its base is ``blk`` (the owner), whatever is derived from it
-        return blk[:nbytes].view(dt).reshape(shape)
+        # owned by a lease: the block comes back when the last array derived from it is gone
+        return _lease(blk, shape, dt)
 
 
 def empty_cache() -> int:

@@ -40,6 +40,31 @@ element: ``re = |a - g| / (|g| + 1e-7)``; ``MERE = mean(re)`` (mean relative err
     loss``; the output fails only when **both** failure counts exceed ``loss · size``
     (so at most 0.1 % of fp16 elements may fail, ``<=`` passes).
 
+Which standard each follows, and where they differ
+-------------------------------------------------
+
+Every :class:`CompareResult` names its source in ``.follows`` (:data:`FOLLOWS`):
+
+* ``"single"`` follows the **ATK single benchmark** (``single_bm``; the CANN community
+  "Threshold" standard).  msprobe has no single-benchmark verdict of this form.
+* ``"double"`` follows the **ATK double benchmark** (``double_bm``; the CANN commercial "Ratio"
+  standard).  msprobe's ``acc_check`` "benchmark" standard (mindstudio-probe 26.2.0,
+  ``msprobe/pytorch/api_accuracy_checker/precision_standard/standard_config.py``) uses the same
+  L0/L1/L2 ratio limits (MARE 10/5/2, MERE 2/1.5/1.2, RMSE 2/1.5/1.2) and the same
+  small-value error-count ratio (error above 2), and differs in (see :data:`MSPROBE_BENCHMARK`):
+  its small-value domain is ``|g| < 2^-10`` for fp16 **and bf16** (ATK here: ``2^-11`` fp16,
+  ``2^-8`` bf16) and ``2^-20`` for fp32 (ATK: ``2^-14``); its small-value absolute limit is
+  ``1e-16`` for fp16/bf16 (ATK: ``2^-16``), ``2^-30`` for fp32 (the same); it picks the level per
+  API (``embedding`` L1; ``npu_cross_entropy_loss`` and its backward, ``matmul``, ``sum`` ... L2;
+  others L0) where ATK takes the level the case file names; and it also reports an error-balance
+  (EB) ratio, which fastgrad does not compute.
+* ``msprobe compare`` (dump against dump) judges neither way: its ``Result`` column is
+  pass/warning/error from dtype and shape equality, a cosine drop (input cosine > 0.9 and input -
+  output cosine > 0.1 warns) and a norm relative error of the output 10x that of the inputs; its
+  "Accuracy Reached" is cosine >= 0.99 or max |a - g| <= 0.001 (no below 0.9 or above 1).
+  ``fastgrad golden --from-msprobe`` applies the single benchmark to each recorded output instead.
+* ``"legacy"`` follows the CANN sample programs' ``verify_result.py``.
+
 In every standard, inf/NaN must match position for position: NaN where golden is NaN, and
 +inf/-inf (same sign) where golden has it, nowhere else; any mismatch fails.  The metrics
 above are taken over the positions where both are finite.
@@ -90,6 +115,18 @@ LEGACY_LOSS = {_F16: 1e-3, _BF16: 4e-3, _F32: 1e-4}
 #: legacy denominator guard (``MINIMUM = 10e-10`` in verify_result.py).
 LEGACY_MINIMUM = 1e-9
 
+#: The standard each ``standard=`` follows (``CompareResult.follows``).
+FOLLOWS = {
+    "single": "ATK single benchmark (single_bm, CANN 'Threshold' standard)",
+    "double": "ATK double benchmark (double_bm, CANN 'Ratio' standard; msprobe acc_check 'benchmark' "
+    "shares its ratio limits, not its small-value limits)",
+    "legacy": "CANN samples verify_result.py (double thousandth)",
+}
+
+#: msprobe acc_check's "benchmark" standard, where it differs from :data:`SMALL_VALUE` (mindstudio-probe
+#: 26.2.0 standard_config.py): (small-value domain, small-value absolute limit) per dtype.
+MSPROBE_BENCHMARK = {_F16: (2.0**-10, 1e-16), _BF16: (2.0**-10, 1e-16), _F32: (2.0**-20, 2.0**-30)}
+
 
 def _standard_dtype(dtype) -> np.dtype:
     dt = parse_dtype(dtype)
@@ -131,6 +168,8 @@ class CompareResult:
         ``"double"``: the same metrics measured on the reference output.
     level, achieved_level : str or None
         ``"double"``: the level required, and the strictest level met (None: not even L0).
+    follows : str
+        The standard the thresholds follow (:data:`FOLLOWS`).
     """
 
     passed: bool
@@ -142,6 +181,11 @@ class CompareResult:
     reference_metrics: dict | None = None
     level: str | None = None
     achieved_level: str | None = None
+    follows: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.follows:
+            self.follows = FOLLOWS.get(self.standard, "")
 
     def __bool__(self) -> bool:
         return bool(self.passed)
@@ -150,6 +194,7 @@ class CompareResult:
         return {
             "passed": bool(self.passed),
             "standard": self.standard,
+            "follows": self.follows,
             "dtype": self.dtype,
             "level": self.level,
             "achieved_level": self.achieved_level,
@@ -164,7 +209,7 @@ class CompareResult:
         head = f"{'PASS' if self.passed else 'FAIL'}  standard={self.standard}  dtype={self.dtype}"
         if self.standard == "double":
             head += f"  level={self.level}  achieved={self.achieved_level or 'none'}"
-        lines = [head]
+        lines = [head, f"  follows: {self.follows}"]
         for k, v in self.metrics.items():
             ref = ""
             if self.reference_metrics and k in self.reference_metrics:
@@ -464,8 +509,31 @@ def _parse_shape(shape) -> tuple | None:
     return tuple(int(p) for p in shape)
 
 
+def _load_pt(path: str) -> np.ndarray:
+    """A ``.pt`` file holding one tensor (an msprobe dump's ``dump_tensor_data/*.pt``, a
+    ``torch.save``): loaded with ``map_location="cpu"`` (NPU tensors too) and ``weights_only=True``
+    (no code runs); bf16 comes back as ``ml_dtypes.bfloat16``."""
+    try:
+        import torch
+    except ImportError:
+        raise invalid("path", f"a .npy or .bin file ({path} is .pt: reading it needs PyTorch)", path, OP) from None
+    try:
+        t = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a corrupt file raises anything (struct.error, UnpicklingError, ...)
+        raise invalid("path", "a .pt file holding one tensor (torch.save, weights only)", f"{path} ({e})", OP) from None
+    if not isinstance(t, torch.Tensor):
+        raise invalid("path", "a .pt file holding one tensor", f"{path} holding a {type(t).__name__}", OP)
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_BF16).copy()
+    try:
+        return t.numpy().copy()
+    except TypeError as e:
+        raise invalid("path", "a tensor of a NumPy-representable dtype", f"{path}: {t.dtype} ({e})", OP) from None
+
+
 def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
-    """Read ``.npy`` or a raw little-endian ``.bin`` dump.
+    """Read ``.npy``, ``.pt`` (one tensor, e.g. from an msprobe dump) or a raw little-endian ``.bin`` dump.
 
     ``.npy`` files written from ``ml_dtypes.bfloat16`` arrays hold the type as ``|V2``; such a
     file is read back as bfloat16.
@@ -476,10 +544,13 @@ def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
     """
     shape = _parse_shape(shape)
     ext = os.path.splitext(path)[1].lower()
-    if ext == ".npy":
-        a = np.load(path, allow_pickle=False)
-        if a.dtype.kind == "V" and a.dtype.itemsize == 2:  # np.save writes bfloat16 as |V2
-            a = a.view(_BF16)
+    if ext in (".npy", ".pt", ".pth"):
+        if ext == ".npy":
+            a = np.load(path, allow_pickle=False)
+            if a.dtype.kind == "V" and a.dtype.itemsize == 2:  # np.save writes bfloat16 as |V2
+                a = a.view(_BF16)
+        else:
+            a = _load_pt(path)
         if dtype is not None and parse_dtype(dtype) != a.dtype:
             raise invalid("dtype", f"{a.dtype} (the dtype stored in {path})", str(parse_dtype(dtype)), OP)
     else:
@@ -536,4 +607,6 @@ __all__ = [
     "LEVELS",
     "LEGACY_LOSS",
     "REL_EPS",
+    "FOLLOWS",
+    "MSPROBE_BENCHMARK",
 ]

@@ -198,15 +198,19 @@ def _f16_to_f32_sw(h):
 
 
 def _host_has_f16c() -> bool:
-    """True when Numba compiles for a CPU with the F16C conversions (vcvtph2ps/vcvtps2ph)."""
+    """True when Numba compiles for a CPU with the F16C conversions (vcvtph2ps/vcvtps2ph): the
+    host (``fastgrad._cpu``, the one detector) unless ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``
+    name another target."""
     try:
-        import llvmlite.binding as llvm
         from numba.core import config
+
+        from . import _cpu
 
         if config.CPU_NAME not in (None, "host"):  # type: ignore[attr-defined]
             return False
-        feats = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()  # type: ignore[attr-defined]
-        return "+f16c" in feats.split(",")
+        if config.CPU_FEATURES:  # type: ignore[attr-defined]
+            return "+f16c" in config.CPU_FEATURES.split(",")  # type: ignore[attr-defined]
+        return _cpu.has("f16c")
     except Exception:  # pragma: no cover - be conservative
         return False
 

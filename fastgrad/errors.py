@@ -2,10 +2,16 @@
 
 The codes are the ones the CANN ``aclnn`` first-stage APIs
 (``aclnnXxxGetWorkspaceSize``) return; see ``docs/zh/context/aclnn返回码.md`` in
-the CANN docs and the error tables of the seed documents.
+the CANN docs and the error tables of each operator's aclnn document
+(``aclnnFusedLinearCrossEntropyLossGrad.md``, ``aclnnCrossEntropyLossGrad.md``, ...).
+
+Messages read as Python's and PyTorch's do: the text first (``op: param: expected E, got G``),
+the aclnn status after it in brackets; the code itself is ``.status``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 ACLNN_SUCCESS = 0
 #: A required input is ``None`` (nullptr).
@@ -14,11 +20,18 @@ ACLNN_ERR_PARAM_NULLPTR = 161001
 ACLNN_ERR_PARAM_INVALID = 161002
 #: The requested backend (platform) is unavailable, or the runtime failed.
 ACLNN_ERR_RUNTIME_ERROR = 361001
+#: what a hand-written op_api returns when its l0 op gives no result: a tiling failure or no kernel
+#: for the SoC (e.g. ops-nn ``aclnn_fused_linear_cross_entropy_loss_grad.cpp:324``)
+ACLNN_ERR_INNER_NULLPTR = 561103
+#: a generated aclnn API whose op_host tiling fails (e.g. ``scaled_masked_softmax_grad_v2_tiling.cpp:130-132``)
+ACLNN_ERR_INNER_TILING_ERROR = 561002
 
 _NAMES = {
     ACLNN_ERR_PARAM_NULLPTR: "ACLNN_ERR_PARAM_NULLPTR",
     ACLNN_ERR_PARAM_INVALID: "ACLNN_ERR_PARAM_INVALID",
     ACLNN_ERR_RUNTIME_ERROR: "ACLNN_ERR_RUNTIME_ERROR",
+    ACLNN_ERR_INNER_NULLPTR: "ACLNN_ERR_INNER_NULLPTR",
+    ACLNN_ERR_INNER_TILING_ERROR: "ACLNN_ERR_INNER_TILING_ERROR",
 }
 
 
@@ -49,12 +62,12 @@ class AclnnError(Exception):
         Every reason found (a declaration check collects them all).
     """
 
-    def __new__(cls, status: int, message: str = "", param: str | None = None, reasons=()):
+    def __new__(cls, status: int, message: str = "", param: str | None = None, reasons: Iterable[str] = ()):
         if cls is AclnnError:
             cls = _BY_STATUS.get(int(status), AclnnError)
         return super().__new__(cls)
 
-    def __init__(self, status: int, message: str = "", param: str | None = None, reasons=()):
+    def __init__(self, status: int, message: str = "", param: str | None = None, reasons: Iterable[str] = ()):
         self.status = int(status)
         self.param = param
         self.reasons = tuple(reasons) or (message,)
@@ -62,8 +75,9 @@ class AclnnError(Exception):
         super().__init__(status, message, param, self.reasons)
 
     def __str__(self) -> str:
+        # the text first, as a PyTorch user reads errors; the code last (also in ``.status``)
         name = _NAMES.get(self.status, "ACLNN_ERR")
-        return f"[{self.status} {name}] {self.message}"
+        return f"{self.message} [aclnn {self.status} {name}]"
 
     def __reduce__(self):
         return (AclnnError, (self.status, self.message, self.param, self.reasons))
@@ -94,7 +108,7 @@ def null_error(param: str, op: str | None = None) -> AclnnError:
     return AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{where}{param} is required but None was given", param)
 
 
-def invalid(param: str, expected: str, got, op: str | None = None) -> AclnnError:
+def invalid(param: str, expected: str, got: object, op: str | None = None) -> AclnnError:
     """161002: ``param`` is out of range; the message says what was expected and given."""
     where = f"{op}: " if op else ""
     return AclnnError(ACLNN_ERR_PARAM_INVALID, f"{where}{param}: expected {expected}, got {got}", param)

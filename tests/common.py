@@ -149,3 +149,25 @@ def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None)
         assert a.dtype == x.dtype
         assert np.array_equal(a.view(np.uint16), b.view(np.uint16))  # any thread count
     return got, ref
+
+
+def native_isas() -> list[str]:
+    """The native GEMM kernel's ISA settings (``fastgrad.set_native_isa``) that run on this
+    machine: ``"avx512"`` with AVX-512F, ``"avx2"`` with AVX2 + FMA (``["auto"]`` where neither:
+    the kernel tests then skip).  The kernel tests run once per entry."""
+    from fastgrad import _cpu
+
+    isas = (["avx512"] if _cpu.has("avx512f") else []) + (["avx2"] if _cpu.has("avx2", "fma") else [])
+    return isas or ["auto"]
+
+
+@pytest.fixture(params=native_isas())
+def native_isa(request):
+    """Run the test under each ISA setting of :func:`native_isas` (restored afterwards)."""
+    from fastgrad import _config
+
+    _config.set_native_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _config.set_native_isa(None)

@@ -1,5 +1,7 @@
-"""Slow, obvious float64 oracles for the seven ops, written from the contract (../shared/SPEC.md
-and the seed documents in ../shared/seeds/), in the spirit of stumpy's ``tests/naive.py``.
+"""Slow, obvious float64 oracles for the seven ops, written from the contract (docs/spec.md
+and the operators' CANN docs, aclnnFusedLinearCrossEntropyLossGrad.md, aclnnCrossEntropyLossGrad.md,
+aclnnScaledMaskedSoftmaxBackward.md, aclnnSmoothL1LossBackward.md, aclnnEmbeddingDenseBackward.md,
+aclnnFusedLinearOnlineMaxSum.md, aclnnFusedCrossEntropyLossWithMaxSum.md), in the spirit of stumpy's ``tests/naive.py``.
 
 Nothing here imports fastgrad: these functions are the independent oracle that both the CPU
 kernels and the in-package "reference" backend are tested against.
@@ -7,11 +9,11 @@ kernels and the in-package "reference" backend are tested against.
 Conventions
 -----------
 * Every function widens its inputs to float64 (16-bit floats widen exactly) and computes the
-  formula of SPEC.md with plain loops or plain vectorized float64 math.
+  formula of docs/spec.md with plain loops or plain vectorized float64 math.
 * Functions return **unrounded float64** results (``ref64``); tests compare the op's rounded
   output with them within a tolerance derived from the precision model.  ``round_like_device``
   gives the device's rounding of such a result when a bit-level expectation is wanted.
-* Where SPEC.md names an intermediate rounding that changes results by more than accumulated
+* Where docs/spec.md names an intermediate rounding that changes results by more than accumulated
   fp32 error (the FLCE grad's rounding of ``g`` to the input dtype before the GEMMs; the forward's
   rounding of the logits to the input dtype), the oracle performs it with ``round_like_device``.
 
@@ -83,7 +85,7 @@ def megatron_smoothing(alpha, k):
 
 def fused_linear_online_max_sum(input, weight, target, vocab_start_index, vocab_end_index,
                                 logits_dtype=None):
-    """Returns a dict with the six outputs of SPEC.md (float64 statistics, exact mask/target).
+    """Returns a dict with the six outputs of docs/spec.md (float64 statistics, exact mask/target).
 
     ``logits`` = input·weightᵀ (float64, standing for the fp32 accumulation) rounded to
     ``logits_dtype`` (default the input dtype, the device's matmul output type).
@@ -106,8 +108,11 @@ def fused_linear_online_max_sum(input, weight, target, vocab_start_index, vocab_
             mx[r] = max(logits[r, c] for c in range(v))
             se[r] = sum(math.exp(logits[r, c] - mx[r]) if np.isfinite(logits[r, c] - mx[r])
                         else float(np.exp(logits[r, c] - mx[r])) for c in range(v))
-        if not masked[r] and 0 <= masked_target[r] < v:
-            pred[r] = logits[r, masked_target[r]] - mx[r]
+        if not masked[r] and v:
+            # the kernel's atomic sum of the gathered logit over the vocabulary tiles: 0 when no
+            # tile holds the column (masked_target >= V), then - max on every unmasked row
+            picked = logits[r, masked_target[r]] if masked_target[r] < v else 0.0
+            pred[r] = picked - mx[r]
     # padding bits: the kernel pads the target with 0 before comparing
     pad = (0 < start) or (0 >= end)
     return {"logits_max_local": mx, "sum_exp_logits_local": se, "predicted_logits_local": pred,
@@ -213,7 +218,8 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, reduction=
     wt = np.ones(c) if weight is None else f64(weight)
     ls = float(label_smoothing)
     keep = np.array([t[i] != ignore_index for i in range(n)], dtype=bool)
-    w_row = np.array([wt[t[i]] if keep[i] else 0.0 for i in range(n)])
+    # a target outside [0, C) (no weight: the device computes it) has weight 1 and matches no column
+    w_row = np.array([(wt[t[i]] if 0 <= t[i] < c else 1.0) if keep[i] else 0.0 for i in range(n)])
     W = sum(w_row)
     g = f64(grad_loss)
     with np.errstate(all="ignore"):
@@ -243,17 +249,8 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, reduction=
             if ls:                                   # with ls = 0 the term is absent (SPEC)
                 v += (ls / c) * (p * sum_w - wt[j])
             out[i, j] = s[i] * v
-    if lse_square_scale_for_zloss:
-        gz = f64(grad_loss) + (0.0 if grad_zloss is None else f64(grad_zloss))
-        gz = np.broadcast_to(gz, (n,)).astype(np.float64).copy() if n else np.zeros(0)
-        if red == "mean":
-            gz = gz / keep.sum()
-        lse = f64(lse_for_zloss)
-        zs = float(lse_square_scale_for_zloss)
-        for i in range(n):
-            if keep[i]:
-                for j in range(c):
-                    out[i, j] += np.exp(lp[i, j]) * 2.0 * zs * lse[i] * gz[i]
+    # grad_zloss, lse_for_zloss, lse_square_scale_for_zloss: accepted and ignored, as on the device
+    # (aclnnCrossEntropyLossGrad.md at ops-nn e5c3fa9: the z-loss inputs "不会生效")
     return out
 
 
@@ -291,9 +288,12 @@ def scaled_masked_softmax_backward(grad_output, y, mask, scale=1.0, fix_triu_mas
 # smooth_l1_loss_backward
 # ---------------------------------------------------------------------------------------------
 
-def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0):
+def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0, tbe=True):
     """d = input - target (in fp32, as the device computes it); |d| < beta: d/beta, else sign(d)
-    with sign(0) = 0; times grad_out; mean divides by the broadcast output's element count."""
+    with sign(0) = 0; times grad_out; mean divides by the broadcast output's element count.
+
+    ``tbe`` (the A2/A3 SoC profiles, the default): the 910B TBE kernel divides by
+    ``fp32(beta + 1e-6)`` instead, and a NaN d gives 0 when beta = 0 (its compares read NaN as 0)."""
     red = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction) \
         if not isinstance(reduction, str) else reduction
     g, x, t = (f64(a) for a in (grad_out, input, target))
@@ -305,9 +305,9 @@ def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0)
     for k in range(n):
         d = float(np.float32(x[k] - t[k]))          # the device's fp32 difference
         if abs(d) < beta:
-            s = d / beta
+            s = d / (float(np.float32(np.float32(beta) + np.float32(1e-6))) if tbe else beta)
         elif d != d:
-            s = d
+            s = 0.0 if (tbe and beta == 0) else d
         else:
             s = (d > 0) - (d < 0)
         v = s * g[k]
@@ -415,9 +415,9 @@ def _abs64(a):
     return None if a is None else np.abs(f64(a))
 
 
-def check_smooth_l1_loss_backward(got, grad_out, input, target, reduction="mean", beta=1.0):
+def check_smooth_l1_loss_backward(got, grad_out, input, target, reduction="mean", beta=1.0, tbe=True):
     """Each element is a handful of fp32 operations (d·fp32(1/β), ·grad, ·1/N): <= 8 u32 relative."""
-    ref = smooth_l1_loss_backward(grad_out, input, target, reduction, beta)
+    ref = smooth_l1_loss_backward(grad_out, input, target, reduction, beta, tbe)
     red = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction) \
         if not isinstance(reduction, str) else reduction
     pre = np.abs(ref) * (ref.size if red == "mean" else 1)       # s·grad before the 1/N
@@ -490,7 +490,8 @@ def check_cross_entropy_loss_grad(got, grad_loss, log_prob, target, weight=None,
         red = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction) \
             if not isinstance(reduction, str) else reduction
         g = np.abs(f64(grad_loss))
-        w_row = np.where(keep, wt[np.where(keep, t, 0)] if c else 0.0, 0.0)
+        inside = (t >= 0) & (t < c)  # a target outside [0, C) (no weight) has weight 1
+        w_row = np.where(keep, np.where(inside, wt[np.where(keep & inside, t, 0)], 1.0) if c else 0.0, 0.0)
         if red == "mean":
             W = abs(sum(f64(weight)[t[i]] if weight is not None else 1.0 for i in range(n) if keep[i]))
             s = np.full(n, g / W if W else np.inf)
@@ -500,18 +501,11 @@ def check_cross_entropy_loss_grad(got, grad_loss, log_prob, target, weight=None,
             s = np.broadcast_to(g, (n,)).astype(np.float64)
         ls = float(label_smoothing)
         mag = s[:, None] * ((1 - ls) * w_row[:, None] * (p + 1) + (ls / max(c, 1)) * (p * wt.sum() + wt[None, :]))
-        if lse_square_scale_for_zloss:
-            gz = np.abs(f64(grad_loss) + (0.0 if grad_zloss is None else f64(grad_zloss)))
-            gz = np.broadcast_to(gz, (n,)).astype(np.float64)
-            if red == "mean":
-                gz = gz / max(int(keep.sum()), 1)
-            mag = mag + p * 2 * abs(lse_square_scale_for_zloss) * np.abs(f64(lse_for_zloss))[:, None] * gz[:, None]
         mag = np.where(keep[:, None], mag, 0.0)
     with np.errstate(all="ignore"):
         over = keep[:, None] & ~(p * max(1.0, float(wt.sum()) if c else 1.0) < F32_MAX / 4)
     with np.errstate(all="ignore"):
-        fin = [np.isfinite(f64(a)).all() for a in (grad_loss, grad_zloss, lse_for_zloss, weight)
-               if a is not None]
+        fin = [np.isfinite(f64(a)).all() for a in (grad_loss, weight) if a is not None]
         row_inf = (np.isinf(lp).any(1) | (not all(fin)))[:, None] & ~np.isnan(lp).any(1)[:, None]
     with np.errstate(all="ignore"):
         under = 4 * 2.0 ** -149 * (s[:, None] * (1 + wt.sum() if c else 1) + 1)   # p underflow, then ·s
@@ -591,8 +585,9 @@ def check_fused_linear_online_max_sum(got, input, weight, target, vocab_start_in
         with np.errstate(all="ignore"):
             e = np.exp(L - mx[:, None])
         se = e.sum(axis=1)
-        pr = np.array([L[r, ref["masked_target"][r]] - mx[r] if not ref["masked"][r]
-                       and 0 <= ref["masked_target"][r] < v else 0.0 for r in range(bt)])
+        # unmasked rows: the picked logit (0 when masked_target >= V: no tile holds it) - max
+        pr = np.array([(L[r, ref["masked_target"][r]] if ref["masked_target"][r] < v else 0.0) - mx[r]
+                       if not ref["masked"][r] and v else 0.0 for r in range(bt)])
         outs.append((mx, se, pr, e))
     for name, i in (("logits_max_local", 0), ("sum_exp_logits_local", 1), ("predicted_logits_local", 2)):
         g = np.asarray(getattr(got, name))

@@ -1199,3 +1199,54 @@ def test_fastgrad_logits_dtype_fp32_is_not_a_device_option(fake):
             input=np.ones((2, 4), F16), weight=np.ones((3, 4), F16), target=np.zeros(2, np.int32),
             vocab_start_index=0, vocab_end_index=3, return_logits=False, logits_dtype=F32, out=out)
     assert ei.value.status == 161002 and "logits_dtype" in str(ei.value)
+
+
+# --------------------------------------------------------------------------- issue 25: the SoC profile
+@pytest.mark.parametrize("name,profile", [("Ascend910B3", "Ascend910B"), ("Ascend910B4-1", "Ascend910B"),
+                                          ("Ascend910_9391", "Ascend910_93"), ("Ascend950PR_9599", "Ascend950")])
+def test_the_ops_follow_the_devices_soc_from_aclrtGetSocName(libdir, name, profile):
+    from fastgrad.ops._opdef import current_profile
+
+    fk = fakeacl.Fake(libdir)
+    with acl_env(libdir, FAKE_ACL_SOC_NAME=name):
+        n0 = fk.counter("get_soc_name")
+        assert acl_runtime.runtime().soc_name() == name
+        other = "Ascend910B" if profile == "Ascend950" else "Ascend950"
+        with fg.soc_version(other):  # the setting is for the CPU backends; the device knows its SoC
+            assert current_profile().name == other
+            with fg.use_backend("acl"):
+                assert current_profile().name == profile
+                assert current_profile().name == profile
+        assert fk.counter("get_soc_name") - n0 == 1  # asked once per runtime
+        # strict mode on the acl backend checks what this device checks: an int32 target of
+        # the cross-entropy grad is refused on A2/A3 before any device call
+        lp = np.log(np.full((2, 3), 1 / 3, np.float32))
+        t32 = np.array([0, 2], np.int32)
+        with fg.use_backend("acl"), fg.strict():
+            if profile == "Ascend950":
+                return
+            fk.clear_log()
+            with pytest.raises(fg.AclnnError) as ei:
+                fg.cross_entropy_loss_grad(np.float32(1.0), lp, t32)
+            assert ei.value.status == 161002 and "int64" in str(ei.value)
+            assert not [e for e in fk.log() if e.get("fn", "").startswith("aclnn")]
+
+
+def test_without_a_soc_name_the_setting_decides(libdir):
+    from fastgrad.ops._opdef import current_profile
+
+    with acl_env(libdir, FAKE_ACL_SOC_NAME="none"):
+        assert acl_runtime.runtime().soc_name() is None
+        with fg.use_backend("acl"):
+            assert current_profile().name == "Ascend910B"
+            with fg.soc_version("Ascend950"):
+                assert current_profile().name == "Ascend950"
+    with acl_env(libdir, FAKE_ACL_SOC_NAME="Ascend310P3"):  # a SoC fastgrad has no profile for
+        with fg.use_backend("acl"), fg.soc_version("Ascend910_93"):
+            assert current_profile().name == "Ascend910_93"
+
+
+def test_soc_name_prototype_is_the_headers():
+    assert "aclrtGetSocName" in acl_runtime.PROTOTYPES
+    restype, argtypes = acl_runtime.PROTOTYPES["aclrtGetSocName"]
+    assert list(argtypes) == []

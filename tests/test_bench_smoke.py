@@ -121,7 +121,8 @@ def test_full_cases_cover_the_issues():
     assert [r.name for r in flce.runners] == ["fastgrad", "fastgrad-onednn", "torch-fp32", "torch-bf16", "bound"]
     step = B.find_case(want[-2], quick=False)
     assert [r.name for r in step.runners] == [
-        "fastgrad", "fastgrad-fused", "fastgrad-fast", "fastgrad-blas", "torch-fp32", "torch-bf16", "bound"]
+        "fastgrad", "fastgrad-fused", "fastgrad-recompute", "fastgrad-fast", "fastgrad-blas", "torch-fp32",
+        "torch-bf16", "torch-lce", "torch-lce-bcs2048", "bound"]
     assert step.memory
     assert flce.memory and flce.gemm == [(2048, 896, 151936), (2048, 151936, 896), (151936, 2048, 896)]
 

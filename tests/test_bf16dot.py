@@ -1,19 +1,25 @@
 """The exact-product bf16 logits kernel (fastgrad/kernels/_bf16dot.py) against float64 oracles.
 
-The kernel needs AVX-512 BF16; on other CPUs only the availability logic is tested (the kernel
-cannot run there, and the training loss then never asks for it)."""
+Every test runs once per native ISA this machine has (``common.native_isas``: the AVX-512 BF16
+variant and the AVX2 + FMA one, forced with ``fastgrad._config.set_native_isa``); the kernel
+needs AVX2 + FMA at least, so nothing here skips on an x86-64 CPU since Haswell / Zen 1."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from common import native_isa  # noqa: F401  (the fixture)
 
 import fastgrad as fg
 import fastgrad.torch  # noqa: F401  (fg.torch)
 from fastgrad.kernels import _bf16dot as B
+from fastgrad.kernels import _native
 
 BF = ml_dtypes.bfloat16
-needs_kernel = pytest.mark.skipif(not B.available(), reason="the CPU has no AVX-512 BF16")
+needs_kernel = pytest.mark.skipif(not B.available(), reason="the CPU has neither AVX2 + FMA nor AVX-512")
+
+#: every test of this module once per native ISA of this machine (the fixture's params)
+pytestmark = pytest.mark.usefixtures("native_isa")
 
 
 def _run(X, W):
@@ -77,17 +83,24 @@ def test_special_values_and_the_documented_flush():
     ref = X.astype(np.float32) @ W.astype(np.float32).T
     assert np.array_equal(np.isnan(got[:2]), np.isnan(ref[:2]))
     assert np.array_equal(got[0], ref[0])
-    # VDPBF16PS: subnormal inputs read as zero, subnormal results flushed to zero
+    # VDPBF16PS: subnormal inputs read as zero, subnormal results flushed to zero (the FMA
+    # variants too: MXCSR DAZ + FTZ for the call)
     assert got[2, 0] == 0 and ref[2, 0] != 0
     assert got[3, 1] == 0 and ref[3, 1] != 0
     assert got[3, 0] == ref[3, 0]
 
 
-def test_unavailable_without_the_cpu_flag(monkeypatch):
-    monkeypatch.setattr(B, "_host_flags", lambda: {"avx512f", "fma"})
-    assert B._build("bf16") is None
-    monkeypatch.setattr(B, "_host_flags", lambda: {"avx2", "fma"})
-    assert B._build("f32") is None
+def test_variants_need_their_cpu_flags():
+    """A variant is built only where the CPU has its instructions; the bf16 operands fall back
+    from vdpbf16ps to AVX-512F FMAs to AVX2 + FMA, and without AVX2 + FMA nothing runs."""
+    S = _native.SPECS
+    assert _native.compiled(S["avx512_bf16dp"], flags=frozenset({"avx512f", "fma", "avx2"})) is None
+    assert not _native.runnable(S["avx512_bf16dp"], frozenset({"avx512f"}))
+    assert _native.runnable(S["avx512_bf16"], frozenset({"avx512f"}))
+    assert _native.runnable(S["avx2_bf16"], frozenset({"avx2", "fma"}))
+    assert not _native.runnable(S["avx2_bf16"], frozenset({"avx2"}))  # no FMA
+    assert _native.compiled(S["avx512_f32"], flags=frozenset({"avx2", "fma"})) is None
+    assert _native.compiled(S["avx2_f32"], flags=frozenset({"sse2"})) is None
 
 
 def test_the_training_loss_uses_it_only_on_auto(monkeypatch):
@@ -170,8 +183,9 @@ def test_k_blocking_is_bitwise_one_sum(monkeypatch):
 
 
 def _flce(x, w, t, masked, grad, m, s):
-    return fg.fused_linear_cross_entropy_loss_grad(grad, x, w, np.packbits(masked, bitorder="little"), t,
-                                                   logits_max=m, sum_exp_logits=s)
+    return fg.fused_linear_cross_entropy_loss_grad(
+        grad, x, w, np.packbits(masked, bitorder="little"), t, logits_max=m, sum_exp_logits=s
+    )
 
 
 @needs_kernel
@@ -191,3 +205,22 @@ def test_flce_grad_on_the_kernel_matches_float64_and_blas(monkeypatch, BT, H, V,
     for a, c in zip(got, ref):
         a64, c64 = a.astype(np.float64), c.astype(np.float64)
         assert np.all(np.abs(a64 - c64) <= 2.0**-7 * np.abs(c64) + 2.0**-7 * np.abs(c64).max())
+
+
+@needs_kernel
+def test_the_a_operand_takes_the_variants_form(request):
+    """``vdpbf16ps`` reads ``A`` as pairs (``g`` paired over itself); the FMA variants read fp32
+    ``A`` (``g`` itself, untouched); either way the same sums (the tests above, per ISA)."""
+    spec = B.variant("bf16")
+    g = _bf16_valued_f32(np.random.default_rng(0), (5, 9))
+    keep = g.copy()
+    p = B.pairs_in_place(g)
+    if spec.a_forms[0] == "f32":
+        assert B.a_form() == "f32" and p is g and np.array_equal(g, keep)
+    else:
+        assert B.a_form() == "pairs" and p.dtype == np.uint32 and p.shape == (5, 5)
+    if request.node.callspec.params["native_isa"] == "avx2":
+        assert spec.name == "avx2_bf16" and spec.a_forms[0] == "f32"
+    if "f32" not in spec.a_forms:  # fp32 A on the pairs-only variant: refused, not misread
+        with pytest.raises(ValueError, match="takes A"):
+            B.gemm_tile(keep, B.interleave(keep.astype(BF).T.copy()), 0, 5, np.empty((5, 5), np.float32))

@@ -363,3 +363,60 @@ def test_cli_compare_exit_codes(tmp_path, capsys):
                      "--standard", "double"]) == 2
     assert cli_main(["compare", "--bogus"]) == 2
     capsys.readouterr()
+
+
+# ------------------------------------------------------------- .pt files, named standards ----
+
+def test_pt_files(tmp_path, capsys):
+    """.pt (an msprobe dump's tensor, an NPU output saved with torch.save) read on the CPU, weights only."""
+    torch = pytest.importorskip("torch")
+    g = np.linspace(-3, 3, 96).astype(np.float32)
+    torch.save(torch.from_numpy(g).to(torch.bfloat16).reshape(8, 12), tmp_path / "out.pt")
+    a = load_array(str(tmp_path / "out.pt"))
+    assert a.dtype == BF16 and a.shape == (8, 12)
+    np.testing.assert_array_equal(a.astype(np.float32).ravel(), g.astype(BF16).astype(np.float32))
+    assert load_array(str(tmp_path / "out.pt"), shape="96").shape == (96,)
+    np.save(tmp_path / "g.npy", g.reshape(8, 12))
+    assert cli_main(["compare", str(tmp_path / "out.pt"), str(tmp_path / "g.npy")]) == 0
+    out = capsys.readouterr().out
+    assert "dtype=bfloat16" in out and "follows: ATK single benchmark" in out
+    # an fp32 .pt 5 % off fails; --dtype describes raw files only, a .pt carries its own
+    torch.save(torch.from_numpy(g * 1.05).reshape(8, 12), tmp_path / "off.pt")
+    assert cli_main(["compare", str(tmp_path / "off.pt"), str(tmp_path / "g.npy"), "--dtype", "bf16"]) == 1
+    capsys.readouterr()
+    # not one tensor, or not weights only: a clear error, exit 2, nothing executed
+    torch.save({"a": torch.ones(2)}, tmp_path / "dict.pt")
+    with pytest.raises(fg.AclnnParamError, match="one tensor"):
+        load_array(str(tmp_path / "dict.pt"))
+    assert cli_main(["compare", str(tmp_path / "dict.pt"), str(tmp_path / "g.npy")]) == 2
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(fg.AclnnParamError, match=r"\.pt file"):
+        load_array(str(tmp_path / "junk.pt"))
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("standard,words", [("single", "ATK single benchmark"), ("double", "ATK double benchmark"),
+                                            ("legacy", "verify_result.py")])
+def test_each_result_names_the_standard_it_follows(standard, words):
+    g = np.linspace(1, 2, 50)
+    r = fg.compare(g, g, dtype="float32", standard=standard, reference=g if standard == "double" else None)
+    assert words in r.follows and r.to_dict()["follows"] == r.follows
+    assert r.summary().splitlines()[1] == f"  follows: {r.follows}"
+
+
+def test_msprobe_benchmark_constants_are_msprobes():
+    """The documented differences from msprobe's acc_check 'benchmark' standard, against msprobe itself."""
+    from fastgrad.compare import LEVELS, MSPROBE_BENCHMARK, SMALL_VALUE
+    pytest.importorskip("msprobe")
+    torch = pytest.importorskip("torch")
+    from msprobe.core.common.const import CompareConst
+    from msprobe.pytorch.api_accuracy_checker.precision_standard.standard_config import StandardConfig as S
+
+    for np_dt, t_dt in ((np.dtype(np.float16), torch.float16), (np.dtype(BF16), torch.bfloat16),
+                        (np.dtype(np.float32), torch.float32)):
+        assert MSPROBE_BENCHMARK[np_dt] == (S._small_value[t_dt], S._benchmark_small_value_atol[t_dt])
+        assert MSPROBE_BENCHMARK[np_dt] != SMALL_VALUE[np_dt]       # where ATK's double benchmark differs
+    for lv, (mare, mere, rmse) in LEVELS.items():                     # where they agree
+        assert S.get_benchmark_ratio_threshold(CompareConst.MAX_REL_ERR, level=lv) == mare
+        assert S.get_benchmark_ratio_threshold(CompareConst.MEAN_REL_ERR, level=lv) == mere
+        assert S.get_benchmark_ratio_threshold(CompareConst.RMSE, level=lv) == rmse

@@ -129,22 +129,32 @@ def test_smooth_l1_tensor_dag_compares_strictly_scalar_dag_not():
     x = np.array([1.7, -1.7, 0.85, 3.0], np.float32)
     t = np.zeros(4, np.float32)
     inv = f32(1) / f32(b)
-    # tensor grad_out (SmoothL1LossGradV2OpDag): |d| == beta is in the quadratic zone
-    out = fg.smooth_l1_loss_backward(np.ones(4, np.float32), x, t, "none", b)
-    np.testing.assert_array_equal(out, [x[0] * inv, x[1] * inv, x[2] * inv, 1])
-    assert out[0] == np.nextafter(f32(1), f32(0))          # 1.7·fp32(1/1.7) = 1 - 2**-24
-    # one-element grad_out (SmoothL1LossGradV2OpScalarDag): |d| == beta takes the sign
-    out = fg.smooth_l1_loss_backward(np.float32(1), x, t, "sum", b)
-    np.testing.assert_array_equal(out, [1, -1, x[2] * inv, 1])
+    with fg.soc_version("Ascend950"):  # the arch35 DAGs
+        # tensor grad_out (SmoothL1LossGradV2OpDag): |d| == beta is in the quadratic zone
+        out = fg.smooth_l1_loss_backward(np.ones(4, np.float32), x, t, "none", b)
+        np.testing.assert_array_equal(out, [x[0] * inv, x[1] * inv, x[2] * inv, 1])
+        assert out[0] == np.nextafter(f32(1), f32(0))          # 1.7·fp32(1/1.7) = 1 - 2**-24
+        # one-element grad_out (SmoothL1LossGradV2OpScalarDag): |d| == beta takes the sign
+        out = fg.smooth_l1_loss_backward(np.float32(1), x, t, "sum", b)
+        np.testing.assert_array_equal(out, [1, -1, x[2] * inv, 1])
+    # A2/A3 (the TBE kernel): [d >= β] and [d <= -β], exactly ±1 at |d| == β, for both
+    den = f32(f32(b) + f32(1e-6))
+    for g, red in ((np.ones(4, np.float32), "none"), (np.float32(1), "sum")):
+        out = fg.smooth_l1_loss_backward(g, x, t, red, b)
+        np.testing.assert_array_equal(out, [1, -1, x[2] / den, 1])
 
 
 def test_smooth_l1_beta_zero_d_zero_and_nan():
     x = np.array([0.0, 2.0, -3.0, np.nan], np.float32)
     t = np.zeros(4, np.float32)
     for g in (np.ones(4, np.float32), np.float32(1)):
-        out = fg.smooth_l1_loss_backward(g, x, t, "none" if np.ndim(g) else "sum", 0.0)
-        # d = 0 gives 0 (910B TBE and the 950 scalar DAG; the 950 tensor DAG gives NaN);
-        # NaN d stays NaN (the 910B TBE gives 0 at beta = 0): fastgrad keeps the limit values
+        red = "none" if np.ndim(g) else "sum"
+        # A2/A3 TBE: -[d <= 0] + [d >= 0] + 0: d = 0 gives 0; a NaN d is read as 0: 0
+        np.testing.assert_array_equal(fg.smooth_l1_loss_backward(g, x, t, red, 0.0), [0, 1, -1, 0])
+        with fg.soc_version("Ascend950"):
+            out = fg.smooth_l1_loss_backward(g, x, t, red, 0.0)
+        # d = 0 gives 0 (the 950 scalar DAG; the tensor DAG's 1/0 is NaN, fastgrad keeps the
+        # limit value); NaN d stays NaN
         np.testing.assert_array_equal(out[:3], [0, 1, -1])
         assert np.isnan(out[3])
 
@@ -164,8 +174,12 @@ def test_smooth_l1_quadratic_zone_multiplies_by_fp32_inverse():
     b = 0.3
     x = np.array([0.1, 0.2, -0.25], np.float32)
     t = np.zeros(3, np.float32)
+    with fg.soc_version("Ascend950"):
+        out = fg.smooth_l1_loss_backward(np.ones(3, np.float32), x, t, "none", b)
+    np.testing.assert_array_equal(out, x * (f32(1) / f32(b)))   # the arch35 DAG's invβ
     out = fg.smooth_l1_loss_backward(np.ones(3, np.float32), x, t, "none", b)
-    np.testing.assert_array_equal(out, x * (f32(1) / f32(b)))   # not d/(beta + 1e-6) (910B)
+    np.testing.assert_array_equal(out, x / f32(f32(b) + f32(1e-6)))   # A2/A3: d/(β + 1e-6)
+    assert not np.array_equal(out, x * (f32(1) / f32(b)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -302,3 +316,65 @@ def test_online_max_sum_logits_rounded_to_input_dtype_by_default():
     with fg.strict(), pytest.raises(fg.AclnnError) as e:
         fg.fused_linear_online_max_sum(x, w, t, 0, V, logits_dtype=np.float32)
     assert e.value.status == 161002 and "logits_dtype" in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------
+# the SoC profile setting (issue 25)
+# ----------------------------------------------------------------------------------------
+
+def test_soc_version_setting_context_env_and_default(monkeypatch):
+    from fastgrad import soc
+
+    monkeypatch.delenv("FASTGRAD_SOC_VERSION", raising=False)
+    fg.set_soc_version(None)
+    assert fg.get_soc_version() == "Ascend910B"                       # default: Atlas A2
+    monkeypatch.setenv("FASTGRAD_SOC_VERSION", "Ascend950")
+    assert fg.get_soc_version() == "Ascend950"
+    fg.set_soc_version("Ascend910_93")
+    try:
+        assert fg.get_soc_version() == "Ascend910_93"                 # set > env
+        with fg.soc_version("Ascend910B3"):                           # context > set
+            assert fg.get_soc_version() == "Ascend910B3"
+            assert soc.get_profile(fg.get_soc_version()).name == "Ascend910B"
+        assert fg.get_soc_version() == "Ascend910_93"
+    finally:
+        fg.set_soc_version(None)
+    assert fg.get_soc_version() == "Ascend950"
+    monkeypatch.setenv("FASTGRAD_SOC_VERSION", "Ascend310P3")
+    with pytest.raises(ValueError, match="FASTGRAD_SOC_VERSION"):
+        fg.get_soc_version()
+
+
+@pytest.mark.parametrize("name,profile", [
+    ("Ascend910B", "Ascend910B"), ("ascend910b", "Ascend910B"), ("Ascend910B1", "Ascend910B"),
+    ("Ascend910B4-1", "Ascend910B"), ("Ascend910_93", "Ascend910_93"), ("Ascend910_9391", "Ascend910_93"),
+    ("Ascend910_9382", "Ascend910_93"), ("Ascend950", "Ascend950"), ("Ascend950PR_9599", "Ascend950"),
+    ("Ascend950DT_9591", "Ascend950"),
+])
+def test_cann_soc_names_map_onto_the_profiles(name, profile):
+    from fastgrad import soc
+
+    assert soc.profile_name(name) == profile
+    with fg.soc_version(name):
+        assert fg.get_soc_version() == name
+
+
+@pytest.mark.parametrize("bad", ["Ascend310P3", "Ascend910", "Ascend910A", "A2", "", "gpu", 910])
+def test_unknown_soc_name_is_a_clear_value_error(bad):
+    with pytest.raises(ValueError, match="Ascend910B, Ascend910_93, Ascend950"):
+        fg.set_soc_version(bad)
+    with pytest.raises(ValueError):
+        with fg.soc_version(bad):
+            pass
+    assert fg.get_soc_version() == "Ascend910B"
+
+
+def test_profile_table_differences():
+    from fastgrad.soc import PROFILES
+
+    a2, a3, d = PROFILES["Ascend910B"], PROFILES["Ascend910_93"], PROFILES["Ascend950"]
+    assert a2.fused_linear_ops and a3.fused_linear_ops and not d.fused_linear_ops
+    assert (a2.smooth_l1_kernel, d.smooth_l1_kernel) == ("tbe", "dag")
+    assert (a2.softmax_grad_max_s2, a3.softmax_grad_max_s2, d.softmax_grad_max_s2) == (4096, 4096, 8192)
+    assert a2.ce_grad_target_dtypes == ("int64",) and "int32" in d.ce_grad_target_dtypes
+    assert a2.ce_grad_ignore_any_sign and not d.ce_grad_ignore_any_sign

@@ -1,4 +1,4 @@
-"""Tests of fg.embedding_dense_backward (seed 004, aclnnEmbeddingDenseBackward)."""
+"""Tests of fg.embedding_dense_backward (aclnnEmbeddingDenseBackward)."""
 
 import numpy as np
 import pytest
@@ -30,7 +30,7 @@ def _emulate(grad, idx, nw, padding_idx, scale, dtype):
     if scale:
         c = np.bincount(i, minlength=nw).astype(np.float32)
         seen = c > 0
-        acc[seen] = acc[seen] / c[seen][:, None]
+        acc[seen] = acc[seen] * (np.float32(1.0) / c[seen])[:, None]  # reciScale = 1.0f / count
     if 0 <= padding_idx < nw:
         acc[padding_idx] = 0
     return acc.astype(dtype)
@@ -322,7 +322,8 @@ def test_bad_attributes():
 def test_bad_out():
     _call_err(161002, G, I, 5, out_shape=(4, 3))
     _call_err(161002, G, I, 5, out_shape=(5, 3, 1))
-    _call_err(161002, G, I, 5, out_dtype=BF16)  # out must have grad's dtype
+    _call_err(161002, G, I, 5, out_dtype=np.float64)  # out: a float dtype of the device
+    _call_err(161002, G, I, 5, out_dtype=np.int32)
     ro = np.zeros((5, 3), np.float32)
     ro.flags.writeable = False
     with pytest.raises(fg.AclnnError) as ei:
@@ -363,3 +364,49 @@ def test_property_random(n, d, nw, dtype, pad, scale, seed):
     grad = r.standard_normal((n, d)).astype(dtype)
     out = fg.embedding_dense_backward(grad, idx, nw, pad, scale)
     np.testing.assert_array_equal(out.view(np.uint8), _emulate(grad, idx, nw, pad, scale, dtype).view(np.uint8))
+
+
+# ---------------------------------------------------------------------------------------
+# issue 25 point 5: the fp32 reciprocal and the cast to out's dtype
+# ---------------------------------------------------------------------------------------
+
+def test_scale_multiplies_by_the_fp32_reciprocal_not_divides(rng):
+    # embedding_dense_grad_v2_scale.h:100-104: reciScale = 1.0f / count; Muls(grad, reciScale)
+    n, d, nw = 600, 64, 7
+    g = rng.standard_normal((n, d)).astype(np.float32)
+    idx = rng.integers(0, nw, n)
+    out = fg.embedding_dense_backward(g, idx, nw, scale_grad_by_freq=True)
+    acc = np.zeros((nw, d), np.float32)
+    np.add.at(acc, idx, g)
+    cnt = np.bincount(idx, minlength=nw).astype(np.float32)
+    mul = acc * (np.float32(1.0) / cnt)[:, None]
+    div = acc / cnt[:, None]
+    np.testing.assert_array_equal(out, mul)
+    assert (mul != div).mean() > 0.05  # the two differ in a good share of the sums: the test can fail
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_out_of_another_float_dtype_gets_the_casted_fp32_result(rng, scale):
+    # aclnn_embedding_dense_backward.cpp:332-341 widens a 16-bit grad on A2/A3 (IsNeedCast),
+    # :407 casts the fp32 result to out's dtype: a bf16 grad with an fp32 out -> unrounded sums
+    n, d, nw = 300, 16, 9
+    g = rng.standard_normal((n, d)).astype(BF16)
+    idx = rng.integers(0, nw, n)
+    acc = np.zeros((nw, d), np.float32)
+    np.add.at(acc, idx, g.astype(np.float32))
+    if scale:
+        acc *= (np.float32(1.0) / np.maximum(np.bincount(idx, minlength=nw), 1).astype(np.float32))[:, None]
+    for backend in ("cpu", "reference"):
+        with fg.use_backend(backend):
+            o32 = fg.embedding_dense_backward(g, idx, nw, scale_grad_by_freq=scale, out=np.empty((nw, d), np.float32))
+            o16 = fg.embedding_dense_backward(g, idx, nw, scale_grad_by_freq=scale, out=np.empty((nw, d), F16))
+        if backend == "cpu":
+            np.testing.assert_array_equal(o32, acc)
+            np.testing.assert_array_equal(o16, acc.astype(F16))  # one rounding, fp32 -> fp16
+        else:
+            np.testing.assert_allclose(o32, acc, rtol=1e-6, atol=1e-6)
+    assert (o32 != o32.astype(BF16).astype(np.float32)).any()  # truly unrounded
+    # Ascend 950 never widens (!is950): the result is in grad's dtype, then cast
+    with fg.soc_version("Ascend950"):
+        o950 = fg.embedding_dense_backward(g, idx, nw, scale_grad_by_freq=scale, out=np.empty((nw, d), np.float32))
+    np.testing.assert_array_equal(o950, acc.astype(BF16).astype(np.float32))

@@ -1,17 +1,23 @@
-"""The fp32 AVX-512 kernel (fastgrad/kernels/_bf16dot.py, kind "f32") that runs the GEMMs of the
+"""The fp32 kernel (fastgrad/kernels/_bf16dot.py, kind "f32") that runs the GEMMs of the
 NumPy-level fused linear ops on fp16 operands, against float64 oracles and the BLAS path.
 
-The kernel needs AVX-512F; elsewhere only the availability logic runs (the ops then keep BLAS).
+Every test runs once per native ISA this machine has (``common.native_isas``: the AVX-512F
+variant and the AVX2 + FMA one); the kernel needs AVX2 + FMA at least.
 """
 
 import numpy as np
 import pytest
+from common import native_isa  # noqa: F401  (the fixture)
 
 import fastgrad as fg
 from fastgrad.kernels import _bf16dot as B
+from fastgrad.kernels import _native
 
 F16 = np.float16
-needs_kernel = pytest.mark.skipif(not B.available("f32"), reason="the CPU has no AVX-512F")
+needs_kernel = pytest.mark.skipif(not B.available("f32"), reason="the CPU has neither AVX2 + FMA nor AVX-512F")
+
+#: every test of this module once per native ISA of this machine (the fixture's params)
+pytestmark = pytest.mark.usefixtures("native_isa")
 
 
 def _b(Bm: np.ndarray) -> np.ndarray:
@@ -109,9 +115,11 @@ def test_special_values_and_fp16_subnormals():
     assert got[2, 2] == 2.0**-47
 
 
-def test_unavailable_without_avx512f(monkeypatch):
-    monkeypatch.setattr(B, "_host_flags", lambda: {"avx2", "fma"})
-    assert B._build("f32") is None
+def test_unavailable_without_avx2_and_fma():
+    flags = frozenset({"avx2", "fma"})
+    assert _native.compiled(_native.SPECS["avx512_f32"], flags=flags) is None
+    assert _native.runnable(_native.SPECS["avx2_f32"], flags)
+    assert not any(_native.runnable(_native.SPECS[n], frozenset({"sse4_2", "avx"})) for n in _native.PREFERENCE["f32"])
 
 
 def _problem(rng, BT, H, V):

@@ -334,7 +334,7 @@ def test_seed_sample_high_performance_bf16_zeros():
     assert not np.any(gi.view(np.uint16)) and not np.any(gw.view(np.uint16))
 
 
-# ---------------------------------------------------------------- errors (seed 000's table)
+# ---------------------------------------------------------------- errors (aclnnFusedLinearCrossEntropyLossGrad.md's table)
 
 def _good(rng, dtype=BF16):
     BT, H, V = 10, 4, 130
@@ -444,3 +444,89 @@ def test_fp32_grad_input_out_is_the_unrounded_accumulator(rng):
         fg.fused_linear_cross_entropy_loss_grad(grad, x, w, masked, t, logits_max=m, sum_exp_logits=s,
                                                 out=(oi, ow))
     assert e.value.status == 161002
+
+
+# ---------------------------------------------------------------- issue 25 point 7: as the device takes them
+
+def _hp_case(rng, BT=6, H=4, V=130, dtype=BF16):
+    x, w, t, masked, grad = make_problem(rng, BT, H, V, dtype)
+    m, s = stats64(x, w)
+    L = x.astype(np.float64) @ w.astype(np.float64).T
+    sm = (np.exp(L - m[:, None]) / s[:, None]).astype(np.float32)
+    return dict(grad=grad, input=x, weight=w, target_mask=pack(masked), masked_target=t, softmax=sm)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_softmax_given_ignores_logits_max_and_sum_exp_logits(rng, strict):
+    # op_api :101-106, :152-157, :204-209 check them only when softmax is None
+    kw = _hp_case(rng)
+    with fg.strict(strict):
+        ref = fg.fused_linear_cross_entropy_loss_grad(**kw)
+        for lm, se in ((np.float32(0.0), np.float32(0.0)), (np.zeros((), np.float32), np.zeros(3, np.int8)),
+                       (np.zeros((2, 2), np.float64), None), (None, np.ones(99, np.float16))):
+            gi, gw = fg.fused_linear_cross_entropy_loss_grad(**kw, logits_max=lm, sum_exp_logits=se)
+            np.testing.assert_array_equal(gi.view(np.uint16), ref[0].view(np.uint16))
+            np.testing.assert_array_equal(gw.view(np.uint16), ref[1].view(np.uint16))
+
+
+def _tiling_case(BT, H, V, hp):
+    z = lambda *s: np.zeros(s, BF16)  # noqa: E731
+    kw = dict(grad=np.zeros(BT, np.float32), input=z(BT, H), weight=z(V, H), target_mask=np.zeros(BT, bool),
+              masked_target=np.zeros(BT, np.int32))
+    if hp:
+        kw["softmax"] = np.zeros((BT, V), np.float32)
+    else:
+        kw.update(logits_max=np.zeros(BT, np.float32), sum_exp_logits=np.ones(BT, np.float32))
+    return kw
+
+
+@pytest.mark.parametrize("BT,H,V,hp,param", [
+    (1, 65536, 1, False, "input"),          # H > 65535, memory-saving (tiling :527-530)
+    (1, 65536, 128, True, "input"),         # H > 65535, high-performance (:237-240)
+    (65601, 1, 128, True, "grad"),          # ceil16(BT) - (BT % 64) = 65615 > 65535 (:220-223)
+    (65537, 1, 128, True, "grad"),          # 65552 - 1 = 65551
+    (65600, 1, 128, True, "grad"),          # 65600 - 64 = 65536
+    (1, 1, 65281, True, "weight"),          # V > 65280 (:231-235)
+    (1, 1, 24561, True, "weight"),          # a softmax row over half the 192 KiB UB (:181-182, :242-246)
+])
+def test_strict_rejects_what_the_tiling_rejects_with_inner_nullptr(BT, H, V, hp, param):
+    kw = _tiling_case(BT, H, V, hp)
+    with fg.strict(), pytest.raises(fg.AclnnError) as e:
+        fg.fused_linear_cross_entropy_loss_grad(**kw)
+    assert e.value.status == 561103 and param in str(e.value)
+
+
+@pytest.mark.parametrize("BT,H,V,hp", [(1, 65535, 1, False), (65536, 1, 128, True), (1, 1, 24560, True)])
+def test_strict_accepts_the_tiling_bounds(BT, H, V, hp):
+    with fg.strict():
+        gi, gw = fg.fused_linear_cross_entropy_loss_grad(**_tiling_case(BT, H, V, hp))
+    assert gi.shape == (BT, H) and gw.shape == (V, H)
+
+
+def test_ascend950_strict_refuses_with_the_op_apis_runtime_error(rng):
+    kw = _good(rng)
+    with fg.soc_version("Ascend950"):
+        fg.fused_linear_cross_entropy_loss_grad(**kw)  # outside strict mode: computed
+        with fg.strict():
+            with pytest.raises(fg.AclnnError) as e:     # aclnn_..._loss_grad.cpp:215-223, 317
+                fg.fused_linear_cross_entropy_loss_grad(**kw)
+            assert e.value.status == 361001 and "Ascend950" in str(e.value)
+            # the empty-tensor return comes first (:289-294)
+            fg.fused_linear_cross_entropy_loss_grad(**dict(kw, input=kw["input"][:, :0], weight=kw["weight"][:, :0]))
+
+
+def test_high_performance_over_several_row_tiles_matches_memory_saving(rng):
+    # the high-performance epilogue ran over softmax.shape[0] rows of each row tile (out of
+    # bounds past the first tile: a crash at BT = 20000); it runs over the tile's rows
+    BT, H, V = 0, 3, 130
+    bt_tile = tiling.plan_linear_cross_entropy(4096, V, H, mode="high_performance", widen=True).bt_tile
+    BT = 2 * bt_tile + 5
+    kw = _hp_case(rng, BT=BT, H=H, V=V)
+    assert tiling.plan_linear_cross_entropy(BT, V, H, mode="high_performance", widen=True).n_tiles > 1
+    hp = fg.fused_linear_cross_entropy_loss_grad(**kw)
+    x, w = kw["input"], kw["weight"]
+    m, s = stats64(x, w)
+    ms = fg.fused_linear_cross_entropy_loss_grad(**{k: v for k, v in kw.items() if k != "softmax"},
+                                                 logits_max=m, sum_exp_logits=s)
+    assert_close_dtype(hp[0], ms[0].astype(np.float64), BF16, what="grad_input")
+    assert_close_dtype(hp[1], ms[1].astype(np.float64), BF16, what="grad_weight")

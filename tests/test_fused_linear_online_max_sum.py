@@ -168,3 +168,117 @@ def test_empty_shard_outside_strict_mode_and_rejected_inside():
     with fg.strict(), pytest.raises(fg.AclnnError) as e:
         fg.fused_linear_online_max_sum(x, w, t, 5, 5)
     assert e.value.status == 161002 and "weight" in str(e.value)
+
+
+# --- the shard range as the device takes it (issue 25: the end - start == V check undone) -----
+
+
+def _kernel_oracle(x, w, t, start, end):
+    """Independent oracle of the kernel (fused_linear_online_max_sum.h:846-878, 948-953,
+    1061-1076): the picked logit is summed over the vocabulary tiles that hold its column (0 when
+    none does, masked_target >= V), and every unmasked row then subtracts the row max."""
+    L = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(x.dtype).astype(np.float64)
+    m = L.max(axis=1)
+    masked = (t < start) | (t >= end)
+    local = np.where(masked, 0, t - start)
+    picked = np.array([L[i, local[i]] if local[i] < L.shape[1] else 0.0 for i in range(len(t))])
+    return m, np.where(masked, 0.0, picked - m), masked, local
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_official_example_runs_v5_with_range_0_2(strict):
+    # examples/test_aclnn_fused_linear_online_max_sum.cpp:84-125: ones [3,4] fp16, weight ones
+    # [5,4], targets 1 (int32), vocab [0, 2)
+    x = np.ones((3, 4), np.float16)
+    w = np.ones((5, 4), np.float16)
+    t = np.ones(3, np.int32)
+    with fg.strict(strict):
+        r = fg.fused_linear_online_max_sum(x, w, t, 0, 2, return_logits=True)
+    np.testing.assert_array_equal(r.logits_max_local, np.full(3, 4.0, np.float32))
+    np.testing.assert_array_equal(r.sum_exp_logits_local, np.full(3, 5.0, np.float32))
+    np.testing.assert_array_equal(r.predicted_logits_local, np.zeros(3, np.float32))
+    np.testing.assert_array_equal(r.target_mask, np.zeros(1, np.uint8))
+    np.testing.assert_array_equal(r.masked_target, t)
+    assert r.masked_target.dtype == np.int32
+    np.testing.assert_array_equal(r.vocab_parallel_logits, np.full((3, 5), 4.0, np.float16))
+
+
+@pytest.mark.parametrize("bt", [128, 256])
+def test_doc_example_range_0_64_of_256_rows(bt):
+    # the aclnn doc's example (docs/aclnnFusedLinearOnlineMaxSum.md: m 128, k 64, n 256, ones
+    # fp16, targets 1, vocab [0, 64)) and torch_npu's 256-row variant
+    x = np.ones((bt, 64), np.float16)
+    w = np.ones((256, 64), np.float16)
+    t = np.ones(bt, np.int32)
+    r = fg.fused_linear_online_max_sum(x, w, t, 0, 64)
+    np.testing.assert_array_equal(r.logits_max_local, np.full(bt, 64.0, np.float32))
+    np.testing.assert_array_equal(r.sum_exp_logits_local, np.full(bt, 256.0, np.float32))
+    np.testing.assert_array_equal(r.predicted_logits_local, np.zeros(bt, np.float32))
+    np.testing.assert_array_equal(r.target_mask, np.zeros(bt // 8, np.uint8))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+def test_target_in_range_beyond_the_shard_rows_gives_minus_max(rng, backend, dtype):
+    # end - start > V: targets in [start + V, end) are unmasked, keep masked_target = t - start
+    # and get predicted = 0 - max (no tile holds the column)
+    BT, H, V, start, end = 40, 9, 7, 3, 25
+    x = rng.standard_normal((BT, H)).astype(dtype)
+    w = rng.standard_normal((V, H)).astype(dtype)
+    t = rng.integers(0, 30, BT).astype(np.int64)
+    t[:4] = [start + V, end - 1, start + V - 1, end]  # beyond V (x2), the last row, masked
+    with fg.use_backend(backend):
+        r = fg.fused_linear_online_max_sum(x, w, t, start, end)
+    m, pred, masked, local = _kernel_oracle(x, w, t, start, end)
+    np.testing.assert_array_equal(r.logits_max_local, m.astype(np.float32))
+    np.testing.assert_allclose(r.predicted_logits_local, pred, rtol=0, atol=1e-6 * np.abs(m).max())
+    beyond = ~masked & (local >= V)
+    assert beyond[:2].all() and not beyond[2] and masked[3]
+    np.testing.assert_array_equal(r.predicted_logits_local[beyond], -r.logits_max_local[beyond])
+    np.testing.assert_array_equal(r.masked_target, local)
+    np.testing.assert_array_equal(np.unpackbits(r.target_mask, bitorder="little")[:BT], masked)
+
+
+def test_end_equal_start_masks_every_row(rng):
+    x = rng.standard_normal((10, 5)).astype(BF16)
+    w = rng.standard_normal((6, 5)).astype(BF16)
+    t = rng.integers(0, 20, 10).astype(np.int32)
+    with fg.strict():
+        r = fg.fused_linear_online_max_sum(x, w, t, 4, 4)
+    assert np.all(np.unpackbits(r.target_mask, bitorder="little")[:10] == 1)
+    np.testing.assert_array_equal(r.predicted_logits_local, np.zeros(10, np.float32))
+    np.testing.assert_array_equal(r.masked_target, np.zeros(10, np.int32))
+
+
+def test_ascend950_has_no_kernel_strict_refuses_with_inner_nullptr():
+    x = np.ones((3, 4), np.float16)
+    w = np.ones((5, 4), np.float16)
+    t = np.ones(3, np.int32)
+    with fg.soc_version("Ascend950"):
+        r = fg.fused_linear_online_max_sum(x, w, t, 0, 2)  # outside strict: the A2/A3 result
+        np.testing.assert_array_equal(r.sum_exp_logits_local, np.full(3, 5.0, np.float32))
+        with fg.strict(), pytest.raises(fg.AclnnError) as e:
+            fg.fused_linear_online_max_sum(x, w, t, 0, 2)
+        assert e.value.status == 561103 and "Ascend950" in str(e.value)
+        with fg.strict():  # an empty input returns before the l0 op (op_api :258-263)
+            fg.fused_linear_online_max_sum(x[:0], w, t[:0], 0, 2)
+    for soc in ("Ascend910B", "Ascend910B3", "Ascend910_93", "Ascend910_9391"):
+        with fg.soc_version(soc), fg.strict():
+            fg.fused_linear_online_max_sum(x, w, t, 0, 2)
+
+
+def test_loss_vocab_rows_must_match_bt_per_profile():
+    # the op_api does not check vocab_parallel_logits.shape[0] (aclnn_..._with_max_sum.cpp:72-90);
+    # A2/A3 tiling splits by it (loss rows unwritten / statistics read past their end):
+    # refused, 161002; the arch35 tiling refuses it (tiling_arch35.cpp:123-132): 561103 in strict
+    args = dict(logits_max=np.zeros(5, np.float32), sum_exp_logits=np.ones(5, np.float32),
+                predicted_logits=np.zeros(5, np.float32))
+    for rows in (4, 6):
+        lg = np.zeros((rows, 3), np.float32)
+        for soc, strict, status in (("Ascend910B", False, 161002), ("Ascend910B", True, 161002),
+                                    ("Ascend950", False, 161002), ("Ascend950", True, 561103)):
+            with fg.soc_version(soc), fg.strict(strict), pytest.raises(fg.AclnnError) as e:
+                fg.fused_cross_entropy_loss_with_max_sum(**args, vocab_parallel_logits=lg)
+            assert e.value.status == status and "vocab_parallel_logits" in str(e.value)
+    loss, sm = fg.fused_cross_entropy_loss_with_max_sum(**args, vocab_parallel_logits=np.zeros((5, 3), np.float32))
+    assert sm.shape == (5, 3)

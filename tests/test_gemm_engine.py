@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from common import lm_head_problem  # noqa: E402
+from common import lm_head_problem, native_isas  # noqa: E402
 
 import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
@@ -156,3 +156,87 @@ def test_a_torch_without_the_mode_is_not_used(monkeypatch):
     with fg.gemm("onednn"):
         r = fg.linear_cross_entropy(x, w, t, return_grad=True)
     assert np.isfinite(r.loss)
+
+
+# ----------------------------------------------------------------------------------------------
+# the engine interface (fastgrad/kernels/_engine.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _engine_run(name, X, W, G_blocks, vc, rows):
+    """The three products over chunks of ``vc`` and row blocks ``rows`` on engine ``name``:
+    (logits per tile, grad_weight per chunk, grad_input), accumulated as the LM-head loop does."""
+    from fastgrad.kernels import _engine, _gemm
+
+    BT, H = X.shape
+    V = W.shape[0]
+    with _gemm.single_threaded_blas():
+        e = _engine.make(name, X, W, vc)
+        logits, gw = [], np.empty((V, H), np.float32)
+        gi = np.zeros((BT, H), np.float32)
+        for v0 in range(0, V, vc):
+            v1 = min(V, v0 + vc)
+            e.pack(v0, v1)
+            for k, (b0, b1) in enumerate(rows):
+                L = np.full((b1 - b0, v1 - v0), np.nan, np.float32)
+                e.logits(b0, b1, L)
+                logits.append(L)
+                G = np.ascontiguousarray(G_blocks[b0:b1, v0:v1])
+                e.grad_weight(G, b0, b1, gw[v0:v1], acc=k > 0)
+                e.grad_input(G, gi[b0:b1], acc=True)  # may consume G: last
+    return logits, gw, gi
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_engine_interface_matches_float64_and_is_isa_independent(dtype):
+    """Each engine that runs the dtype here, against float64 (products summed in fp32: the fp32
+    GEMM's bound); the native engine once per native ISA of this machine, the same bits."""
+    import ml_dtypes
+
+    from fastgrad.kernels import _engine
+
+    dt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
+    rng = np.random.default_rng(5)
+    BT, H, V, vc = 70, 33, 301, 128
+    X = rng.standard_normal((BT, H)).astype(dt)
+    W = (rng.standard_normal((V, H)) * 0.3).astype(dt)
+    G = (rng.standard_normal((BT, V)) * 0.01).astype(dt).astype(np.float32)  # values of the dtype
+    rows = [(0, 36), (36, BT)]  # even block starts (bf16 pairs of rows)
+    x, w, g = X.astype(np.float64), W.astype(np.float64), G.astype(np.float64)
+    ref = (x @ w.T, g.T @ x, g @ w)
+    den = (np.abs(x) @ np.abs(w).T, np.abs(g).T @ np.abs(x), np.abs(g) @ np.abs(w))
+    names = [n for n in _engine.engines(dt) if n != "onednn" or _onednn.usable()]
+    assert names[0] == ("native" if dtype != "float32" else "blas")  # an x86-64 with AVX2 + FMA
+    assert _engine.choose(dt) == names[0] and _engine.choose(dt, "blas") == "blas"
+    runs = [(n, None) for n in names if n != "native"] + [("native", i) for i in native_isas() if "native" in names]
+    native_bits = []
+    for name, isa in runs:
+        if isa is not None:
+            _config.set_native_isa(isa)
+        try:
+            logits, gw, gi = _engine_run(name, X, W, G, vc, rows)
+        finally:
+            _config.set_native_isa(None)
+        full = np.vstack([np.hstack(logits[i :: len(rows)]) for i in range(len(rows))])
+        for got, r, d, k in zip((full, gw, gi), ref, den, (H, BT, V)):
+            assert np.all(np.abs(got - r) <= (k + 1) * 2.0**-24 * d + 1e-30), (name, isa)
+        if name == "native":
+            native_bits.append([a.view(np.uint32) for a in (full, gw, gi)])
+    for other in native_bits[1:]:  # the same bits on every ISA
+        assert all(np.array_equal(a, b) for a, b in zip(native_bits[0], other))
+
+
+def test_engine_choice_and_errors():
+    import ml_dtypes
+
+    from fastgrad.kernels import _engine
+
+    with pytest.raises(ValueError, match="setting"):
+        _engine.choose(np.float32, "mkl")
+    with pytest.raises(ValueError, match="native engine"):
+        _engine.NativeEngine(np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32), 4)
+    with pytest.raises(ValueError, match="share H"):
+        _engine.BlasEngine(np.zeros((2, 3), np.float32), np.zeros((4, 5), np.float32))
+    with pytest.raises(ValueError, match="dtype"):
+        _engine.BlasEngine(np.zeros((2, 3), np.float32), np.zeros((4, 3), ml_dtypes.bfloat16))
+    assert _engine.engines(np.float32) == ["blas", "onednn"]

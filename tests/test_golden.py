@@ -182,12 +182,12 @@ def test_golden_usage_errors(tmp_path, rng, capsys):
     assert cli_main(["golden", "smooth_l1_loss_backward", "--inputs", str(inp), "--out", out,
                      "--attr", "input=2"]) == 2                  # both file and attribute
     assert cli_main(["golden", "smooth_l1_loss_backward"]) == 2  # missing options
-    # the op rejects an input: its aclnn status is reported, exit 1, nothing written
+    # the op rejects an input: its aclnn status is reported, exit 2, nothing written
     rc = cli_main(["golden", "smooth_l1_loss_backward", "--inputs", str(inp), "--out", out,
                    "--attr", "beta=-1.0"])
     err = capsys.readouterr().err
     assert "NotImplementedError" not in err
-    assert rc == 1 and "161002" in err
+    assert rc == 2 and "161002" in err            # a rejected input is a usage error; 1 is a verdict
     assert not os.path.exists(os.path.join(out, "grad_input.npy"))
 
 

@@ -142,19 +142,20 @@ def test_the_default_rule_fuses_small_heads_and_recomputes_large_ones(monkeypatc
     monkeypatch.setattr(fn, "_lce_op", spy)
     x, w, b, cw, t = _data(16, 8, 300, seed=1)
 
-    def step(**kw):
+    def step(limit=None, **kw):
         calls.clear()
         hh, ww = torch.from_numpy(x).requires_grad_(), torch.from_numpy(w).requires_grad_()
+        if limit is not None:   # the held-gradient limit of the "auto" schedule (issue 28: the
+            # rule is a fraction of the available memory, no longer the workspace budget)
+            kw["options"] = ft.LinearCrossEntropyOptions(fused_memory_limit=limit, **kw.pop("opts", {}))
         ft.linear_cross_entropy(hh, ww, torch.from_numpy(t), **kw).backward()
         return calls == [False]  # one call, in the forward: fused
 
-    assert step()  # 300 x 8 fp32 fits the 256 MiB budget
-    tiling.set_workspace_budget(300 * 8 * 4 - 1)
-    try:
-        assert not step()  # no longer fits: forward, then the recompute
-        assert step(fused=True)
-        assert step(filter_eps="auto")
-        assert not step(accum_dtype=torch.float32)
-    finally:
-        tiling.set_workspace_budget(None)
+    held = 300 * 8 * 4 + 16 * 8 * 4   # fp32 grad_weight + grad_input
+    assert step()  # a quarter of the available memory holds them
+    assert step(limit=held)
+    assert not step(limit=held - 1)  # no longer fits: forward, then the recompute
+    assert step(limit=held - 1, opts={"schedule": "fused"})
+    assert step(limit=held - 1, opts={"filter_eps": "auto"})
+    assert not step(limit=held - 1, opts={"accum_dtype": torch.float32})
     assert not step(fused=False)

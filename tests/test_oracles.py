@@ -1,5 +1,5 @@
 """Every op, on the "cpu" and the "reference" backend, against the independent float64 oracles of
-tests/naive.py (written from SPEC.md, importing nothing from fastgrad), over float32 / float16 /
+tests/naive.py (written from docs/spec.md and the aclnn docs, importing nothing from fastgrad), over float32 / float16 /
 bfloat16 and awkward shapes (1, primes, tile non-multiples, empty).  Where PyTorch is installed,
 the oracles themselves (and fastgrad's fp32 results) are checked against PyTorch float64 autograd.
 
@@ -89,7 +89,10 @@ def test_smooth_l1_loss_backward(rng, backend, dtype, shapes, reduction, beta):
         x.reshape(-1)[0] = t.reshape(-1)[0] if t.size == x.size else x.reshape(-1)[0]  # d = 0
     got = _run(backend, fg.smooth_l1_loss_backward, g, x, t, reduction, beta)
     assert got.dtype == dtype and got.shape == np.broadcast_shapes(*shapes)
-    N.check_smooth_l1_loss_backward(got, g, x, t, reduction, beta)
+    N.check_smooth_l1_loss_backward(got, g, x, t, reduction, beta)  # A2/A3 (the default profile)
+    with fg.soc_version("Ascend950"):
+        got = _run(backend, fg.smooth_l1_loss_backward, g, x, t, reduction, beta)
+    N.check_smooth_l1_loss_backward(got, g, x, t, reduction, beta, tbe=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,10 +331,13 @@ def test_torch_smooth_l1(rng, reduction, beta):
                                               beta=beta)
     g = rng.uniform(0.5, 2, (4, 9)) if reduction == "none" else np.array(1.3)
     (gx,) = torch.autograd.grad(loss, xt, torch.tensor(g))
-    ref = N.smooth_l1_loss_backward(g, x, t, reduction, beta)
+    ref = N.smooth_l1_loss_backward(g, x, t, reduction, beta, tbe=False)  # the 950 DAG: PyTorch's d/β
     np.testing.assert_allclose(ref, gx.numpy(), rtol=1e-6, atol=0)   # the oracle's d is fp32
-    got = fg.smooth_l1_loss_backward(g.astype(np.float32), x, t, reduction, beta)
+    got = fg.smooth_l1_loss_backward(g.astype(np.float32), x, t, reduction, beta)  # A2/A3: the TBE kernel
     N.check_smooth_l1_loss_backward(got, g.astype(np.float32), x, t, reduction, beta)
+    with fg.soc_version("Ascend950"):
+        got = fg.smooth_l1_loss_backward(g.astype(np.float32), x, t, reduction, beta)
+    N.check_smooth_l1_loss_backward(got, g.astype(np.float32), x, t, reduction, beta, tbe=False)
 
 
 @pytest.mark.parametrize("padding_idx,scale", [(-1, False), (2, False), (-1, True), (4, True)])

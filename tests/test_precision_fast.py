@@ -6,9 +6,10 @@ the training issue sets: mean absolute error of each gradient at most 2× that o
 computing in fp32 on the bf16 parameters (rounded once at the end), and never above PyTorch's
 pure-bf16 autograd; over all-positive (``torch.rand``: the gradient's row sums cancel),
 normal, large-logit and offset inputs, several vocabulary chunks, several row blocks, odd ``H``,
-row counts that are no multiple of the rounding pass's row groups.  On a CPU without AVX-512
-BF16 (or with another GEMM setting) ``"fast"`` is ``"accurate"``, bitwise — tested everywhere
-through ``fastgrad.gemm("blas")``.
+row counts that are no multiple of the rounding pass's row groups.  The kernel runs on AVX2 + FMA
+or AVX-512 (its variants give the same bits): the kernel test runs once per native ISA of the
+machine (``common.native_isas``).  With another GEMM setting (or on a CPU without AVX2 + FMA)
+``"fast"`` is ``"accurate"``, bitwise — tested everywhere through ``fastgrad.gemm("blas")``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
-from common import bf16_grad_errors, bf16_lm_inputs, grads_in  # noqa: E402
+from common import bf16_grad_errors, bf16_lm_inputs, grads_in, native_isa  # noqa: E402, F401
 
 import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
@@ -119,25 +120,37 @@ def test_fast_features_near_accurate(feat):
     ref = run(
         torch.float64,
         lambda a, b, c: _oracle(
-            a, b, t, c, None if cw is None else cw.double(), kw["softcap"], kw["temperature"],
-            kw["label_smoothing"], kw["lse_square_scale"], red,
+            a,
+            b,
+            t,
+            c,
+            None if cw is None else cw.double(),
+            kw["softcap"],
+            kw["temperature"],
+            kw["label_smoothing"],
+            kw["lse_square_scale"],
+            red,
         ),
     )
-    res = {p: run(torch.bfloat16, lambda a, b, c, p=p: ft.linear_cross_entropy(a, b, t, bias=c, precision=p, **kw))
-           for p in ("accurate", "fast")}
+    res = {
+        p: run(torch.bfloat16, lambda a, b, c, p=p: ft.linear_cross_entropy(a, b, t, bias=c, precision=p, **kw))
+        for p in ("accurate", "fast")
+    }
     for i, r in enumerate(ref):
         err = {p: (g[i].double() - r).abs().mean().item() for p, g in res.items()}
         assert err["fast"] <= 2 * err["accurate"] + 1e-12 * r.abs().max().item(), (i, err)
 
 
 def _fast_and_accurate(h, w, t, **kw):
-    return {p: grads_in(h, w, lambda a, b, p=p: ft.linear_cross_entropy(a, b, t, precision=p, **kw), h.dtype)
-            for p in ("fast", "accurate")}
+    return {
+        p: grads_in(h, w, lambda a, b, p=p: ft.linear_cross_entropy(a, b, t, precision=p, **kw), h.dtype)
+        for p in ("fast", "accurate")
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fast_is_accurate_without_the_kernel(dtype):
-    """``gemm("blas")`` (or a CPU without AVX-512 BF16, or a non-bf16 dtype): bitwise accurate."""
+    """``gemm("blas")`` (or a CPU without AVX2 + FMA, or a non-bf16 dtype): bitwise accurate."""
     h, w, t = bf16_lm_inputs(75, 40, 2300, "randn", seed=1)
     h, w = h.to(dtype), w.to(dtype)
     with fg.gemm("blas"):
@@ -154,7 +167,8 @@ def test_fast_is_accurate_without_the_kernel(dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not bf16_kernel_available(), reason="needs AVX-512 BF16 (the kernel 'fast' runs on)")
+@pytest.mark.skipif(not bf16_kernel_available(), reason="needs AVX2 + FMA (the kernel 'fast' runs on)")
+@pytest.mark.usefixtures("native_isa")  # once per native ISA of this machine
 def test_fast_takes_the_kernel_and_is_bitwise_across_threads():
     h, w, t = bf16_lm_inputs(101, 72, 4500, "rand", seed=2)
     with fg.num_threads(1):

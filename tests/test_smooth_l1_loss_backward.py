@@ -1,4 +1,4 @@
-"""Tests of fg.smooth_l1_loss_backward (seed 003, aclnnSmoothL1LossBackward)."""
+"""Tests of fg.smooth_l1_loss_backward (aclnnSmoothL1LossBackward)."""
 
 import numpy as np
 import pytest
@@ -7,6 +7,17 @@ from common import BF16, DTYPES, F16, F32, torch_dt
 import fastgrad as fg
 
 RED_ID = {"none": 0, "mean": 1, "sum": 2}
+
+
+@pytest.fixture(autouse=True)
+def _arch35_dag_profile(request):
+    """Most tests here pin the Ascend 950 (arch35) DAG bit for bit; the A2/A3 TBE kernel (the
+    default profile) has its own tests (``test_tbe_*``, ``test_beta_inf_*``) at the end of the file."""
+    if request.node.name.startswith(("test_tbe", "test_beta_inf")):
+        yield
+        return
+    with fg.soc_version("Ascend950"):
+        yield
 
 
 def _inputs(rng, shape, dtype, beta=1.0, grad_shape=None):
@@ -341,7 +352,7 @@ def test_bad_reduction(reduction):
     _call_err(161002, OK, OK, OK, reduction=reduction)
 
 
-@pytest.mark.parametrize("beta", [-1.0, -1e-30, float("nan"), "1", None])
+@pytest.mark.parametrize("beta", [-1.0, -1e-30, float("nan"), float("-inf"), "1", None])
 def test_bad_beta(beta):
     _call_err(161002, OK, OK, OK, beta=beta)
 
@@ -412,3 +423,85 @@ def test_property_broadcast_strides(case):
     expect = _emulate(*arrs, red, beta, dtype)
     assert out.shape == expect.shape and out.dtype == expect.dtype
     np.testing.assert_array_equal(out.reshape(-1).view(np.uint8), expect.reshape(-1).view(np.uint8))
+
+
+# ----------------------------------------------------------------------------------------
+# The A2/A3 TBE kernel (the default profile) and beta = +inf (issue 25)
+# ----------------------------------------------------------------------------------------
+
+def _tbe_emulate(g, x, t, reduction, beta, dtype):
+    """The 910B TBE kernel in NumPy float32 (impl/dynamic/smooth_l1_loss_grad_v2.py):
+    temp = d / (beta + 1e-6); NaN d read as 0 by the compares;
+    -[d <= -beta] + [d >= beta] + [|d| < beta]·temp; times grad_out; mean: times fp32(1/n)."""
+    shape = np.broadcast_shapes(g.shape, x.shape, t.shape)
+    g, x, t = (np.broadcast_to(a.astype(np.float32), shape) for a in (g, x, t))
+    b = np.float32(beta)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        d = x - t
+        temp = d / (b + np.float32(1e-6))
+        z = np.where(np.isnan(d), np.float32(0), d)
+        s = ((-(z <= -b).astype(np.float32) + (z >= b).astype(np.float32))
+             + np.where(np.abs(z) < b, temp, np.float32(0))).astype(np.float32)
+        r = (s * g).astype(np.float32)
+    if reduction == "mean" and r.size:
+        r = r * np.float32(1.0 / r.size)
+    return np.array(np.asarray(r).astype(dtype), order="C")
+
+
+@pytest.mark.parametrize("soc", [None, "Ascend910B", "Ascend910B4", "Ascend910_93"])
+@pytest.mark.parametrize("grad_shape", [None, ()], ids=["tensor", "scalar"])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_tbe_kernel_bitwise(rng, soc, grad_shape, reduction, dtype, backend):
+    beta = 1.7
+    g, x, t = _inputs(rng, (5, 37), dtype, beta=beta, grad_shape=grad_shape)
+    ctx = fg.soc_version(soc) if soc else fg.soc_version(fg.get_soc_version())
+    with ctx, fg.use_backend(backend):
+        out = fg.smooth_l1_loss_backward(g, x, t, reduction, beta)
+    ref = _tbe_emulate(g, x, t, reduction, beta, dtype)
+    if backend == "cpu":  # the kernel: bit for bit
+        np.testing.assert_array_equal(out.view(np.uint8), ref.view(np.uint8))
+    else:  # the float64 golden: one rounding
+        assert_close(out, ref.astype(np.float64), dtype)
+
+
+def test_tbe_against_dag_at_the_boundary_and_in_the_quadratic_zone():
+    # |d| == beta: TBE exactly ±1 (>=), the 950 tensor DAG d·fp32(1/beta) = 1 - 2**-24 for 1.7;
+    # inside the zone TBE divides by beta + 1e-6
+    beta = np.float32(1.7)
+    x = np.array([1.7, -1.7, 0.5, 0.0, np.nan, 3.0], np.float32)
+    t = np.zeros(6, np.float32)
+    g = np.ones(6, np.float32)
+    tbe = fg.smooth_l1_loss_backward(g, x, t, "none", float(beta))
+    assert tbe[0] == 1.0 and tbe[1] == -1.0
+    assert tbe[2] == np.float32(np.float32(0.5) / (beta + np.float32(1e-6)))
+    assert tbe[3] == 0 and np.isnan(tbe[4]) and tbe[5] == 1.0
+    with fg.soc_version("Ascend950"):
+        dag = fg.smooth_l1_loss_backward(g, x, t, "none", float(beta))
+    assert dag[0] == np.float32(1.7) * (np.float32(1) / beta) and dag[0] != 1.0
+    assert dag[2] == np.float32(0.5) * (np.float32(1) / beta) and dag[2] != tbe[2]
+    # beta = 0: a NaN d gives 0 on the TBE kernel, NaN on the DAG
+    t0 = fg.smooth_l1_loss_backward(g, x, t, "none", 0.0)
+    assert t0[4] == 0 and t0[3] == 0 and t0[0] == 1.0
+    with fg.soc_version("Ascend950"):
+        assert np.isnan(fg.smooth_l1_loss_backward(g, x, t, "none", 0.0)[4])
+
+
+@pytest.mark.parametrize("soc", ["Ascend910B", "Ascend950"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_beta_inf_gives_zero_gradient(soc, dtype):
+    # op_api checks beta >= 0 only: +inf is accepted (strict mode too), gradient 0 for finite d
+    x = np.array([6e4, -3.0, 0.0, 1e3], np.float32).astype(dtype)
+    t = np.zeros(4, dtype)
+    g = np.ones(4, dtype)
+    with fg.soc_version(soc), fg.strict():
+        out = fg.smooth_l1_loss_backward(g, x, t, "sum", float("inf"))
+    assert out.dtype == dtype and np.all(out.astype(np.float32) == 0)
+    with fg.soc_version(soc):
+        inf_d = fg.smooth_l1_loss_backward(np.ones(2, np.float32), np.array([np.inf, -np.inf], np.float32),
+                                           np.zeros(2, np.float32), "none", float("inf"))
+    if soc == "Ascend910B":   # TBE: [d >= inf] - [d <= -inf] + 0
+        np.testing.assert_array_equal(inf_d, [1.0, -1.0])
+    else:                     # the tensor DAG: |d| > inf never, d·(1/inf) = inf·0 = NaN
+        assert np.all(np.isnan(inf_d))

@@ -196,6 +196,12 @@ def test_gradcheck_float64(reduction, ls, ignore_every, lead):
         return ft.linear_cross_entropy(a, b, t, reduction=reduction, label_smoothing=ls)
 
     assert torch.autograd.gradcheck(fn, (h, w), eps=1e-6, atol=1e-8, rtol=1e-6)
+    # float64 on the device path: the aclnn decomposition in chunked float64 torch matmuls
+    def dev(a, b):
+        return ft.linear_cross_entropy(a, b, t, reduction=reduction, label_smoothing=ls, precision="device")
+
+    assert torch.autograd.gradcheck(dev, (h, w), eps=1e-6, atol=1e-8, rtol=1e-6)
+    assert dev(h, w).dtype == torch.float64
 
 
 def test_float64_path_matches_autograd_with_large_vocab():
@@ -259,12 +265,32 @@ def test_partial_requires_grad_and_no_grad():
     assert not l0.requires_grad and torch.equal(l0, ft.linear_cross_entropy(hh, ww, t).detach())
 
 
-def test_double_backward_is_refused():
+@pytest.mark.parametrize("kw", [{}, {"fused": True}, {"fused": False}, {"reduction": "none"},
+                                {"precision": "device"}])
+def test_double_backward_is_refused(kw):
+    """create_graph=True is refused at the first backward (AclnnError 361001, a RuntimeError) on
+    every path: before, the fused path returned a gradient without a graph and a Hessian of
+    zeros (PyTorch's: max 0.41) and a gradient penalty off by its second-order term."""
     h, w, t = _inputs(4, 3, 5, torch.float64)
     h.requires_grad_()
-    (g,) = torch.autograd.grad(ft.linear_cross_entropy(h, w, t), h, create_graph=True)
-    with pytest.raises(RuntimeError):
-        g.sum().backward()
+    loss = ft.linear_cross_entropy(h, w, t, **kw)
+    loss = loss.sum() if loss.dim() else loss
+    with pytest.raises(fg.AclnnError, match="create_graph") as e:
+        torch.autograd.grad(loss, h, create_graph=True)
+    assert e.value.status == 361001 and isinstance(e.value, RuntimeError)
+    # the hessian of the loss w.r.t. the hidden states, and a gradient penalty: refused, not zeros
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.functional.hessian(lambda x: ft.linear_cross_entropy(x, w, t), h.detach())
+    ww = w.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="create_graph"):
+        (g,) = torch.autograd.grad(ft.linear_cross_entropy(h, ww, t), h, create_graph=True)
+        (g.pow(2).sum()).backward()
+    # a plain backward still works, also with retain_graph (twice the same gradient)
+    loss = ft.linear_cross_entropy(h, w, t, **kw)
+    loss = loss.sum() if loss.dim() else loss
+    (g1,) = torch.autograd.grad(loss, h, retain_graph=True)
+    (g2,) = torch.autograd.grad(loss, h)
+    assert torch.equal(g1, g2) and g1.abs().max() > 0
 
 
 # ---------------------------------------------------------------------------------------------

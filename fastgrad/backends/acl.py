@@ -4,7 +4,7 @@ Status: **verified against the ABI, not yet on hardware** — the tests run this
 a fake CANN runtime (``tests/acl_fake/fake_acl.c``) that exports the same C symbols and
 signatures and records every call (see ``docs/acl_backend.md``).
 
-Each op follows the seed samples' sequence exactly::
+Each op follows the sequence of the aclnn docs' sample programs exactly::
 
     aclrtMalloc(HUGE_FIRST) + aclrtMemcpy(H2D) + aclCreateTensor   for every input and output
     aclnnXxxGetWorkspaceSize(..., &workspaceSize, &executor)
@@ -494,8 +494,11 @@ def cross_entropy_loss_grad(
     lse_for_zloss=None,
     lse_square_scale_for_zloss=0.0,
     out,
+    ignore_any_sign=True,
 ):
-    """aclnnCrossEntropyLossGrad (reduction passed as the C string "none"/"mean"/"sum")."""
+    """aclnnCrossEntropyLossGrad (reduction passed as the C string "none"/"mean"/"sum").
+
+    ``ignore_any_sign`` (the CPU kernels' SoC rule) is not passed: the device applies its own."""
     red = reduction if isinstance(reduction, str) else {v: k for k, v in REDUCTION_INT.items()}[int(reduction)]
     with op_call("aclnnCrossEntropyLossGrad") as c:
         c.run(
@@ -519,14 +522,18 @@ def scaled_masked_softmax_backward(*, grad_output, y, mask=None, scale=1.0, fix_
         c.run(c.input(grad_output), c.input(y), c.input(mask), float(scale), bool(fix_triu_mask), c.output(out))
 
 
-def smooth_l1_loss_backward(*, grad_out, input, target, reduction="mean", beta=1.0, out):
-    """aclnnSmoothL1LossBackward (reduction as int64: none=0, mean=1, sum=2; beta as C float)."""
+def smooth_l1_loss_backward(*, grad_out, input, target, reduction="mean", beta=1.0, out, smooth_l1_kernel="tbe"):
+    """aclnnSmoothL1LossBackward (reduction as int64: none=0, mean=1, sum=2; beta as C float).
+
+    ``smooth_l1_kernel`` (the CPU kernels' SoC choice) is not passed: the device runs its own."""
     red = REDUCTION_INT[reduction] if isinstance(reduction, str) else int(reduction)
     with op_call("aclnnSmoothL1LossBackward") as c:
         c.run(c.input(grad_out), c.input(input), c.input(target), red, float(beta), c.output(out))
 
 
-def embedding_dense_backward(*, grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False, out):
+def embedding_dense_backward(
+    *, grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False, out, result_dtype=None
+):
     """aclnnEmbeddingDenseBackward (numWeights, paddingIdx as uint64: a negative padding_idx is
     passed as its two's complement, which the device reads as "no padding row")."""
     with op_call("aclnnEmbeddingDenseBackward") as c:

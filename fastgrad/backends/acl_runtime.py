@@ -315,6 +315,7 @@ class Runtime:
         self.finalized = False
         self.acl_refcounted = False  # our aclInit took a reference (success or REPEAT) -> drop it
         self._version: str | None | bool = False  # False: not queried yet
+        self._soc: str | None | bool = False  # False: not queried yet
 
     # --- symbols ---------------------------------------------------------------------
     def find_symbol(self, name: str):
@@ -365,6 +366,24 @@ class Runtime:
 
     def version_tuple(self) -> tuple | None:
         return parse_version(self.version())
+
+    # --- SoC ---------------------------------------------------------------------------
+    def soc_name(self) -> str | None:
+        """The device's SoC as CANN names it (``aclrtGetSocName``: ``"Ascend910B3"``,
+        ``"Ascend910_9391"``, ...), or None when the runtime lacks the call or it fails.  Asked once
+        (after ``aclInit``); the ops then follow that SoC's profile (``fastgrad/soc.py``)."""
+        if not isinstance(self._soc, bool):
+            return self._soc
+        v = None
+        if self.find_symbol("aclrtGetSocName") is not None:
+            try:
+                self.init_acl()
+                r = self.fn("aclrtGetSocName")()
+                v = r.decode("utf-8", "replace").strip() if r else None
+            except Exception:  # never fail an op because of the query
+                v = None
+        self._soc = v or None
+        return self._soc
 
     # --- errors ----------------------------------------------------------------------
     def recent_error(self) -> str:
@@ -582,6 +601,15 @@ def runtime() -> Runtime:
     if reason is not None or _runtime is None:
         raise AclnnError(ACLNN_ERR_RUNTIME_ERROR, f"the acl backend is unavailable: {reason}")
     return _runtime
+
+
+def device_soc_name() -> str | None:
+    """The SoC name of the device the ``"acl"`` backend runs on (``aclrtGetSocName``), or None
+    when the runtime is unavailable or cannot tell.  Never raises."""
+    try:
+        return runtime().soc_name()
+    except Exception:
+        return None
 
 
 def _reset_for_tests() -> None:

@@ -42,6 +42,9 @@ aclError aclsysGetVersionStr(char *pkgName, char *versionStr);
 
 /* ---- acl/acl_rt.h --------------------------------------------------------------------------- */
 aclError aclrtGetDeviceCount(uint32_t *count);
+/* the SoC of the running device as CANN names it ("Ascend910B3", "Ascend910_9391", "Ascend950PR_9599");
+ * NULL on failure */
+const char *aclrtGetSocName(void);
 aclError aclrtSetDevice(int32_t deviceId);
 aclError aclrtResetDevice(int32_t deviceId);
 aclError aclrtGetCurrentContext(aclrtContext *context);

@@ -504,6 +504,76 @@ def _lce_step(filter_eps=None, fused=None, gemm=None, precision=None):
     return make
 
 
+def _loss64(inp) -> float:
+    """The step's loss in float64 on the same (16-bit) values — ``F.cross_entropy`` of float64
+    logits, 256 rows at a time (no ``[BT, V]`` float64) — computed once per inputs."""
+    if "loss64" not in inp:
+        torch = _torch()
+        F = torch.nn.functional
+        h, w, t = tt(inp["hidden"]).double(), tt(inp["weight"]).double(), tt(inp["target"])
+        total = 0.0
+        for r0 in range(0, h.shape[0], 256):
+            z = h[r0 : r0 + 256] @ w.T
+            total += float(F.cross_entropy(z, t[r0 : r0 + 256], reduction="sum"))
+            del z
+        inp["loss64"] = total / max(1, int((t != -100).sum()))
+    return inp["loss64"]
+
+
+def _with_loss_error(make):
+    """A train-step runner factory whose rows also carry the step's loss and its error against
+    float64 (``loss``, ``loss_err_fp64``: absolute, nats), measured after the timing."""
+
+    def wrapped(inp):
+        run = make(inp)
+        last: dict = {}
+
+        def timed():
+            out = run()
+            last["loss"] = out[0]
+            return out
+
+        def metrics():
+            extra = dict(run.metrics()) if hasattr(run, "metrics") else {}
+            if "loss" in last:
+                loss = float(last["loss"].detach())
+                extra.update(loss=loss, loss_err_fp64=abs(loss - _loss64(inp)))
+            return extra
+
+        timed.metrics = metrics  # type: ignore[attr-defined]
+        return timed
+
+    return wrapped
+
+
+def _torch_lce_step(batch_chunk_size=None):
+    """A runner factory: PyTorch 2.13's ``F.linear_cross_entropy`` + backward on the 16-bit
+    parameters — ``options=LinearCrossEntropyOptions()`` (its defaults: chunking and accumulation
+    picked per device and dtype) or ``batch_chunk_size`` rows per chunk (None: its defaults)."""
+
+    def make(inp):
+        torch = _torch()
+        F = torch.nn.functional
+        if not hasattr(F, "linear_cross_entropy"):
+            raise NotImplementedError("torch.nn.functional.linear_cross_entropy needs PyTorch >= 2.13")
+        h, w, t = tt(inp["hidden"]), tt(inp["weight"]), tt(inp["target"])
+        if batch_chunk_size is None:
+            opts = torch.nn.LinearCrossEntropyOptions()
+        else:
+            opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=min(batch_chunk_size, h.shape[0]))
+
+        def run():
+            hh = h.detach().requires_grad_()
+            ww = w.detach().requires_grad_()
+            loss = F.linear_cross_entropy(hh, ww, t, options=opts)
+            loss.backward()
+            return loss, hh.grad, ww.grad
+
+        return run
+
+    return make
+
+
 def _filtered_train_step_case(BT, H, V, entropy=2.0) -> Case:
     """Issue 14: the fused training step with gradient filtering on LLM-like sparsity (the
     filter sweep's inputs at ``entropy`` nats), against the same step dense and PyTorch fp32;
@@ -525,16 +595,17 @@ def _filtered_train_step_case(BT, H, V, entropy=2.0) -> Case:
         {"BT": BT, "H": H, "V": V},
         inputs,
         [
-            Runner("fastgrad", "fastgrad", _lce_step("auto"), needs_torch=True),
-            Runner("fastgrad-dense", "baseline", _lce_step(None), needs_torch=True),
-            Runner("torch-fp32", "baseline", _torch_step("float32"), needs_torch=True),
+            Runner("fastgrad", "fastgrad", _with_loss_error(_lce_step("auto")), needs_torch=True),
+            Runner("fastgrad-dense", "baseline", _with_loss_error(_lce_step(None)), needs_torch=True),
+            Runner("torch-fp32", "baseline", _with_loss_error(_torch_step("float32")), needs_torch=True),
             Runner("bound", "bound", None),
         ],
         flops=2.0 * BT * H * V,
         bound="gemm",
         gemm=[(BT, H, V)],
         needs_torch=True,
-        note="fastgrad.torch.linear_cross_entropy(filter_eps='auto') forward+backward; bound: one fp32 GEMM",
+        note="fastgrad.torch.linear_cross_entropy(filter_eps='auto') forward+backward; bound: one fp32 GEMM; "
+        "loss_err_fp64: |loss - float64 loss| of the same values",
     )
 
 
@@ -575,12 +646,15 @@ def _train_step_case(BT, H, V) -> Case:
         {"BT": BT, "H": H, "V": V},
         inputs,
         [
-            Runner("fastgrad", "fastgrad", _lce_step(), needs_torch=True),
-            Runner("fastgrad-fused", "baseline", _lce_step(fused=True), needs_torch=True),
-            Runner("fastgrad-fast", "baseline", _lce_step(precision="fast"), needs_torch=True),
-            Runner("fastgrad-blas", "baseline", _lce_step(gemm="blas"), needs_torch=True),
-            Runner("torch-fp32", "baseline", _torch_step("float32"), needs_torch=True),
-            Runner("torch-bf16", "baseline", _torch_step("bfloat16"), needs_torch=True),
+            Runner("fastgrad", "fastgrad", _with_loss_error(_lce_step()), needs_torch=True),
+            Runner("fastgrad-fused", "baseline", _with_loss_error(_lce_step(fused=True)), needs_torch=True),
+            Runner("fastgrad-recompute", "baseline", _with_loss_error(_lce_step(fused=False)), needs_torch=True),
+            Runner("fastgrad-fast", "baseline", _with_loss_error(_lce_step(precision="fast")), needs_torch=True),
+            Runner("fastgrad-blas", "baseline", _with_loss_error(_lce_step(gemm="blas")), needs_torch=True),
+            Runner("torch-fp32", "baseline", _with_loss_error(_torch_step("float32")), needs_torch=True),
+            Runner("torch-bf16", "baseline", _with_loss_error(_torch_step("bfloat16")), needs_torch=True),
+            Runner("torch-lce", "baseline", _with_loss_error(_torch_lce_step()), needs_torch=True),
+            Runner(f"torch-lce-bcs{BT}", "baseline", _with_loss_error(_torch_lce_step(BT)), needs_torch=True),
             Runner("bound", "bound", None),
         ],
         flops=3 * 2.0 * BT * H * V,
@@ -589,9 +663,14 @@ def _train_step_case(BT, H, V) -> Case:
         gemm=[(BT, H, V), (BT, V, H), (V, BT, H)],
         memory=True,
         needs_torch=True,
-        note="fastgrad.torch.linear_cross_entropy forward+backward (default: fused=None, the GEMM "
+        note="fastgrad.torch.linear_cross_entropy forward+backward (default: the schedule rule — fused "
+        "when its held gradients fit 1/4 of the available memory —, the GEMM "
         "engine of fastgrad.gemm_engine()); fastgrad-fused: fused=True (3 GEMMs, the fp32 [V, H] "
-        "gradient held); fastgrad-fast: precision='fast' (dloss/dlogits rounded to bf16 with its mean "
+        "gradient held); fastgrad-recompute: fused=False (4 GEMMs, no fp32 [V, H]); "
+        "torch-lce: PyTorch's F.linear_cross_entropy with LinearCrossEntropyOptions() (its defaults); "
+        f"torch-lce-bcs{BT}: batch_chunk_size={BT} (its best measured at the Qwen2.5 head); "
+        "loss_err_fp64: |loss - float64 loss| of the same bf16 values; "
+        "fastgrad-fast: precision='fast' (dloss/dlogits rounded to bf16 with its mean "
         "error restored, all four GEMMs on the bf16 kernel where the CPU has AVX-512 BF16); "
         "fastgrad-blas: the default on NumPy's BLAS; flops = the 3 GEMMs of one "
         "materialized step; bound: those GEMMs in fp32 (NumPy's BLAS)",

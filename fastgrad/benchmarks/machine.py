@@ -91,19 +91,11 @@ def _cpu_model() -> str:
 
 
 def _simd() -> list:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return sorted(
-                        f
-                        for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "f16c")
-                        if f in flags
-                    )
-    except OSError:
-        pass
-    return []
+    from .. import _cpu
+
+    return sorted(
+        f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "f16c") if _cpu.has(f)
+    )
 
 
 def machine_info() -> dict:

@@ -85,12 +85,16 @@ def relative_words(r) -> str:
     """The row's time against fastgrad:cpu, worded as a speed-up or a slow-down.
 
     ``fastgrad_speedup`` is ``t_row / t_fastgrad:cpu``: for a baseline row (PyTorch) that is how
-    many times faster fastgrad is; for another fastgrad row (``out=``, another backend) how many
-    times slower that row is than fastgrad:cpu.
+    many times faster fastgrad is; for another fastgrad row (``out=``, another backend, or another
+    configuration such as ``fastgrad-onednn``) how many times slower that row is than fastgrad:cpu.
     """
     s = r.get("fastgrad_speedup")
     if s is None or not (s > 0) or r["kind"] == "fastgrad" and not r.get("variant") and r["backend"] == "cpu":
         return "-"
+    if r["kind"] != "fastgrad" and str(r.get("backend", "")).startswith("fastgrad-"):
+        # another fastgrad configuration (fastgrad-onednn, fastgrad-fast, ...): the row itself
+        # against the default, not "fastgrad N x slower" (which reads as the default's slow-down)
+        return f"{s:.2f}x slower" if s >= 1 else f"{1 / s:.2f}x faster"
     if r["kind"] != "fastgrad":
         return f"fastgrad {s:.2f}x faster" if s >= 1 else f"fastgrad {1 / s:.2f}x slower"
     return f"{s:.2f}x slower" if s >= 1 else f"{1 / s:.2f}x faster"
@@ -100,7 +104,8 @@ _speedup = relative_words
 
 
 def _groups(rows):
-    out, order = {}, []
+    out: dict = {}
+    order: list = []
     for r in rows:
         key = (r["case"], r["threads"])
         if key not in out:
@@ -137,6 +142,16 @@ def _cells(r):
     ]
 
 
+def _loss_err(r) -> str:
+    """The train-step rows' loss error against float64 (absolute, nats), or ``-``."""
+    e = r.get("loss_err_fp64")
+    return "-" if e is None else f"{e:.2e}"
+
+
+def _has_loss_err(rows) -> bool:
+    return any(r.get("loss_err_fp64") is not None for r in rows)
+
+
 def format_table(report: dict) -> str:
     """Plain-text table, one block per case and thread count."""
     lines = [
@@ -154,9 +169,11 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{r0['op']} [{r0['mode'].split('+')[0]}] {r0['dtype']} {r0['shape_str']}  threads={n}  bound={r0['bound']}"
         )
-        lines.append("  " + "".join(c.ljust(w) for c, w in zip(COLUMNS, widths)))
+        err = _has_loss_err(rows)
+        lines.append("  " + "".join(c.ljust(w) for c, w in zip(COLUMNS, widths)) + ("loss err vs fp64" if err else ""))
         for r in rows:
-            lines.append("  " + "".join(str(c).ljust(w) for c, w in zip(_cells(r), widths)))
+            extra = _loss_err(r) if err and r["status"] == "ok" else ""
+            lines.append("  " + "".join(str(c).ljust(w) for c, w in zip(_cells(r), widths)) + extra)
     if _any_noise(report["rows"]):
         lines += ["", NOISE_NOTE]
     return "\n".join(lines)
@@ -178,6 +195,9 @@ def format_markdown(report: dict) -> str:
         "vs fastgrad:cpu",
         "peak RSS MiB",
     ]
+    err = _has_loss_err(report["rows"])
+    if err:
+        head.append("loss err vs fp64")
     out = [
         f"Machine: {report.get('machine_id', '?')}  ",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items() if v) + "  ",
@@ -217,6 +237,8 @@ def format_markdown(report: dict) -> str:
                 c[6],
                 c[7],
             ]
+        if err:
+            cells.append(_loss_err(r) if r["status"] == "ok" else "")
         out.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")
     if _any_noise(report["rows"]):
         out += ["", "\\" + NOISE_NOTE]

@@ -4,11 +4,14 @@
 ``fastgrad bench [options]``      benchmark report (``bench.py``)
 ``fastgrad compare [options]``    Ascend accuracy standards on two outputs (``compare.py``)
 ``fastgrad golden OP [options]``  golden outputs through the float64 reference (``golden.py``)
+``fastgrad ttk-plugin --out DIR``  write the TTK golden plugin file (``ttk_plugin.py``)
 
 Error convention, for every subcommand: a bad flag, file, shape or value prints **one line** on
 stderr (``fastgrad: --flag: expected ..., got ...``) and exits with status 2, without a
 traceback; ``--debug`` (anywhere on the command line) adds the traceback.  Exit status 1 is
-reserved for a verdict (``--check``, ``compare``), 3 for an internal error, 130 for Ctrl-C.
+reserved for a verdict (``--check``, ``compare``), 3 for an internal error, 130 for Ctrl-C
+(143 for SIGTERM; the main job prints its partial report first).  Invalid environment
+settings (``FASTGRAD_WORKSPACE_MB=abc``, ``FASTGRAD_GEMM=mkl``) are user errors too (exit 2).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("bench", "compare", "golden", "run")
+SUBCOMMANDS = ("bench", "compare", "golden", "run", "ttk-plugin")
 
 #: Exit statuses.
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in SUBCOMMANDS:
             prog = f"fastgrad {argv[0]}"
-            mod = importlib.import_module(f"{__name__}.{argv[0]}")
+            mod = importlib.import_module(f"{__name__}.{argv[0].replace('-', '_')}")
             return int(mod.main(argv[1:]) or 0)
         from . import run
 

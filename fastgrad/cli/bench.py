@@ -5,6 +5,8 @@ Usage::
     fastgrad bench [--quick] [--ops flce,ce,...] [--threads 1,2] [--backend cpu,acl]
                    [--repeat N] [--budget S] [--json PATH] [--plot DIR] [--markdown PATH]
                    [--compare other.json] [--from-json PATH] [--no-torch] [--list]
+    fastgrad bench --from-profile op_summary_*.csv|kernel_details.csv [--repeat N] [--json PATH]
+                   (an NPU profile's kernels of the seven ops beside the CPU: ``fastgrad/cli/profile.py``)
 
 Prints a table; ``--json`` writes the report (schema in ``docs/benchmarks.md``), ``--plot``
 one PNG per op (needs matplotlib), ``--markdown`` a Markdown table.  ``--compare other.json``
@@ -24,12 +26,62 @@ def _csv(s):
     return [x.strip() for x in s.split(",") if x.strip()] if s else []
 
 
+def _positive(kind, what: str):
+    def parse(s: str):
+        try:
+            v = kind(s)
+        except ValueError:
+            v = None
+        if v is None or not v > 0 or v != v:
+            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s!r}")
+        return v
+
+    return parse
+
+
+#: Printed with every --quick report: its rows are too short to time.
+QUICK_NOTE = (
+    "--quick: small shapes, few repetitions: the times are at the timer's and the scheduler's "
+    "resolution and the fractions of bound are noise; run without --quick for figures to quote"
+)
+
+
+REPORT_JSON = "a fastgrad bench report (JSON, from fastgrad bench --json)"
+
+
+def _load_report(path: str, flag: str) -> dict:
+    """A saved report, or one line (exit 2) saying what the file is instead."""
+    import json
+    import os
+
+    from .. import benchmarks as B
+    from . import CliError
+
+    if os.path.isdir(path):
+        raise CliError(flag, "a report .json file", repr(path), hint="a directory")
+    try:
+        return B.load(path)
+    except FileNotFoundError:
+        raise CliError(flag, "an existing report .json file", repr(path), hint="no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = "not text" if isinstance(e, UnicodeDecodeError) else f"not JSON: {e.msg} at line {e.lineno}"
+        raise CliError(flag, REPORT_JSON, f"{path!r} ({why})") from None
+    except ValueError as e:
+        raise CliError(flag, REPORT_JSON, f"{path!r} ({e})") from None
+    except OSError as e:
+        raise CliError(flag, "a readable report .json file", repr(path), hint=e.strerror or str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="fastgrad bench",
         description="fastgrad benchmark report: every public op against PyTorch and the machine's bounds.",
     )
-    p.add_argument("--quick", action="store_true", help="small shapes, few repetitions (< 1 min)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small shapes, few repetitions (< 1 min): checks that everything runs; its times are noise",
+    )
     p.add_argument(
         "--ops",
         help="comma-separated ops (names, substrings or aliases: "
@@ -42,9 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated fastgrad backends, one row each (cpu|reference|acl; "
         "default: cpu, plus acl when available)",
     )
-    p.add_argument("--repeat", type=int, default=None, help="timed repetitions per row (default 5, quick 3)")
     p.add_argument(
-        "--budget", type=float, default=None, help="stop repeating a row after this many seconds (default 30, quick 2)"
+        "--repeat",
+        type=_positive(int, "an integer"),
+        default=None,
+        help="timed repetitions per row, >= 1 (default 5, quick 3)",
+    )
+    p.add_argument(
+        "--budget",
+        type=_positive(float, "a number of seconds"),
+        default=None,
+        help="stop repeating a row after this many seconds (default 30, quick 2)",
     )
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--plot", metavar="DIR", help="write one PNG per op (needs matplotlib)")
@@ -54,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
     p.add_argument("--no-subprocess", action="store_true", help="run memory cases in-process (no peak RSS)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument(
+        "--from-profile",
+        metavar="FILE",
+        help="NPU profile (msprof op_summary_*.csv or torch_npu kernel_details.csv, level >= 1): "
+        "its kernels of the seven ops beside the CPU on the same shapes",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -61,22 +127,35 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.from_profile:
+        from .profile import run as run_from_profile  # fastgrad/cli/profile.py
+
+        return run_from_profile(args)
     from .. import benchmarks as B
     from ..backends import available_backends
+    from .run import _check_dir_writable, check_writable_file
 
+    # every destination checked before the benchmark runs (not after it)
+    if args.json:
+        check_writable_file(args.json, "--json")
+    if args.markdown:
+        check_writable_file(args.markdown, "--markdown")
+    if args.plot:
+        import importlib.util
+        import os
+
+        from . import CliError
+
+        if os.path.exists(args.plot) and not os.path.isdir(args.plot):
+            raise CliError("--plot", "a directory (created when missing)", repr(args.plot), hint="an existing file")
+        _check_dir_writable(os.path.abspath(args.plot), "--plot", repr(args.plot))
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError("--plot", "matplotlib installed (pip install 'fastgrad[plot]')", "no matplotlib")
     other = None
     if args.compare:
-        try:
-            other = B.load(args.compare)
-        except (OSError, ValueError) as e:
-            print(f"fastgrad bench: {e}", file=sys.stderr)
-            return 2
+        other = _load_report(args.compare, "--compare")
     if args.from_json:
-        try:
-            report = B.load(args.from_json)
-        except (OSError, ValueError) as e:
-            print(f"fastgrad bench: {e}", file=sys.stderr)
-            return 2
+        report = _load_report(args.from_json, "--from-json")
     else:
         cases = B.select(B.all_cases(args.quick), _csv(args.ops))
         if not cases:
@@ -97,16 +176,21 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
+        from .._config import max_threads
+
         try:
             thr: list = [int(t) for t in _csv(args.threads)] or [None]
-            if any(t is not None and t < 1 for t in thr):
+            if any(t is not None and not 1 <= t <= max_threads() for t in thr):
                 raise ValueError
         except ValueError:
             print(
-                f"fastgrad bench: --threads: expected comma-separated integers >= 1, got {args.threads!r}",
+                f"fastgrad bench: --threads: expected comma-separated integers in 1..{max_threads()} "
+                f"(the CPUs available), got {args.threads!r}",
                 file=sys.stderr,
             )
             return 2
+        if args.quick and not args.quiet:
+            print(f"fastgrad bench: {QUICK_NOTE}", file=sys.stderr, flush=True)
         repeat = args.repeat or (3 if args.quick else 5)
         budget = args.budget if args.budget is not None else (2.0 if args.quick else 30.0)
 
@@ -133,6 +217,8 @@ def main(argv: list[str]) -> int:
             progress=progress,
         )
     print(B.format_table(report))
+    if args.quick or (report.get("settings") or {}).get("quick"):
+        print(f"\nnote: {QUICK_NOTE}")
     if other is not None:
         print("\n=== side by side ===")
         print(B.format_compare(report, other, args.from_json or "this run", args.compare))

@@ -162,12 +162,42 @@ def save_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> 
 # ----------------------------------------------------------------------------- .npy / FILE[:NAME] ----
 
 
+def _check_npy_header(path: str, flag: str) -> None:
+    """A readable .npy header of numbers, or one line saying what the file is instead (never the
+    advice to unpickle it: fastgrad reads no pickles)."""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as f:
+            start = f.read(6)
+            if start != fmt.MAGIC_PREFIX:
+                if start[:2] == b"PK":
+                    raise CliError(flag, "a .npy file", f"{path!r} (a zip archive: .npz? save one array with np.save)")
+                raise CliError(flag, "a .npy file", f"{path!r} (no .npy header: it starts with {start!r})")
+            f.seek(0)
+            version = fmt.read_magic(f)
+            if version == (1, 0):
+                _, _, dtype = fmt.read_array_header_1_0(f)
+            else:
+                _, _, dtype = fmt.read_array_header_2_0(f)
+    except CliError:
+        raise
+    except (ValueError, OSError, EOFError) as e:
+        raise CliError(flag, "a .npy file", f"{path!r} (unreadable header: {_short(e)})") from None
+    if dtype.hasobject:
+        raise CliError(
+            flag,
+            "a .npy array of numbers",
+            f"{path!r} (an array of Python objects, dtype {dtype}; fastgrad does not unpickle files)",
+        )
+
+
 def load_npy(path: str, flag: str) -> np.ndarray:
     """``np.load`` memory-mapped, bfloat16 (saved by NumPy as ``|V2``) read back as bfloat16."""
     if not os.path.exists(path):
         raise CliError(flag, "an existing .npy or .safetensors file", repr(path), hint="no such file")
     if os.path.isdir(path):
         raise CliError(flag, "a .npy or .safetensors file", repr(path), hint="a directory")
+    _check_npy_header(path, flag)
     try:
         a = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:

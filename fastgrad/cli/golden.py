@@ -4,6 +4,8 @@ Usage::
 
     fastgrad golden OP --inputs DIR --out DIR [--format npy|bin] [--attr NAME=VALUE ...]
                        [--backend reference]
+    fastgrad golden --from-msprobe RANK_DIR --out DIR [--bench-dump DIR] [--soc-version NAME]
+                       (an msprobe dump's calls of the seven ops: ``fastgrad/cli/msprobe.py``)
 
 Input convention (``DIR``):
 
@@ -15,8 +17,8 @@ Input convention (``DIR``):
 * ``attrs.json`` — optional, the scalar parameters: ``{"reduction": "mean", "beta": 1.0}``;
   ``--attr name=value`` (value parsed as JSON, else taken as a string) overrides it.
 
-Parameters without a file or attribute take the op's defaults (a missing required array
-makes the op raise 161001).  Outputs go to ``OUT/<output_name>.npy`` (or ``.bin`` + ``.json``
+Parameters without a file or attribute take the op's defaults; a required parameter without a
+file is one line naming it (exit 2).  Outputs go to ``OUT/<output_name>.npy`` (or ``.bin`` + ``.json``
 sidecar with ``--format bin``), named as in :data:`OUTPUT_NAMES`; outputs that are None
 (e.g. ``vocab_parallel_logits`` without ``return_logits``) are not written.
 ``OUT/manifest.json`` records the op, backend, versions, the inputs, the attributes and the
@@ -24,8 +26,9 @@ outputs (dtype, shape, file).
 
 The outputs are computed by the float64 reference backend with the device's roundings
 (``--backend`` may name another one, e.g. ``cpu`` to produce the third-party output of a
-double-benchmark comparison).  Exit status: 0 written, 1 the op rejected the inputs (its
-aclnn status is printed), 2 bad usage or unreadable files.
+double-benchmark comparison).  Exit status: 0 written; 2 bad usage, unreadable files, or inputs
+the op rejects (its aclnn status is printed) — 1 is the verdict of a check (``compare``,
+``--check``) and ``golden`` has none.
 """
 
 from __future__ import annotations
@@ -119,6 +122,20 @@ def golden(
     if op not in OUTPUT_NAMES:
         raise ValueError(f"unknown op {op!r}; one of: {', '.join(OPS)}")
     kwargs, unused = read_inputs(op, inputs_dir, attrs)
+    missing = [
+        n
+        for n, p in inspect.signature(getattr(fg, op)).parameters.items()
+        if p.default is inspect.Parameter.empty and n not in kwargs and n != "out"
+    ]
+    if missing:
+        from . import CliError
+
+        have = sorted(f for f in os.listdir(inputs_dir) if f.endswith((".npy", ".bin")))
+        raise CliError(
+            "--inputs",
+            f"a file for each required input of {op}: " + ", ".join(f"{n}.npy" for n in missing) + " (or .bin + .json)",
+            f"{inputs_dir!r} with " + (", ".join(have) if have else "no .npy/.bin files"),
+        )
     with fg.use_backend(backend):
         res = getattr(fg, op)(**kwargs)
     if not isinstance(res, tuple):
@@ -172,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     from ..errors import AclnnError
 
+    if any(a == "--from-msprobe" or a.startswith("--from-msprobe=") for a in argv):
+        from .msprobe import main as from_msprobe  # `fastgrad golden --from-msprobe RANK_DIR --out DIR`
+
+        return from_msprobe(argv)
     p = build_parser()
     args = p.parse_args(argv)
     if args.op not in OUTPUT_NAMES:
@@ -180,12 +201,15 @@ def main(argv: list[str]) -> int:
     if not os.path.isdir(args.inputs):
         print(f"fastgrad golden: --inputs {args.inputs!r} is not a directory", file=sys.stderr)
         return 2
+    from .run import _prepare_out
+
+    _prepare_out(args.out)  # writable before any work (a CliError: one line, exit 2)
     try:
         attrs = dict(_parse_attr(a) for a in args.attr)
         outputs = golden(args.op, args.inputs, args.out, attrs=attrs, fmt=args.format, backend=args.backend)
-    except AclnnError as e:
+    except AclnnError as e:  # a rejected input is a usage error (exit 2); 1 means "a check failed"
         print(f"fastgrad golden: {args.op} rejected the inputs: {e}", file=sys.stderr)
-        return 1 if e.status != 361001 else 2
+        return 2
     except (OSError, ValueError, TypeError, NotImplementedError) as e:
         print(f"fastgrad golden: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

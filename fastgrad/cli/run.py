@@ -5,14 +5,19 @@ combined with :func:`fastgrad.vocab_parallel.combine_shard_statistics`,
 :func:`fastgrad.fused_cross_entropy_loss_with_max_sum`) and the fused linear cross-entropy
 gradient (:func:`fastgrad.fused_linear_cross_entropy_loss_grad`) — public ops only — at a real
 model's LM-head shape, by default Qwen2.5-0.5B's (V = 151,936, H = 896, BT = 2048, bf16), in
-memory-saving mode.  Before allocating anything it validates every flag and file and estimates
-the peak memory from the tile plan, refusing a job that does not fit.  It reports time,
-GFLOP/s against the BLAS rate measured on the spot, each phase's peak RSS beside the process's
-true peak (``VmHWM``), and the error of sampled rows and vocabulary rows against the float64
-golden (the reference backend run on row / vocabulary-row subsets: no matrix is widened whole).
+memory-saving mode.  Before any work it validates every flag, file and environment setting,
+estimates the peak memory from the tile plan (refusing a job that does not fit) and checks
+``--out`` (writable, room for the results).  It then reports as it goes, flushing each line (a
+redirected stdout shows progress): the header, inputs and memory estimate; the time estimate
+(the job's FLOPs over the BLAS rate measured on the spot; a job above ``CONFIRM_ABOVE_S`` asks,
+or needs ``--yes``); one row per phase as it ends (time, the phase's peak RSS beside the
+process's true peak, ``VmHWM``); then GFLOP/s, memory, and the error of N sampled rows and N
+vocabulary rows against the float64 golden (the reference backend on row / vocabulary-row
+subsets: no matrix is widened whole).  SIGINT/SIGTERM print the partial report.
 
-Exit status: 0 done, 1 ``--check`` failed, 2 bad usage / file / shape / value or a job that does
-not fit, 3 internal error (``--debug`` shows tracebacks).
+Exit status: 0 done, 1 ``--check`` failed, 2 bad usage / file / shape / value / setting, a job
+that does not fit or a failed write (after the report; partial files removed), 3 internal error
+(``--debug`` shows tracebacks), 130/143 interrupted by SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -38,11 +43,17 @@ from . import checkpoint as ck
 MiB = 2**20
 DEFAULT: dict[str, Any] = dict(bt=2048, hidden=896, vocab=151936, dtype="bfloat16")
 #: Interpreter, Numba/LLVM and the compiled kernels: what the estimate adds to the RSS measured
-#: before the job (measured: ~80-120 MiB for the JIT and its caches on top of the imports).
-JIT_ALLOWANCE = 128 * MiB
+#: before the job (measured: ~80-150 MiB for the JIT, its caches and the bf16 kernel on top of the imports).
+JIT_ALLOWANCE = 160 * MiB
 #: Vocabulary rows per golden-check chunk: at most this many bytes of float64 weight at a time.
 GOLDEN_CHUNK_BYTES = 32 * MiB
 RUN_DTYPES = ("bfloat16", "float16", "float32")
+#: Rows and vocabulary rows of the golden check when --samples is not given.
+DEFAULT_SAMPLES = 8
+#: Jobs estimated to take longer than this ask for confirmation (``--yes`` skips the question).
+CONFIRM_ABOVE_S = 600.0
+#: What the output directory needs beyond the tensors: report.json, the safetensors header.
+OUT_SLACK_BYTES = 1 * MiB
 
 
 # ------------------------------------------------------------------ memory: RSS, peaks
@@ -150,7 +161,7 @@ def _dtype_arg(s: str) -> str:
     dt = DTYPE_ALIASES.get(s.strip().lower())
     name = dtype_name(dt) if dt is not None else None
     if name not in RUN_DTYPES:
-        raise argparse.ArgumentTypeError(f"expected one of bfloat16 (bf16), float16 (fp16), float32 (fp32), got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected one of float32 (fp32), bfloat16 (bf16), float16 (fp16), got {s!r}")
     return name
 
 
@@ -191,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         type=_dtype_arg,
         default=None,
-        help="bfloat16 | float16 | float32; default the loaded weight's (bfloat16 for generated data)",
+        help="float32 | bfloat16 | float16 (aliases fp32, bf16, fp16); default the loaded weight's "
+        "(bfloat16 for generated data)",
     )
     g.add_argument("--seed", type=_int("--seed", 0), default=0, help="seed of generated data and of the sampling")
     r = p.add_argument_group("real data")
@@ -216,7 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--list-tensors", metavar="CKPT", help="list the tensors of a .safetensors file or model directory and exit"
     )
     j = p.add_argument_group("job")
-    j.add_argument("--mode", default="memory-saving", choices=["memory-saving", "high-performance"])
+    j.add_argument(
+        "--mode",
+        default="memory-saving",
+        choices=["memory-saving", "high-performance"],
+        help="memory-saving (default): recompute the logits tile by tile, never [BT, V]; "
+        "high-performance: hold a shard's [BT, V] logits and softmax",
+    )
     j.add_argument(
         "--filter-eps",
         type=_filter_eps_arg,
@@ -225,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="gradient filtering (memory-saving mode): skip the gradient GEMMs of blocks whose "
         "every |softmax - onehot| is below it; auto = the dtype's eps/32 (CCE's)",
     )
-    j.add_argument("--threads", type=_int("--threads", 1), default=None, help="threads (default: all cores)")
+    j.add_argument(
+        "--threads", type=_int("--threads", 1), default=None, help="threads, 1..the CPUs available (default: all)"
+    )
     j.add_argument(
         "--shards",
         type=_int("--shards", 1),
@@ -248,8 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--samples",
         type=_int("--samples", 0),
-        default=8,
-        help="sampled rows and vocabulary rows for the golden check (0: no check)",
+        default=None,
+        help="golden check on N sampled rows and N sampled vocabulary rows, N <= min(BT, V) "
+        "(default 8, or min(BT, V) when smaller; 0: no check)",
     )
     o.add_argument(
         "--check",
@@ -265,8 +286,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["safetensors", "npy"],
         help="results.safetensors (default) or one .npy per tensor",
     )
-    o.add_argument("--json", action="store_true", help="print the report as JSON")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument(
+        "-y",
+        "--yes",
+        action="store_true",
+        help=f"run a job estimated above {CONFIRM_ABOVE_S / 60:.0f} min without asking "
+        "(without it such a job asks on a terminal and is refused when stdin is not one)",
+    )
+    o.add_argument(
+        "--json", action="store_true", help="print the report as JSON on stdout (the progress lines go to stderr)"
+    )
+    o.add_argument("--no-progress", action="store_true", help="no progress bar (the bar is shown on a terminal only)")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -288,6 +318,7 @@ class Job:
     notes: list = field(default_factory=list)
     bounds: list = field(default_factory=list)
     estimate: dict = field(default_factory=dict)
+    out_created: bool = False  # --out did not exist before this run (removed if nothing is written)
 
 
 def _float_matrix(a: np.ndarray, flag: str, what: str) -> None:
@@ -295,6 +326,18 @@ def _float_matrix(a: np.ndarray, flag: str, what: str) -> None:
 
     if not (a.dtype.kind == "f" or a.dtype == BFLOAT16):
         raise CliError(flag, f"a floating-point {what} (bfloat16, float16, float32 or float64)", f"dtype {a.dtype}")
+
+
+def check_settings() -> None:
+    """Read every setting the job will use from the environment now, before any work: an
+    invalid value (``FASTGRAD_WORKSPACE_MB=abc``, ``FASTGRAD_GEMM=mkl``, ``FASTGRAD_STRICT=maybe``)
+    raises ``AclnnParamError`` naming the variable (one line, exit 2)."""
+    from .. import _config, _outcache, tiling
+
+    tiling.workspace_budget()
+    _config.gemm_setting()
+    _config.is_strict()
+    _outcache.output_cache_limit()
 
 
 def _given(args, name) -> bool:
@@ -306,6 +349,7 @@ def resolve(args) -> Job:
     memory-mapped)."""
     from ..dtypes import parse_dtype
 
+    check_settings()
     srcs = [f for f in ("model", "safetensors", "weight") if _given(args, f)]
     if len(srcs) > 1:
         raise CliError(f"--{srcs[1]}", "at most one of --model, --safetensors, --weight", "--" + " and --".join(srcs))
@@ -432,23 +476,101 @@ def resolve(args) -> Job:
             "--mode memory-saving (filtering skips blocks of the recomputed logits)",
             f"--mode {args.mode}",
         )
+    from .._config import max_threads
+
+    if args.threads is not None and args.threads > max_threads():
+        raise CliError(
+            "--threads", f"1..{max_threads()} (the CPUs this process may use, NUMBA_NUM_THREADS)", args.threads
+        )
+    if args.samples is None:
+        args.samples = min(DEFAULT_SAMPLES, BT, V)
+    if args.samples > min(BT, V):
+        raise CliError(
+            "--samples",
+            f"at most min(BT, V) = {min(BT, V)} (N sampled rows of the {BT} and N vocabulary rows of the {V})",
+            args.samples,
+        )
     if args.check and args.samples == 0:
         raise CliError("--check", "--samples >= 1 (the check compares sampled rows with the golden)", "--samples 0")
-    if args.out is not None:
-        _prepare_out(args.out)
+    created = _prepare_out(args.out) if args.out is not None else False
     bounds = [int(b) for b in np.linspace(0, V, args.shards + 1).round()]
-    return Job(args, np.dtype(dtype), BT, H, V, w, x, t, sources, notes, bounds)
+    return Job(args, np.dtype(dtype), BT, H, V, w, x, t, sources, notes, bounds, out_created=created)
 
 
-def _prepare_out(path: str) -> None:
+def _prepare_out(path: str) -> bool:
+    """Check ``--out`` before any work: a directory (created when missing) where a file can be
+    created.  Returns True when this call created it (removed again if the job never writes)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError("--out", "a directory (created when missing)", repr(path), hint="an existing file")
+    created = not os.path.exists(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise CliError("--out", "a directory that can be created", repr(path), hint=e.strerror or str(e)) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise CliError("--out", "a writable directory", repr(path), hint="permission denied")
+    probe = os.path.join(path, f".fastgrad-write-test-{os.getpid()}")
+    try:  # os.access says yes to root on a read-only mount: try it
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        if created:
+            _remove_dir_if_empty(path)
+        raise CliError("--out", "a writable directory", repr(path), hint=e.strerror or str(e)) from None
+    return created
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """A file ``flag`` writes at the end: not a directory, and its nearest existing ancestor a
+    directory that takes a new file (missing directories are created at the end).  Checked
+    before any work; the check leaves nothing behind."""
+    if os.path.isdir(path):
+        raise CliError(flag, "a file path", repr(path), hint="a directory")
+    _check_dir_writable(os.path.dirname(os.path.abspath(path)), flag, repr(path))
+
+
+def _check_dir_writable(d: str, flag: str, given: str) -> None:
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise CliError(flag, "a path under a directory", given, hint=f"{d!r} is a file")
+    probe = os.path.join(d, f".fastgrad-write-test-{os.getpid()}")
+    try:  # os.access says yes to root on a read-only mount: try it
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise CliError(flag, "a writable location", given, hint=f"{d!r}: {e.strerror or e}") from None
+
+
+def _remove_dir_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def output_bytes(job: Job) -> int:
+    """Bytes ``--out`` will write: the seven tensors, report.json and headers."""
+    BT, H, V, isz = job.BT, job.H, job.V, job.dtype.itemsize
+    return V * H * isz + BT * H * isz + 4 * BT * 4 + BT * 8 + OUT_SLACK_BYTES
+
+
+def check_out_space(job: Job) -> None:
+    """``--out`` must have room for the results before any work (the job is not run to fail at
+    the end)."""
+    import shutil
+
+    path = job.args.out
+    if path is None:
+        return
+    need = output_bytes(job)
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise CliError(
+            "--out",
+            f"a directory with room for the results (about {fmt_bytes(need)})",
+            f"{path!r} on a filesystem with {fmt_bytes(free)} free",
+        )
 
 
 # ------------------------------------------------------------------ memory estimate (from the plan)
@@ -489,8 +611,8 @@ def estimate_memory(job: Job, budget_bytes: int | None = None, shards: int | Non
         outputs += 2 * BT * H * 4  # fp32 grad_input accumulator and one shard's
     fwd_s = fwd.workspace_bytes + (BT * Vs * isz if hp else 0)
     bwd_s = bwd.workspace_bytes + (BT * Vs * (isz + 4) if hp else 0)  # logits + softmax
-    nrow = job.args.samples + 2
-    chunk = max(256, GOLDEN_CHUNK_BYTES // (8 * H))
+    nrow = job.args.samples
+    chunk = min(V, max(256, GOLDEN_CHUNK_BYTES // (8 * H)))
     golden_s = (
         max(2 * chunk * H * 8 + nrow * chunk * 8 * 4, BT * H * 8 + 4 * BT * (2 * nrow + 2) * 8)
         if job.args.samples
@@ -532,6 +654,14 @@ def check_fits(job: Job) -> None:
     est["limit_bytes"], est["limit_source"] = limit, src
     if est["total_bytes"] <= limit:
         return
+    if src == "--memory-limit-mb" and limit < est["base_bytes"]:
+        raise CliError(
+            "--memory-limit-mb",
+            f"at least the job's peak: it needs about {fmt_bytes(est['total_bytes'])}, and this process "
+            f"alone is already {fmt_bytes(rss_bytes())} (+ {fmt_bytes(JIT_ALLOWANCE)} for the compiled kernels) "
+            "before the job allocates anything",
+            f"{job.args.memory_limit_mb:g}",
+        )
     parts = (
         f"inputs {fmt_bytes(est['inputs_bytes'])} + outputs {fmt_bytes(est['outputs_bytes'])} + "
         f"scratch {fmt_bytes(est['scratch_bytes'])} + process and JIT {fmt_bytes(est['base_bytes'])}"
@@ -618,7 +748,7 @@ def load_inputs(job: Job):
 # ------------------------------------------------------------------ BLAS rate on the spot
 
 
-def measure_blas_gflops(BT: int, H: int, threads: int, seconds: float = 1.0, reps: int = 20) -> float:
+def measure_blas_gflops(BT: int, H: int, threads: int, seconds: float = 0.5, reps: int = 12) -> float:
     """fp32 GEMM rate of NumPy's BLAS at this problem's shape ([BT,H]·[H,2048]): the best of
     ``reps`` calls, or of as many as fit in ``seconds``."""
     from threadpoolctl import threadpool_limits
@@ -703,43 +833,191 @@ def _warm(fg, dtype, filter_eps=None):
         )
 
 
+#: The phase table's column heads (the rows are printed as each phase ends).
+PHASE_HEADER = "  phase              time      phase peak RSS   process peak RSS (VmHWM)"
+
+
+class Say:
+    """The report's lines, written as soon as they are known and flushed each time, so a
+    redirected or piped stdout shows them as the job goes (``print`` alone buffers a file)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+
+    def __call__(self, line: str = "") -> None:
+        print(line, file=self.stream if self.stream is not None else sys.stdout, flush=True)
+
+
 class Phases:
-    def __init__(self):
-        self.time, self.peak, self.process_peak = {}, {}, {}
+    """Times each phase and samples its RSS; prints its row of the report as it ends (once the
+    table is open: rows that end before are printed when it opens)."""
+
+    def __init__(self, say: Say | None = None):
+        self.time: dict[str, float] = {}
+        self.peak: dict[str, int] = {}
+        self.process_peak: dict[str, int] = {}
+        self.current: tuple[str, float] | None = None  # the phase running now and its start
+        self.say = say
+        self.table_open = False
+
+    def open_table(self) -> None:
+        self.table_open = True
+        if self.say is not None:
+            self.say(PHASE_HEADER)
+            for name in self.time:
+                self._row(name)
+
+    def _row(self, name: str) -> None:
+        if self.say is not None:
+            self.say(
+                f"    {name:<16} {self.time[name]:8.3f} s  {fmt_bytes(self.peak[name]):>12}   "
+                f"{fmt_bytes(self.process_peak[name]):>12}"
+            )
 
     def run(self, name, fn, *a, **kw):
+        self.current = (name, time.perf_counter())
         with PhaseMemory() as pm:
             t0 = time.perf_counter()
             out = fn(*a, **kw)
             self.time[name] = time.perf_counter() - t0
+        self.current = None
         self.peak[name] = pm.peak
         # VmHWM is read from per-CPU-batched RSS counters and can dip by a few pages between
         # two reads; the high-water mark itself never goes down: the running maximum
         self.process_peak[name] = max(process_peak_bytes(), *self.process_peak.values(), 0)
+        if self.table_open:
+            self._row(name)
         return out
 
 
-def run_job(job: Job) -> tuple[dict, dict]:
-    """Run the job; returns (report, tensors to save)."""
+def job_flops(job: Job) -> dict[str, float]:
+    """The job's floating-point operations: the GEMMs of the forward and the backward, and the
+    float64 golden check's (sampled rows against every vocabulary row, sampled vocabulary rows
+    against every row)."""
+    BT, H, V = job.BT, job.H, job.V
+    hp, shards, n = job.args.mode == "high-performance", job.args.shards, job.args.samples
+    # memory-saving: mm0 (recomputed logits) + mm1 + mm2; high-performance: mm1 + mm2 (+ the
+    # logits recomputed per shard when there are several)
+    bwd = (6.0 if not hp else (4.0 if shards == 1 else 6.0)) * BT * V * H
+    return {"forward": 2.0 * BT * V * H, "backward": bwd, "golden_check": 8.0 * n * V * H + 6.0 * BT * n * H}
+
+
+#: Rates the time estimate assumes beside the measured BLAS rate: random numbers generated, and
+#: elements widened to float64 by the golden check, per second (conservative, 1 core).
+GENERATE_PER_S = 1e8
+WIDEN_PER_S = 2e8
+#: Loading the compiled kernels from Numba's cache (the compile_warmup phase on a warm cache).
+KERNEL_LOAD_S = 1.0
+
+
+def estimate_seconds(job: Job, blas_gflops: float) -> tuple[float, str]:
+    """Time the job should take, from its FLOPs over the BLAS rate measured on the spot (the
+    golden check's float64 GEMMs at half of it), plus data generation and the golden check's
+    widening of the weight.  Numba's compilation on a first run is not included."""
+    f = job_flops(job)
+    rate = max(blas_gflops, 1e-3) * 1e9
+    gemm = f["forward"] + f["backward"]
+    secs = gemm / rate + f["golden_check"] / (rate / 2)
+    gen = (job.V * job.H if job.w_src is None else 0) + (job.BT * job.H if job.x_src is None else 0)
+    secs += gen / GENERATE_PER_S
+    if job.args.samples:
+        secs += job.V * job.H / WIDEN_PER_S
+    secs += KERNEL_LOAD_S
+    detail = f"{gemm / 1e12:.3g} TFLOP of GEMMs at the fp32 BLAS rate measured now, {blas_gflops:.3g} GFLOP/s"
+    kern = gemm_kernel(job.dtype)
+    if kern != "BLAS sgemm":
+        detail += f"; this CPU runs them on the {kern.split(' (')[0]}, usually faster"
+    extra = (["generating the data"] if gen else []) + (["the float64 golden check"] if job.args.samples else [])
+    if extra:
+        detail += "; plus " + " and ".join(extra)
+    return secs, detail + "; a first run also compiles the kernels"
+
+
+def fmt_seconds(s: float) -> str:
+    if s < 90:
+        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def confirm(job: Job, est_s: float, say: Say) -> None:
+    """Jobs estimated above ``CONFIRM_ABOVE_S`` run with ``--yes``, or when the user says yes on
+    a terminal; without a terminal to ask they are refused (one line, exit 2), never left
+    hanging on a prompt."""
+    if est_s <= CONFIRM_ABOVE_S or job.args.yes:
+        return
+    what = f"the job is estimated at about {fmt_seconds(est_s)} (over {CONFIRM_ABOVE_S / 60:.0f} min)"
+    stdin = sys.stdin
+    if stdin is None or not stdin.isatty():
+        raise CliError(f"{what}: pass --yes to run it (stdin is not a terminal to ask on), or use a smaller shape")
+    print(f"fastgrad: {what}. Run it? [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = stdin.readline().strip().lower()
+    if answer not in ("y", "yes"):
+        raise Declined()
+
+
+class Declined(Exception):
+    """The user answered no to the confirmation."""
+
+
+class Stopped(BaseException):
+    """SIGTERM (or SIGINT) arrived: unwind to the partial report."""
+
+    def __init__(self, signame: str, code: int):
+        super().__init__(signame)
+        self.signame, self.code = signame, code
+
+
+def _on_signal(signum, frame):
+    import signal
+
+    raise Stopped(signal.Signals(signum).name, 128 + signum)
+
+
+def header(job: Job, threads: int, say: Say) -> None:
+    """The report's first lines, before any work: the job, its inputs, the memory estimate."""
+    from .._version import __version__
+
+    args, est = job.args, job.estimate
+    say(
+        f"fastgrad {__version__}: LM-head gradient, BT={job.BT} H={job.H} V={job.V} {job.dtype} "
+        f"mode={args.mode} shards={args.shards} threads={threads}"
+    )
+    src = job.sources
+    say(f"  inputs: weight {src['weight']}; input {src['input']}; target {src['target']}")
+    for note in job.notes:
+        say(f"  note: {note}")
+    say(
+        f"  memory estimated from the plan before allocating: {fmt_bytes(est['total_bytes'])} "
+        f"(limit {fmt_bytes(est['limit_bytes'])}, {est['limit_source']}); backward tiles "
+        f"{est['plan_backward']['bt_tile']}x{est['plan_backward']['v_tile']}, scratch "
+        f"{fmt_bytes(est['plan_backward']['workspace_bytes'])}"
+        + (f"; --out needs {fmt_bytes(output_bytes(job))}" if args.out is not None else "")
+    )
+
+
+def run_job(job: Job, ph: Phases | None = None, blas: float | None = None) -> tuple[dict, dict]:
+    """Run the job's phases (``ph`` prints their rows as they end); returns (report, tensors to
+    save).  ``blas``: the BLAS rate already measured (else measured here)."""
     import fastgrad as fg
     from fastgrad import vocab_parallel as vp
 
-    args = job.args
-    threads = args.threads or os.cpu_count() or 1
-    fg.set_num_threads(threads)
-    if args.workspace_mb is not None:
-        from fastgrad import tiling
+    from .._config import max_threads
 
-        tiling.set_workspace_budget(int(args.workspace_mb * MiB))
+    args = job.args
+    threads = args.threads or max_threads()
     show = not args.no_progress and not args.json and sys.stderr.isatty()
-    ph = Phases()
+    ph = ph if ph is not None else Phases()
     rss_start = rss_bytes()
-    check_fits(job)
+    if not job.estimate:
+        check_fits(job)
+    if blas is None:
+        blas = ph.run("blas_measure", measure_blas_gflops, job.BT, job.H, threads)
     x, w, t, grad = ph.run("load_inputs", load_inputs, job)
     BT, H, V = job.BT, job.H, job.V
     bounds, shards, hp = job.bounds, args.shards, args.mode == "high-performance"
     ph.run("compile_warmup", _warm, fg, x.dtype, args.filter_eps)
-    blas = ph.run("blas_measure", measure_blas_gflops, BT, H, threads)
     rss_before = rss_bytes()
 
     # ---- forward: each shard's online max/sum, combined as the caller's all-reduce would
@@ -837,10 +1115,8 @@ def run_job(job: Job) -> tuple[dict, dict]:
         )
 
     phases = ph.time
-    flop_fwd = 2.0 * BT * V * H
-    # memory-saving: mm0 (recomputed logits) + mm1 + mm2; high-performance: mm1 + mm2 (+ the logits
-    # recomputed per shard when there are several)
-    flop_bwd = (6.0 if not hp else (4.0 if shards == 1 else 6.0)) * BT * V * H
+    flops = job_flops(job)
+    flop_fwd, flop_bwd = flops["forward"], flops["backward"]
     gf_f = flop_fwd / phases["forward"] / 1e9
     gf_b = flop_bwd / phases["backward"] / 1e9
     io_bytes = x.nbytes + w.nbytes + grad_input.nbytes + grad_weight.nbytes
@@ -871,6 +1147,7 @@ def run_job(job: Job) -> tuple[dict, dict]:
             "logits_and_softmax_bytes_held": (BT * (-(-V // shards)) * (x.dtype.itemsize + 4)) if hp else 0,
         },
         "loss_mean": float(np.mean(loss, dtype=np.float64)),
+        "gemm_kernel": gemm_kernel(x.dtype),
         "machine": {
             "python": platform.python_version(),
             "cpu": platform.processor() or platform.machine(),
@@ -897,8 +1174,17 @@ def run_job(job: Job) -> tuple[dict, dict]:
 # ------------------------------------------------------------------ golden check (sampled)
 
 
+def sample_indices(rng, n: int, k: int, first) -> np.ndarray:
+    """``k`` distinct indices in ``[0, n)`` (``k <= n``), sorted: the ones in ``first`` (in their
+    order, duplicates dropped) before random ones."""
+    extra = rng.choice(n, size=min(n, k + len(first)), replace=False)
+    picked = list(dict.fromkeys(int(i) for i in (*first, *extra)))[:k]
+    return np.array(sorted(picked), dtype=np.int64)
+
+
 def golden_check(fg, vp, x, w, t, grad, gmax, gsum, loss, grad_input, grad_weight, fwd, bounds, samples, seed):
-    """float64 golden on sampled rows and vocabulary rows through the reference backend.
+    """float64 golden on ``samples`` sampled rows and ``samples`` sampled vocabulary rows
+    (the first and last of each among them) through the reference backend.
 
     * rows ``R``: the statistics and loss from the reference forward over vocabulary chunks
       (combined as the all-reduce), and ``grad_input[R]`` = the sum over vocabulary chunks of the
@@ -914,12 +1200,12 @@ def golden_check(fg, vp, x, w, t, grad, gmax, gsum, loss, grad_input, grad_weigh
     V = w.shape[0]
     dt = x.dtype
     rng = np.random.default_rng(seed + 1)
-    rows = np.unique(np.concatenate([[0, BT - 1], rng.integers(0, BT, samples)]))
-    cols = np.unique(np.concatenate([[0, V - 1], t[rows[: max(1, samples // 2)]], rng.integers(0, V, samples)]))
+    rows = sample_indices(rng, BT, samples, [0, BT - 1])
+    cols = sample_indices(rng, V, samples, [0, V - 1, *t[rows[: max(1, samples // 2)]]])
     xr, tr, gr = np.ascontiguousarray(x[rows]), t[rows], grad[rows]
     chunk = max(256, GOLDEN_CHUNK_BYTES // (8 * H))
     n = len(rows)
-    stats = ([], [], [], [])
+    stats: tuple[list, list, list, list] = ([], [], [], [])
     gi64 = np.zeros((n, H))
     with fg.use_backend("reference"):
         parts = []
@@ -998,70 +1284,128 @@ def golden_check(fg, vp, x, w, t, grad, gmax, gsum, loss, grad_input, grad_weigh
 
 
 def write_outputs(out_dir: str, fmt: str, tensors: dict, report: dict) -> list[str]:
+    """Write the tensors and ``report.json`` into ``out_dir``.  Each file is written as
+    ``NAME.part`` and renamed when complete; when a write fails (a full disk) every file of
+    this call, partial or complete, is removed and the ``OSError`` propagates."""
+    written: list[str] = []
+
+    def part(path: str) -> str:
+        written.append(path + ".part")
+        return path + ".part"
+
+    def done(path: str) -> None:
+        os.replace(path + ".part", path)
+        written[-1] = path
+
     files = []
-    if fmt == "safetensors":
-        meta = {
-            "fastgrad": report["fastgrad"],
-            "dtype": report["dtype"],
-            "mode": report["mode"],
-            "shape": json.dumps(report["shape"]),
-        }
-        files.append(ck.save_safetensors(os.path.join(out_dir, "results.safetensors"), tensors, meta))
-    else:
-        for name, a in tensors.items():
-            path = os.path.join(out_dir, name + ".npy")
-            np.save(path, a, allow_pickle=False)
+    try:
+        if fmt == "safetensors":
+            meta = {
+                "fastgrad": report["fastgrad"],
+                "dtype": report["dtype"],
+                "mode": report["mode"],
+                "shape": json.dumps(report["shape"]),
+            }
+            path = os.path.join(out_dir, "results.safetensors")
+            written.append(path + ".part")  # save_safetensors writes PATH.part, then renames
+            ck.save_safetensors(path, tensors, meta)
+            written[-1] = path
             files.append(path)
-    report["outputs"] = {
-        "dir": out_dir,
-        "files": [os.path.basename(f) for f in files],
-        "tensors": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in tensors.items()},
-    }
-    path = os.path.join(out_dir, "report.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=json_default)
-        f.write("\n")
-    files.append(path)
+        else:
+            for name, a in tensors.items():
+                path = os.path.join(out_dir, name + ".npy")
+                with open(part(path), "wb") as fb:
+                    np.save(fb, a, allow_pickle=False)
+                done(path)
+                files.append(path)
+        report["outputs"] = {
+            "dir": out_dir,
+            "files": [os.path.basename(f) for f in files] + ["report.json"],
+            "tensors": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in tensors.items()},
+        }
+        path = os.path.join(out_dir, "report.json")
+        with open(part(path), "w") as f:
+            json.dump(report, f, indent=1, default=json_default)
+            f.write("\n")
+        done(path)
+        files.append(path)
+    except BaseException:
+        report.pop("outputs", None)
+        for w in written:
+            try:
+                os.remove(w)
+            except OSError:
+                pass
+        raise
     return files
 
 
-def _pct_of_blas(f: float) -> str:
+def gemm_kernel(dtype: np.dtype) -> str:
+    """What the NumPy-level fused linear ops run their GEMMs on for ``dtype`` here."""
+    from .. import _config
+    from ..dtypes import BFLOAT16, FLOAT16
+
+    if dtype == BFLOAT16 and _config.bf16_kernel_in_use():
+        return "bf16 exact-product kernel (AVX-512 BF16)"
+    if dtype == FLOAT16 and _config.fp16_kernel_in_use():
+        return "fp32 AVX-512 kernel (fp16 operands)"
+    return "BLAS sgemm"
+
+
+def _pct_of_blas(f: float, kernel: str = "BLAS sgemm") -> str:
     s = f"{f:.0%} of BLAS"
-    if f > 1.05:
+    if f > 1.05 and kernel != "BLAS sgemm":
+        s += f"; the {kernel.split(' (')[0]} beats fp32 BLAS"
+    elif f > 1.05:
         s += ", above the measured BLAS rate: timing noise on a shared machine"
     return s
 
 
-def print_report(r: dict) -> None:
+def print_report(r: dict, say: Say | None = None) -> None:
+    """The whole report at once (the command prints it as it goes: :func:`header`, the phase
+    rows, :func:`print_summary`)."""
+    say = say or Say()
     s = r["shape"]
-    print(
+    say(
         f"fastgrad {r['fastgrad']}: LM-head gradient, BT={s['BT']} H={s['H']} V={s['V']} {r['dtype']} "
         f"mode={r['mode']} shards={r['shards']} threads={r['threads']}"
     )
-    print(f"  inputs: weight {r['sources']['weight']}; input {r['sources']['input']}; target {r['sources']['target']}")
+    say(f"  inputs: weight {r['sources']['weight']}; input {r['sources']['input']}; target {r['sources']['target']}")
     for note in r.get("notes", []):
-        print(f"  note: {note}")
+        say(f"  note: {note}")
     m = r["memory"]
     est = m["estimate"]
-    print(
+    say(
         f"  memory estimated from the plan before allocating: {fmt_bytes(est['total_bytes'])} "
         f"(limit {fmt_bytes(est['limit_bytes'])}, {est['limit_source']}); backward tiles "
         f"{est['plan_backward']['bt_tile']}x{est['plan_backward']['v_tile']}, scratch "
         f"{fmt_bytes(est['plan_backward']['workspace_bytes'])}"
     )
-    print("  phase              time      phase peak RSS   process peak RSS (VmHWM)")
+    say(PHASE_HEADER)
     for k, v in r["phases_s"].items():
-        print(
+        say(
             f"    {k:<16} {v:8.3f} s  {fmt_bytes(m['phase_peak_rss_bytes'][k]):>12}   "
             f"{fmt_bytes(m['process_peak_rss_bytes_after_phase'][k]):>12}"
         )
+    print_summary(r, say)
+
+
+def print_summary(r: dict, say: Say | None = None) -> None:
+    """The report's lines after the phase table: rates, memory, filtering, golden errors, loss."""
+    say = say or Say()
+    m = r["memory"]
+    est = m["estimate"]
     g = r["gflops"]
     fb = r["fraction_of_blas"]
-    print(
-        f"  GFLOP/s: forward {g['forward']:.1f} ({_pct_of_blas(fb['forward'])}), backward "
-        f"{g['backward']:.1f} ({_pct_of_blas(fb['backward'])}); BLAS fp32 GEMM measured now: "
-        f"{g['blas_fp32_measured']:.1f}"
+    kern = r.get("gemm_kernel", "BLAS sgemm")
+    say(
+        f"  GFLOP/s: forward {g['forward']:.1f} ({_pct_of_blas(fb['forward'], kern)}), backward "
+        f"{g['backward']:.1f} ({_pct_of_blas(fb['backward'], kern)}); BLAS fp32 GEMM measured now: "
+        f"{g['blas_fp32_measured']:.1f}; GEMMs on: {kern}"
     )
+    if "time_estimate_s" in r:
+        total = sum(r["phases_s"].values())
+        say(f"  time: {fmt_seconds(total)} in the phases (estimated {fmt_seconds(r['time_estimate_s'])})")
     if r["mode"] == "memory-saving":
         held = f"the [BT, V] fp32 logits it never held: {fmt_bytes(m['logits_fp32_bytes_avoided'])}"
     else:
@@ -1069,20 +1413,20 @@ def print_report(r: dict) -> None:
             f"high-performance mode held a shard's [BT, V] logits and fp32 softmax: "
             f"{fmt_bytes(m['logits_and_softmax_bytes_held'])}"
         )
-    print(
+    say(
         f"  memory: process peak {fmt_bytes(m['process_peak_rss_bytes'])} (estimate "
         f"{fmt_bytes(est['total_bytes'])}; inputs+outputs {fmt_bytes(m['inputs_outputs_bytes'])}, "
         f"process before the phases {fmt_bytes(m['rss_before_bytes'])}); {held}"
     )
     if "filter" in r:
         f = r["filter"]
-        print(
+        say(
             f"  gradient filtering: filter_eps {f['filter_eps']:.3g}, {f['blocks_skipped']} of "
             f"{f['blocks_total']} blocks skipped ({f['fraction_skipped']:.1%})"
         )
     if "max_error_vs_golden" in r:
         e = r["max_error_vs_golden"]
-        print(
+        say(
             f"  vs float64 golden ({e['rows_sampled']} rows, {e['vocab_rows_sampled']} vocab rows): "
             f"loss {e['loss_abs']:.2e}, grad_input {e['grad_input_abs']:.2e} "
             f"({e['grad_input_rel_to_max']:.2e} of max), grad_weight {e['grad_weight_abs']:.2e} "
@@ -1096,13 +1440,10 @@ def print_report(r: dict) -> None:
                 f"{name} {'pass' if v['passed'] else 'FAIL'} (MERE {mt.get('MERE', 0):.2e}, "
                 f"MARE {mt.get('MARE', 0):.2e}, {v['dtype']})"
             )
-        print(f"  Ascend single benchmark: {'PASS' if c['passed'] else 'FAIL'}: " + "; ".join(parts))
-    print(f"  mean loss {r['loss_mean']:.6f}")
+        say(f"  Ascend single benchmark: {'PASS' if c['passed'] else 'FAIL'}: " + "; ".join(parts))
+    say(f"  mean loss {r['loss_mean']:.6f}")
     if "outputs" in r:
-        print(
-            f"  wrote {', '.join(os.path.join(r['outputs']['dir'], f) for f in r['outputs']['files'])}"
-            f"{', report.json' if 'report.json' not in r['outputs']['files'] else ''}"
-        )
+        say(f"  wrote {', '.join(os.path.join(r['outputs']['dir'], f) for f in r['outputs']['files'])}")
 
 
 def list_tensors(path: str) -> int:
@@ -1121,18 +1462,106 @@ def list_tensors(path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command.  Order: validate every flag and file (exit 2), apply the settings, estimate
+    memory (exit 2 when it does not fit) and check ``--out`` (writable, room for the results),
+    print the header, measure the BLAS rate and print the time estimate, ask when the job is
+    long (``--yes``), then run the phases, printing each row as it ends; SIGINT/SIGTERM print
+    the partial report (exit 130/143); a failed write prints the report, removes the partial
+    files and exits 2."""
     args = build_parser().parse_args(argv)
     if args.list_tensors is not None:
         return list_tensors(args.list_tensors)
     job = resolve(args)
-    res, tensors = run_job(job)
+    try:
+        return _main(job)
+    finally:
+        if job.out_created:  # nothing written (refused, interrupted, failed): leave no empty dir
+            _remove_dir_if_empty(args.out)
+
+
+def _interrupted(e: BaseException, ph: Phases, say: Say, what: str) -> int:
+    """The partial report of a job stopped by SIGINT/SIGTERM; returns 130/143."""
+    signame, code = (e.signame, e.code) if isinstance(e, Stopped) else ("SIGINT", 130)
+    cur = ph.current
+    where = f"during {cur[0]} after {time.perf_counter() - cur[1]:.1f} s" if cur else "between phases"
+    say(
+        f"  interrupted by {signame} {where}; phases done: {', '.join(ph.time) or 'none'}; "
+        f"process peak RSS {fmt_bytes(process_peak_bytes())}; {what}"
+    )
+    print(f"fastgrad: interrupted by {signame} (partial report above)", file=sys.stderr)
+    return code
+
+
+def _main(job: Job) -> int:
+    import signal
+
+    in_main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _on_signal) if in_main else None
+    try:
+        return _job(job)
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _job(job: Job) -> int:
+    import fastgrad as fg
+
+    from .. import tiling
+    from .._config import max_threads
+
+    args = job.args
+    say = Say(sys.stderr if args.json else sys.stdout)
+    threads = args.threads or max_threads()
+    old_threads, old_budget = fg.get_num_threads(), tiling._budget_override
+    fg.set_num_threads(threads)
+    if args.workspace_mb is not None:
+        tiling.set_workspace_budget(int(args.workspace_mb * MiB))
+    ph = Phases(say)
+    try:
+        check_fits(job)
+        check_out_space(job)
+        header(job, threads, say)
+        blas = ph.run("blas_measure", measure_blas_gflops, job.BT, job.H, threads)
+        est_s, detail = estimate_seconds(job, blas)
+        say(f"  time estimated: about {fmt_seconds(est_s)} ({detail})")
+        confirm(job, est_s, say)
+        ph.open_table()
+        res, tensors = run_job(job, ph, blas)
+        res["time_estimate_s"] = est_s
+    except Declined:
+        print("fastgrad: not run (answered no)", file=sys.stderr)
+        return 130
+    except (Stopped, KeyboardInterrupt) as e:
+        return _interrupted(e, ph, say, "no results written")
+    finally:
+        fg.set_num_threads(old_threads)
+        tiling.set_workspace_budget(old_budget)
+    failed = None
     if args.out is not None:
-        write_outputs(args.out, args.out_format, tensors, res)
-        res["outputs"]["files"].append("report.json")
+        try:
+            ph.current = ("write_outputs", time.perf_counter())
+            write_outputs(args.out, args.out_format, tensors, res)
+            ph.current = None
+            job.out_created = False
+        except OSError as e:
+            failed = e
+            res["outputs_error"] = f"{e.filename or args.out}: {e.strerror or e}"
+        except (Stopped, KeyboardInterrupt) as e:
+            print_summary(res, say)
+            return _interrupted(e, ph, say, "partial files removed")
     if args.json:
-        print(json.dumps(res, indent=2, default=json_default))
+        print(json.dumps(res, indent=2, default=json_default), flush=True)
     else:
-        print_report(res)
+        print_summary(res, say)
+    if failed is not None:
+        name = failed.filename or args.out
+        print(
+            f"fastgrad: --out: could not write {name!r}: {failed.strerror or failed} "
+            "(the report is above; partial files removed)",
+            file=sys.stderr,
+        )
+        return 2
     if args.check and not res["check"]["passed"]:
         return 1
     return 0

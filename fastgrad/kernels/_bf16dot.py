@@ -1,5 +1,5 @@
-"""Exact-product bf16 GEMMs on CPUs with AVX-512 BF16: the logits ``X · Wᵀ``, and the FLCE
-grad's ``g · W`` and ``gᵀ · X`` where ``g`` is rounded to bf16 by the op's contract.
+"""Exact-product bf16 GEMMs on x86-64 CPUs with AVX2 + FMA or AVX-512: the logits ``X · Wᵀ``,
+and the FLCE grad's ``g · W`` and ``gᵀ · X`` where ``g`` is rounded to bf16 by the op's contract.
 
 When ``X`` and ``W`` are bf16, every product ``x·w`` is exact in fp32 (8 + 8 significant bits),
 so the logits GEMM needs no fp32 operands: ``vdpbf16ps`` multiplies pairs of bf16 values and
@@ -14,203 +14,115 @@ hidden state holds; this is the one difference from a widened sgemm besides the 
 
 No NumPy or PyTorch API gives a bf16 × bf16 → fp32 GEMM on the CPU (``torch.mm(...,
 out_dtype=)`` is not implemented for CPU tensors; MKL's ``cblas_gemm_bf16bf16f32`` runs at the
-fp32 rate on AMD), so the micro-kernel is written here in LLVM IR and compiled once per process
-with llvmlite (Numba's own LLVM binding): 6 rows × 64 columns of accumulators (24 zmm registers),
-``W`` packed per vocabulary chunk as ``[ceil(H/2), 64·⌈N/64⌉]`` 32-bit pairs — its own row-major
-pairs, transposed — and ``X`` read in place as 32-bit pairs (broadcast per row).  Calls go through
-``ctypes``, which releases the GIL, so the tiles run on fastgrad's GEMM pool.  Passes of at most
+fp32 rate on AMD), so the micro-kernel is generated in LLVM IR from a spec and compiled once per
+process with llvmlite (Numba's own LLVM binding): ``fastgrad/kernels/_native.py``, whose
+variants — AVX-512 BF16 (``vdpbf16ps``, 6 × 64 accumulators in 24 zmm registers), AVX-512F and
+AVX2 + FMA (one fused multiply-add per product, the bf16 pairs widened in registers; 6 × 16
+accumulators in 12 ymm registers on AVX2) — all give the same bits (the module's doc).  This
+module is the layouts and the calls: ``W`` packed per vocabulary chunk as ``[ceil(H/2),
+64·⌈N/64⌉]`` 32-bit pairs — its own row-major pairs, transposed — the same ``B`` for every
+variant; ``A`` in the form the variant prefers (:func:`a_form`): ``X`` read in place as 32-bit
+pairs (broadcast per row) on ``vdpbf16ps``, fp32 values on the FMA variants (``X`` widened
+once, ``g`` read in place, ``gᵀ`` copied transposed per task: one broadcast load per value, no
+pairing pass).  :func:`variant` picks the variant (the ISA setting :func:`select_isa`, pushed
+by ``fastgrad._config.set_native_isa`` / ``FASTGRAD_NATIVE_ISA``).  Calls go through
+``ctypes``, which releases the GIL, so the tiles run on fastgrad's GEMM pool; every operand is
+checked first (:func:`gemm_tile`: ``ValueError``, never ``assert``).  Passes of at most
 ``_KC`` pairs over ``k`` keep ``B``'s strip in L2; a pass after the first sums onto the stored
 fp32 values (the same additions in the same order).  The gradient GEMMs read ``B`` as consecutive
-rows interleaved (:func:`interleave`) and ``A`` as the top halves of fp32 values that are bf16
-values (:func:`pairs_of_f32`, :func:`matmul_tn`).
+rows interleaved (:func:`interleave`) and, on ``vdpbf16ps``, ``A`` as the top halves of fp32
+values that are bf16 values (:func:`pairs_of_f32`, :func:`pairs_in_place`, :func:`matmul_tn`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import threading
 
 import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
+from . import _native
 
-_NR = 4  # 16-lane vectors of columns per micro-tile: 64 columns
-_COLS = 16 * _NR
-_MR = 6  # rows per micro-tile
+_COLS = 64  #: the packed ``B``'s column granule: a multiple of every variant's register tile
 #: pairs of ``k`` per pass over a tile: a 64-column strip of ``B`` (KC × 256 bytes) stays in L2;
 #: the next pass sums onto the stored fp32 values, the same additions in the same order
 _KC = 256
-_lock = threading.Lock()
-_state: dict = {}
+#: the native ISA setting (``fastgrad.set_native_isa``, pushed here by ``fastgrad._config``):
+#: ``"auto"`` (the best variant the CPU runs), ``"avx512"`` or ``"avx2"`` (only that ISA's)
+ISAS = ("auto", "avx512", "avx2")
+_isa = "auto"
 
 
-def _ir(mr: int, acc: bool = False, kind: str = "bf16") -> str:
-    """LLVM IR of ``{kind}gemm_mr{mr}(A, lda, ska, B, ldb, C, ldc, M, N, K)``: ``C[M, N] = A · B``,
-    ``M % mr == 0``, ``N % 64 == 0``, K ≥ 1; ``A[i, k]`` at ``A + i·lda + k·ska`` (elements);
-    ``acc`` (``{kind}gemm_acc_mr{mr}``): ``C += A · B``, the products summed onto ``C``'s values.
-
-    ``kind="bf16"``: ``A`` [M, K] and ``B`` [K, N] 32-bit bf16 pairs, ``vdpbf16ps`` per pair;
-    ``kind="f32"``: fp32 ``A`` and ``B``, one fused multiply-add per ``k`` (the fp16 operands'
-    kernel: their products are exact in fp32, as bf16's)."""
-    f = f"{kind}gemm_acc_mr{mr}" if acc else f"{kind}gemm_mr{mr}"
-    elt, vec = ("i32", "<16 x i32>") if kind == "bf16" else ("float", "<16 x float>")
-    L = [
-        f"define void @{f}(ptr noalias %A, i64 %lda, i64 %ska, ptr noalias %B, i64 %ldb, ptr noalias %C, "
-        "i64 %ldc, i64 %M, i64 %N, i64 %KP) #0 {",
-        "entry:",
-        "  br label %mloop",
-        "mloop:",
-        "  %m = phi i64 [0, %entry], [%m.next, %mlatch]",
-        "  br label %nloop",
-        "nloop:",
-        "  %n = phi i64 [0, %mloop], [%n.next, %nlatch]",
-    ]
-    for i in range(mr):  # the store's addresses; with acc, C's values start the sums
-        L += [f"  %cr{i} = add i64 %m, {i}", f"  %coa{i} = mul i64 %cr{i}, %ldc", f"  %co{i} = add i64 %coa{i}, %n"]
-        for j in range(_NR):
-            L += [
-                f"  %co{i}_{j} = add i64 %co{i}, {16 * j}",
-                f"  %cp{i}_{j} = getelementptr float, ptr %C, i64 %co{i}_{j}",
-            ]
-            if acc:
-                L.append(f"  %c0_{i}_{j} = load <16 x float>, ptr %cp{i}_{j}, align 4")
-    L += ["  br label %kloop", "kloop:", "  %kp = phi i64 [0, %nloop], [%kp.next, %kloop]"]
-    for i in range(mr):
-        for j in range(_NR):
-            init = f"%c0_{i}_{j}" if acc else "zeroinitializer"
-            L.append(f"  %acc{i}_{j} = phi <16 x float> [{init}, %nloop], [%nacc{i}_{j}, %kloop]")
-    L.append("  %brow = mul i64 %kp, %ldb")
-    L.append("  %bn = add i64 %brow, %n")
-    L.append("  %ak = mul i64 %kp, %ska")
-    for j in range(_NR):
-        L += [
-            f"  %bo{j} = add i64 %bn, {16 * j}",
-            f"  %bp{j} = getelementptr {elt}, ptr %B, i64 %bo{j}",
-            f"  %bv{j} = load {vec}, ptr %bp{j}, align 4",
-        ]
-        if kind == "bf16":
-            L.append(f"  %bb{j} = bitcast <16 x i32> %bv{j} to <32 x bfloat>")
-    for i in range(mr):
-        L += [
-            f"  %ar{i} = add i64 %m, {i}",
-            f"  %aoa{i} = mul i64 %ar{i}, %lda",
-            f"  %ao{i} = add i64 %aoa{i}, %ak",
-            f"  %ap{i} = getelementptr {elt}, ptr %A, i64 %ao{i}",
-            f"  %as{i} = load {elt}, ptr %ap{i}, align 4",
-            f"  %ai{i} = insertelement {vec} poison, {elt} %as{i}, i32 0",
-            f"  %av{i} = shufflevector {vec} %ai{i}, {vec} poison, <16 x i32> zeroinitializer",
-        ]
-        if kind == "bf16":
-            L.append(f"  %ab{i} = bitcast <16 x i32> %av{i} to <32 x bfloat>")
-        for j in range(_NR):
-            if kind == "bf16":
-                L.append(
-                    f"  %nacc{i}_{j} = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512("
-                    f"<16 x float> %acc{i}_{j}, <32 x bfloat> %ab{i}, <32 x bfloat> %bb{j})"
-                )
-            else:
-                L.append(
-                    f"  %nacc{i}_{j} = call <16 x float> @llvm.fma.v16f32("
-                    f"<16 x float> %av{i}, <16 x float> %bv{j}, <16 x float> %acc{i}_{j})"
-                )
-    L += [
-        "  %kp.next = add i64 %kp, 1",
-        "  %kdone = icmp eq i64 %kp.next, %KP",
-        "  br i1 %kdone, label %store, label %kloop",
-        "store:",
-    ]
-    for i in range(mr):
-        for j in range(_NR):
-            L.append(f"  store <16 x float> %nacc{i}_{j}, ptr %cp{i}_{j}, align 4")
-    L += [
-        "  br label %nlatch",
-        "nlatch:",
-        f"  %n.next = add i64 %n, {_COLS}",
-        "  %ndone = icmp eq i64 %n.next, %N",
-        "  br i1 %ndone, label %mlatch, label %nloop",
-        "mlatch:",
-        f"  %m.next = add i64 %m, {mr}",
-        "  %mdone = icmp eq i64 %m.next, %M",
-        "  br i1 %mdone, label %exit, label %mloop",
-        "exit:",
-        "  ret void",
-        "}",
-    ]
-    return "\n".join(L)
+def select_isa(isa: str) -> None:
+    """Use the variants of ``isa`` (:data:`ISAS`) from now on, process-wide (``fastgrad._config``
+    pushes its setting here; tests call it directly).  Raises ``ValueError`` for another name."""
+    global _isa
+    if isa not in ISAS:
+        raise ValueError(f"native ISA must be one of {', '.join(ISAS)}; got {isa!r}")
+    _isa = isa
 
 
-#: per kernel kind: the CPU flag it needs, the intrinsic it calls, LLVM's target features
-_KIND_SPEC = {
-    "bf16": (
-        "avx512_bf16",
-        "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
-        "+avx512f,+avx512bw,+avx512vl,+avx512bf16",
-    ),
-    "f32": (
-        "avx512f",
-        "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
-        "+avx512f,+fma",
-    ),
-}
+def selected_isa() -> str:
+    """The ISA setting in force here (:func:`select_isa`)."""
+    return _isa
 
 
-def _host_flags() -> frozenset:
-    from .._onednn import cpu_flags
+def variant(kind: str = "bf16", isa: str | None = None) -> _native.KernelSpec | None:
+    """The kernel variant the GEMMs of operand ``kind`` (``"bf16"``: bf16 pairs; ``"f32"``: fp32)
+    run on: the first of ``_native.PREFERENCE[kind]`` of the ISA setting (``isa``, default
+    :func:`selected_isa`; ``"auto"``: any) that the CPU runs and that compiled; None: BLAS."""
+    want = _isa if isa is None else isa
+    for name in _native.PREFERENCE[kind]:
+        spec = _native.SPECS[name]
+        if want in ("auto", spec.isa) and _native.compiled(spec) is not None:
+            return spec
+    return None
 
-    return cpu_flags()
+
+#: per operand kind, whether the GEMM setting ``"auto"`` runs the AVX2 + FMA variant when it is
+#: the best the CPU has (ISA setting ``"auto"``): not for bf16 — on a Zen 4 EPYC, one thread,
+#: the AVX2 code against OpenBLAS's Haswell sgemm path at (1024, 896, 32000), the FLCE grad took
+#: 1.14x, the online max-sum 1.09x, the training loss 1.01x the BLAS path's CPU time (the GEMMs
+#: themselves run at sgemm's rate; the packing and pairing passes are the difference)
+AUTO_AVX2 = {"bf16": False, "f32": True}
 
 
-def _build(kind: str):
-    """Compile the ``kind`` kernels (MR = 1..6) once; None where the CPU or LLVM cannot."""
-    flag, decl, features = _KIND_SPEC[kind]
-    if flag not in _host_flags():
+def auto_variant(kind: str = "bf16") -> _native.KernelSpec | None:
+    """The variant the GEMM setting ``"auto"`` runs for operand ``kind``: :func:`variant`, except
+    None (BLAS) where that is an AVX2 variant picked by the ISA setting ``"auto"`` and
+    :data:`AUTO_AVX2` says BLAS is faster there.  An explicit ISA setting (``"avx2"``: CI, tests)
+    runs its variant."""
+    spec = variant(kind)
+    if spec is not None and _isa == "auto" and spec.isa == "avx2" and not AUTO_AVX2[kind]:
         return None
-    try:
-        import llvmlite.binding as llvm
-
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        text = "\n".join(
-            [
-                decl,
-                *(_ir(mr, acc, kind) for mr in range(1, _MR + 1) for acc in (False, True)),
-                f'attributes #0 = {{ "target-features"="{features}" }}',
-            ]
-        )
-        mod = llvm.parse_assembly(text)
-        mod.verify()
-        target = llvm.Target.from_default_triple()
-        tm = target.create_target_machine(
-            cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
-        )
-        ee = llvm.create_mcjit_compiler(mod, tm)
-        ee.finalize_object()
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        proto = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64)
-        fns = {
-            (mr, acc): proto(ee.get_function_address(f"{kind}gemm_{'acc_' if acc else ''}mr{mr}"))
-            for mr in range(1, _MR + 1)
-            for acc in (False, True)
-        }
-        return {"ee": ee, "tm": tm, "fns": fns}
-    except Exception:  # noqa: BLE001 - an LLVM without the intrinsic: not available
-        return None
+    return spec
 
 
-def _kernels(kind: str = "bf16"):
-    with _lock:
-        if kind not in _state:
-            _state[kind] = _build(kind)
-        return _state[kind]
+def _kernels(kind: str = "bf16", spec: _native.KernelSpec | None = None) -> dict:
+    spec = variant(kind) if spec is None else spec
+    if spec is not None and spec.kind != kind:
+        raise ValueError(f"variant {spec.name!r} takes {spec.kind} operands, not {kind}")
+    k = None if spec is None else _native.compiled(spec)
+    if spec is None or k is None:
+        raise ValueError(f"no native {kind} GEMM kernel runs on this CPU (ISA setting {_isa!r}); check available()")
+    return {"spec": spec, **k}
 
 
-@functools.lru_cache(maxsize=2)
+def a_form(kind: str = "bf16") -> str | None:
+    """The form of ``A`` the variant for ``kind`` prefers (its ``a_forms[0]``): ``"pairs"``
+    (``vdpbf16ps``) or ``"f32"`` (the FMA variants: fp32 values, for bf16 two per pair of ``B``);
+    None where no variant runs.  :func:`pairs_in_place`, :func:`matmul_tn` and :class:`Logits`
+    hand the kernel that form."""
+    spec = variant(kind)
+    return None if spec is None else spec.a_forms[0]
+
+
 def available(kind: str = "bf16") -> bool:
-    """The CPU has the ``kind``'s instructions (``"bf16"``: AVX-512 BF16; ``"f32"``: AVX-512F)
-    and its kernels compiled (once per process)."""
-    return _kernels(kind) is not None
+    """A variant for operand ``kind`` runs here (:func:`variant`): ``"bf16"`` on AVX-512 BF16,
+    AVX-512F or AVX2 + FMA; ``"f32"`` (the fp16 operands) on AVX-512F or AVX2 + FMA; compiled
+    once per process."""
+    return variant(kind) is not None
 
 
 def pairs(a16: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
@@ -260,8 +172,18 @@ def _transpose_widen_rows(lo, hi, src, code, dst):
 
 def b_size(k: int, n: int) -> int:
     """uint32 elements of the kernel's ``B`` for a ``[K, N]`` product: ``ceil(K/2)`` rows of
-    ``64·⌈N/64⌉`` (the ``out`` that :func:`pack` and :func:`interleave` need)."""
-    return ((k + 1) // 2) * npad(n)
+    :func:`b_cols` ``(N)`` (the ``out`` that :func:`pack` and :func:`interleave` need)."""
+    return ((k + 1) // 2) * b_cols(n)
+
+
+def b_cols(n: int) -> int:
+    """The row length of the ``B`` that :func:`pack` and :func:`interleave` write for ``n``
+    columns: :func:`npad` ``(n)``, plus 64 where that is a multiple of 256 — rows 1 KiB · 2ʲ
+    apart share a few L1/L2 sets, and a column tile of ``B`` is read down its rows (AVX2 at a
+    32 KiB row stride: fp32 ``B`` 59 → 82 GF/s per core on a Zen 4 EPYC).  Columns past ``n``
+    are zero and never read into an output."""
+    w = npad(n)
+    return w + _COLS if w % 256 == 0 else w
 
 
 def npad(n: int) -> int:
@@ -277,11 +199,11 @@ def _col_spans(n: int) -> list[tuple[int, int]]:
 
 
 def _b_operand(kernel, src: np.ndarray, kp: int, n: int, out: np.ndarray | None, *args) -> np.ndarray:
-    """The kernel's ``B`` ``[kp, 64·⌈n/64⌉]`` (in ``out`` when given, uint32 without) filled
+    """The kernel's ``B`` ``[kp, b_cols(n)]`` (in ``out`` when given, uint32 without) filled
     from ``src`` by ``kernel(lo, hi, src, *args, B)`` over its rows, on the GEMM pool."""
     from ._gemm import run_rows
 
-    w = npad(n)
+    w = b_cols(n)
     bp = np.empty((kp, w), np.uint32) if out is None else out[: kp * w].reshape(kp, w)
     run_rows(kernel, kp, src, *args, bp)
     return bp
@@ -365,12 +287,16 @@ def pairs_of_f32(g: np.ndarray, transpose: bool = False) -> np.ndarray:
 
 
 def pairs_in_place(g: np.ndarray) -> np.ndarray:
-    """:func:`pairs_of_f32` of a C-contiguous ``g`` written over ``g``'s own rows (``g`` is
-    consumed): a view of row stride ``K``; pair ``p`` of a row lands at or before the values it
-    reads (``2p``, ``2p+1``)."""
+    """``g`` (C-contiguous fp32 of bf16 values) as the bf16 kernel's ``A``: on ``vdpbf16ps``,
+    :func:`pairs_of_f32` written over ``g``'s own rows (``g`` is consumed): a view of row stride
+    ``K``; pair ``p`` of a row lands at or before the values it reads (``2p``, ``2p+1``).  On the
+    FMA variants (:func:`a_form` ``"f32"``) ``g`` itself, untouched."""
     from ._gemm import run_rows
 
-    assert g.flags.c_contiguous
+    if g.dtype != np.float32 or g.ndim != 2 or not g.flags.c_contiguous:
+        raise ValueError(f"g must be a C-contiguous 2-D float32 array, got {g.dtype}, ndim {g.ndim}")
+    if a_form("bf16") == "f32":
+        return g
     u = g.view(np.uint32)
     dst = u[:, : (u.shape[1] + 1) // 2]
     run_rows(_top_pairs, u.shape[0], u, dst)
@@ -388,52 +314,135 @@ def _local(size: int) -> np.ndarray:
     return b
 
 
-def gemm_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray, acc: bool = False) -> None:
+def _check_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarray) -> None:
+    """Every precondition of the native call, as ``ValueError`` (never ``assert``: ``python -O``
+    removes those, and the kernel reads and writes through raw pointers)."""
+    for name, a in (("xp", xp), ("bp", bp), ("out", out)):
+        if not isinstance(a, np.ndarray) or a.ndim != 2:
+            raise ValueError(
+                f"{name} must be a 2-D numpy array, got {type(a).__name__} of ndim {getattr(a, 'ndim', None)}"
+            )
+        if any(st % 4 for st in a.strides):
+            raise ValueError(f"{name}'s strides must be multiples of 4 bytes, got {a.strides}")
+    if xp.dtype not in (np.uint32, np.float32):
+        raise ValueError(f"xp must be uint32 (bf16 pairs) or float32, got {xp.dtype}")
+    if bp.dtype not in (np.uint32, np.float32) or (bp.dtype == np.float32 and xp.dtype != np.float32):
+        raise ValueError(f"bp must be uint32 (bf16 pairs) or, with float32 xp, float32; got {bp.dtype}, xp {xp.dtype}")
+    if xp.dtype == np.uint32 and xp.strides[1] != 4:
+        raise ValueError(f"xp (bf16 pairs) must have unit column stride, got strides {xp.strides}")
+    if out.dtype != np.float32 or out.strides[1] != 4 or not out.flags.writeable:
+        raise ValueError(
+            f"out must be writeable float32 with unit column stride, got {out.dtype}, strides {out.strides}"
+        )
+    if not (
+        isinstance(c0, (int, np.integer)) and isinstance(c1, (int, np.integer)) and 0 <= c0 <= c1 and c0 % _COLS == 0
+    ):
+        raise ValueError(f"c0, c1 must satisfy 0 <= c0 <= c1 with c0 a multiple of {_COLS}, got {c0}, {c1}")
+    if out.shape != (xp.shape[0], c1 - c0):
+        raise ValueError(f"out must have shape {(xp.shape[0], c1 - c0)}, got {out.shape}")
+    krows = (xp.shape[1] + 1) // 2 if (xp.dtype == np.float32 and bp.dtype == np.uint32) else xp.shape[1]
+    if bp.strides[1] != 4 or bp.shape[0] < krows or bp.shape[1] < npad(c1):
+        raise ValueError(
+            f"bp must have unit column stride and shape at least {(krows, npad(c1))}, "
+            f"got {bp.shape}, strides {bp.strides}"
+        )
+
+
+def gemm_tile(
+    xp: np.ndarray,
+    bp: np.ndarray,
+    c0: int,
+    c1: int,
+    out: np.ndarray,
+    acc: bool = False,
+    spec: _native.KernelSpec | None = None,
+) -> None:
     """``out[M, c1-c0] (+)= A · B[:, c0:c1]`` in fp32; ``c0`` a multiple of 64; ``acc``: summed
-    onto ``out``.  One thread.
+    onto ``out``.  One thread, on the variant :func:`variant` picks.
 
     ``xp`` uint32: the bf16 kernel, ``A`` as pairs [M, KP] (rows of unit stride) and ``bp`` the
     packed [KP, NPAD] pairs; ``xp`` float32: the fp32 kernel, ``A`` [M, K] of any strides (``Aᵀ``
-    of a C-contiguous array too) and ``bp`` fp32 [K, ≥ 64·⌈c1/64⌉] with unit column stride."""
-    kind = "bf16" if xp.dtype == np.uint32 else "f32"
-    fns = _kernels(kind)["fns"]
-    m, kp = xp.shape
+    of a C-contiguous array too) and ``bp`` fp32 [K, ≥ 64·⌈c1/64⌉] with unit column stride.
+
+    ``spec``: run this variant (tests) instead of :func:`variant`'s.  Raises ``ValueError`` on
+    any operand that breaks these rules (checked before the native call, also under ``python
+    -O``) or when no variant runs here (:func:`available`)."""
+    _check_tile(xp, bp, c0, c1, out)
+    kind = "bf16" if bp.dtype == np.uint32 else "f32"
+    a_form = "pairs" if xp.dtype == np.uint32 else "f32"
+    m, ka = xp.shape
     n = c1 - c0
     if m == 0 or n == 0:
         return
-    if kp == 0:
+    if ka == 0:
         if not acc:
             out[...] = 0
         return
-    assert c0 % _COLS == 0 and out.dtype == np.float32 and out.strides[1] == 4
-    assert bp.dtype.itemsize == 4 and bp.strides[1] == 4 and bp.shape[1] >= npad(c1)
-    assert kind == "f32" or xp.strides[1] == 4
-    ldc = out.strides[0] // 4
+    k = _kernels(kind, spec)
+    sp = k["spec"]
+    if a_form not in sp.a_forms:
+        raise ValueError(f"variant {sp.name!r} takes A as {' or '.join(sp.a_forms)}, not {a_form}")
+    fns, MR = k["fns"], sp.mr
     lda, ska = xp.strides[0] // 4, xp.strides[1] // 4
+    # segments of k: (A, its lda, ska, elements of A per k step, first and end row of B); fp32 A
+    # with bf16 pairs: two values per pair, an odd K's last value as a pair with a zero (+0·0
+    # added first, as the zero-padded pair of the other forms)
+    if kind == "bf16" and a_form == "f32":
+        segs = [(xp, lda, ska, 2 * ska, 0, ka // 2)] if ka // 2 else []
+        if ka % 2:
+            last = np.zeros((m, 2), np.float32)
+            last[:, 0] = xp[:, ka - 1]
+            segs.append((last, 2, 1, 2, ka // 2, ka // 2 + 1))
+    else:
+        segs = [(xp, lda, ska, ska, 0, ka)]
+    ldc = out.strides[0] // 4
     ldb = bp.strides[0] // 4
     n64 = (n // _COLS) * _COLS
-    m6 = (m // _MR) * _MR
+    m6 = (m // MR) * MR
     tail = None
     if n64 != n:
         tail = np.zeros((m, _COLS), np.float32)
         if acc:
             tail[:, : n - n64] = out[:, n64:]
-    nk = -(-kp // _KC)
-    for c in range(nk):
-        k0, k1 = (c * kp) // nk, ((c + 1) * kp) // nk
-        ac = acc or c > 0
-        for r0, r1, mr in ((0, m6, _MR), (m6, m, m - m6)):
-            if r1 <= r0:
-                continue
-            f = fns[(mr, ac)]
-            a = xp.ctypes.data + (r0 * lda + k0 * ska) * 4
-            b = bp.ctypes.data + (k0 * ldb + c0) * 4
-            if n64:
-                f(a, lda, ska, b, ldb, out.ctypes.data + r0 * ldc * 4, ldc, r1 - r0, n64, k1 - k0)
-            if tail is not None:
-                f(a, lda, ska, b + n64 * 4, ldb, tail.ctypes.data + r0 * _COLS * 4, _COLS, r1 - r0, _COLS, k1 - k0)
+    first = True
+    for A, la, sa, step, p0, p1 in segs:
+        nk = -(-(p1 - p0) // _KC)
+        for c in range(nk):
+            k0, k1 = p0 + (c * (p1 - p0)) // nk, p0 + ((c + 1) * (p1 - p0)) // nk
+            ac = acc or not first
+            first = False
+            for r0, r1, mr in ((0, m6, MR), (m6, m, m - m6)):
+                if r1 <= r0:
+                    continue
+                f = fns[(a_form, mr, ac)]
+                a = A.ctypes.data + (r0 * la + (k0 - p0) * step) * 4
+                b = bp.ctypes.data + (k0 * ldb + c0) * 4
+                if n64:
+                    f(a, la, sa, b, ldb, out.ctypes.data + r0 * ldc * 4, ldc, r1 - r0, n64, k1 - k0, b)
+                if tail is not None:
+                    t = tail.ctypes.data + r0 * _COLS * 4
+                    f(a, la, sa, b + n64 * 4, ldb, t, _COLS, r1 - r0, _COLS, k1 - k0, b + n64 * 4)
     if tail is not None:
         out[:, n64:] = tail[:, : n - n64]
+
+
+def _a_stride(k: int) -> int:
+    """The row stride (elements) of an ``A`` copied into scratch with ``k`` columns: ``k``, plus
+    16 where ``k`` is a multiple of 256 (the row tile's broadcasts, rows 1 KiB · 2ʲ apart, would
+    share L1 sets)."""
+    return k + 16 if k % 256 == 0 else k
+
+
+@tjit
+def _copy_rows(lo, hi, src, dst):
+    """dst[i, :] = src[i, :] for the rows ``lo:hi`` (any strides of ``src``: a transposed view
+    read 16 rows of ``dst`` at a time, each source row's segment a cache line)."""
+    n = src.shape[1]
+    for i0 in range(lo, hi, 16):
+        i1 = min(hi, i0 + 16)
+        for j in range(n):
+            for i in range(i0, i1):
+                dst[i, j] = src[i, j]
 
 
 def matmul(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False) -> None:
@@ -444,6 +453,21 @@ def matmul(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = 
     from ._gemm import ROW_BLOCK, _run, _spans
 
     cols = _col_spans(n)
+    if xp.dtype == np.float32 and xp.ndim == 2 and xp.strides[1] != 4 and xp.shape[1] > 0:
+        # fp32 A read down its columns (gᵀ in place: rows of g a power of two apart share one
+        # L1 set): each task copies its rows into the thread's scratch first (exact), then its
+        # column spans — the same sums (fp16 FLCE grad, AVX2 at H = 896: ~60 → ~80 GF/s)
+        k = xp.shape[1]
+        ka = _a_stride(k)
+
+        def task(r0, r1):
+            a = _local((r1 - r0) * ka)[: (r1 - r0) * ka].view(np.float32).reshape(r1 - r0, ka)[:, :k]
+            _copy_rows(0, r1 - r0, xp[r0:r1], a)
+            for c0, c1 in cols:
+                gemm_tile(a, bp, c0, c1, out[r0:r1, c0:c1], acc)
+
+        _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(xp.shape[0], ROW_BLOCK)])
+        return
     _run(
         [
             (lambda r0=r0, r1=r1, c0=c0, c1=c1: gemm_tile(xp[r0:r1], bp, c0, c1, out[r0:r1, c0:c1], acc))
@@ -460,19 +484,27 @@ def matmul_nt(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray) -> None:
 
 def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False) -> None:
     """``out[M, n] (+)= gᵀ · B`` for ``g`` fp32 ``[K, M]`` of bf16 values and the packed ``bp``
-    [ceil(K/2), ≥ n] (:func:`interleave`): tasks of ≤ 512 rows of ``out`` (two from 128 rows), each pairing its
-    columns of ``g`` into its thread's scratch (no ``[M, K]`` copy is held), then its
-    column spans; the same sums as :func:`matmul` on ``pairs_of_f32(g, transpose=True)``."""
+    [ceil(K/2), ≥ n] (:func:`interleave`): tasks of ≤ 512 rows of ``out`` (two from 128 rows),
+    each pairing its columns of ``g`` into its thread's scratch (``vdpbf16ps``) or copying them
+    there transposed (the FMA variants, fp32 ``A``: read in place, ``g``'s rows, a power of two
+    apart, would share one L1 set), no ``[M, K]`` copy held, then its column spans; the same sums
+    as :func:`matmul` on ``pairs_of_f32(g, transpose=True)``."""
     from ._gemm import ROW_BLOCK, _run, _spans
 
     k, m = g.shape
     kp = (k + 1) // 2
     cols = _col_spans(n)
     u = g.view(np.uint32)
+    f32a = a_form("bf16") == "f32"
+    ka = _a_stride(k)
 
     def task(r0, r1):
-        xp = _local((r1 - r0) * kp)[: (r1 - r0) * kp].reshape(r1 - r0, kp)
-        _top_pairs_t(0, r1 - r0, u[:, r0:r1], xp)
+        if f32a:  # gᵀ's columns copied transposed into the thread's scratch (fp32, exact)
+            xp = _local((r1 - r0) * ka)[: (r1 - r0) * ka].view(np.float32).reshape(r1 - r0, ka)[:, :k]
+            _transpose_rows(0, r1 - r0, g[:, r0:r1], xp)
+        else:
+            xp = _local((r1 - r0) * kp)[: (r1 - r0) * kp].reshape(r1 - r0, kp)
+            _top_pairs_t(0, r1 - r0, u[:, r0:r1], xp)
         for c0, c1 in cols:
             gemm_tile(xp, bp, c0, c1, out[r0:r1, c0:c1], acc)
 
@@ -486,7 +518,8 @@ class Logits:
     :meth:`chunk` packs at most ``vc`` rows of ``W`` (into recycled scratch), then
     :meth:`logits` for any row block.
 
-    bf16 (the bf16 kernel): ``X`` read in place as pairs, ``W``'s chunk paired and transposed.
+    bf16 (the bf16 kernel): ``X`` read in place as pairs (``vdpbf16ps``) or widened once to fp32
+    (the FMA variants, :func:`a_form`), ``W``'s chunk paired and transposed.
     fp16 (the fp32 kernel, ``kind="f32"``): ``X`` widened once into :attr:`x32` ``[BT,
     64·⌈H/64⌉]`` (columns past H zero: also the grad_weight GEMM's ``B``; the caller's when
     given), ``W``'s chunk widened and transposed."""
@@ -502,10 +535,13 @@ class Logits:
         if self.f16:
             self.x32 = x32 if x32 is not None else fp32_block(input, 0, input.shape[0], width=npad(H))
             self.xp = self.x32[:, :H]
-            self.pbuf = scratch(H * npad(vc), np.float32)
+            self.pbuf = scratch(H * b_cols(vc), np.float32)
             self.code = D.code_of(input.dtype)
         else:
-            self.xp = pairs(input)
+            if a_form("bf16") == "f32":  # the FMA variants: X widened once (exact)
+                self.xp = fp32_block(input, 0, input.shape[0], buf=scratch(input.shape[0] * H, np.float32))
+            else:
+                self.xp = pairs(input)
             self.pbuf = scratch(b_size(H, vc), np.uint32)
             self.wbuf = scratch(vc * (H + 1), np.uint16) if H % 2 else None
         self.bp = np.empty((0, 0), np.uint32)

@@ -20,12 +20,17 @@ matmul routed to oneDNN's AVX-512 brgemm (``fastgrad._onednn``: exact fp32; 1.85
 sgemm on a Zen 5 EPYC, the same rate on Zen 4).  Either way each tile is one single-threaded call
 (the pool's threads run PyTorch's OpenMP with one thread), so the reproducibility above holds
 for both.
+
+Fork-safe: a forked child (a DataLoader worker, ``multiprocessing``'s ``"fork"`` context) has
+none of the parent's pool threads; ``os.register_at_fork`` makes it forget the pools (and take a
+fresh lock), so its first GEMM starts its own pool instead of waiting forever on a dead worker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,8 +58,8 @@ def _engine() -> str:
 
 def bf16_logits() -> bool:
     """The logits GEMM of bf16 operands may run on the exact-product bf16 kernel
-    (``_bf16dot``): ``"auto"`` inside ``fastgrad.torch``'s training loss, on a CPU with AVX-512
-    BF16 (set for the duration of :func:`single_threaded_blas`)."""
+    (``_bf16dot``): ``"auto"`` inside ``fastgrad.torch``'s training loss, on a CPU where a variant
+    runs (AVX2 + FMA or AVX-512; set for the duration of :func:`single_threaded_blas`)."""
     from .._config import _AUTO_ONEDNN
 
     return bf16_auto() and _AUTO_ONEDNN.get()
@@ -62,16 +67,16 @@ def bf16_logits() -> bool:
 
 def bf16_auto() -> bool:
     """GEMMs whose operands are bf16 values may run on the exact-product bf16 kernel
-    (``_bf16dot``): the setting ``"auto"``, on a CPU with AVX-512 BF16 (set for the duration of
-    :func:`single_threaded_blas`).  The NumPy-level FLCE grad, whose ``g`` is rounded to bf16 by
+    (``_bf16dot``): the setting ``"auto"``, on a CPU where a variant runs (AVX2 + FMA or AVX-512;
+    set for the duration of :func:`single_threaded_blas`).  The NumPy-level FLCE grad, whose ``g`` is rounded to bf16 by
     its contract, runs its three GEMMs there."""
     return bool(getattr(_tls, "bf16_auto", False))
 
 
 def fp16_auto() -> bool:
-    """GEMMs whose operands are fp16 values may run on the fp32 AVX-512 kernel (``_bf16dot``,
-    kind ``"f32"``): the setting ``"auto"`` on a CPU with AVX-512F (set for the duration of
-    :func:`single_threaded_blas`).  The NumPy-level FLCE grad (``g`` rounded to fp16 by its
+    """GEMMs whose operands are fp16 values may run on the fp32 kernel (``_bf16dot``, kind
+    ``"f32"``): the setting ``"auto"`` on a CPU with AVX-512F or AVX2 + FMA (set for the duration
+    of :func:`single_threaded_blas`).  The NumPy-level FLCE grad (``g`` rounded to fp16 by its
     contract) and online max-sum of fp16 operands run their GEMMs there."""
     return bool(getattr(_tls, "fp16_auto", False))
 
@@ -103,6 +108,20 @@ def _mm_into(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | No
     else:
         mm(A, B, tmp, engine)
         np.add(out, tmp, out=out)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: the parent's pool threads (and a lock one of
+    them may have held) do not exist there.  Forget the pools (the child makes its own on first
+    use) and take a fresh lock; without this the child's first GEMM waits forever on a worker
+    that is not there (a DataLoader worker, ``multiprocessing``'s ``fork`` context)."""
+    global _lock, _pools
+    _lock = threading.Lock()
+    _pools = {}
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
@@ -174,10 +193,12 @@ def _part(t: np.ndarray | None, a: int, b: int, c: int | None = None, d: int | N
     return t[a:b] if c is None else t[a:b, c:d]
 
 
-def matmul_nt(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None) -> None:
+def matmul_nt(
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str | None = None
+) -> None:
     """out[M, N] = A[M, K] · B[N, K]ᵀ (with ``tmp``, scratch of out's shape: out += A · Bᵀ), tiles
     of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
-    e = _engine()
+    e = _engine() if engine is None else engine
     _run(
         [
             (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[c:d].T, out[a:b, c:d], _part(tmp, a, b, c, d), e))
@@ -187,10 +208,12 @@ def matmul_nt(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | N
     )
 
 
-def matmul_nn(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None) -> None:
+def matmul_nn(
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str | None = None
+) -> None:
     """out[M, N] = A[M, K] · B[K, N] (with ``tmp``, scratch of out's shape: out += A · B), tiles
     of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
-    e = _engine()
+    e = _engine() if engine is None else engine
     _run(
         [
             (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[:, c:d], out[a:b, c:d], _part(tmp, a, b, c, d), e))
@@ -200,10 +223,12 @@ def matmul_nn(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | N
     )
 
 
-def matmul_tn(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None) -> None:
+def matmul_tn(
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str | None = None
+) -> None:
     """out[M, N] = A[K, M]ᵀ · B[K, N] (with ``tmp``, scratch of out's shape: out += Aᵀ · B),
     blocks of ≤ COL_BLOCK rows of out (columns of A)."""
-    e = _engine()
+    e = _engine() if engine is None else engine
     _run(
         [
             (lambda a=a, b=b: _mm_into(A[:, a:b].T, B, out[a:b], _part(tmp, a, b), e))

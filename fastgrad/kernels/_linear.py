@@ -52,3 +52,30 @@ def kept_blocks(keep: np.ndarray, fb: int, rb: int, nrows: int, ncols: int):
             continue
         cols = (kb[:, None] * fb + np.arange(fb)[None, :]).reshape(-1)
         yield k * rb, min((k + 1) * rb, nrows), cols[cols < ncols]
+
+
+@tjit
+def _narrow_rows(lo, hi, src, code, dst):
+    """dst[i, :] = round(src[i, :]) to the 16-bit dtype ``code`` (uint16 bits) for rows lo:hi."""
+    n = src.shape[1]
+    for i in range(lo, hi):
+        for j in range(n):
+            dst[i, j] = D.from_f32(src[i, j], code)
+
+
+def narrow(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[...] = src`` rounded to ``out``'s dtype (fp32, bf16 or fp16; RNE, bitwise
+    :func:`fastgrad.dtypes.from_float32`) for 2-D fp32 ``src`` and ``out`` of its shape (any
+    strides, unit column stride for 16-bit ``out``), on the GEMM pool: no OpenMP region, so a
+    process that forks afterwards (a DataLoader worker) can run the op again in the child
+    (GNU OpenMP terminates a child of a process that used it).  Returns ``out``."""
+    if src.shape != out.shape or src.ndim != 2 or src.dtype != np.float32:
+        raise ValueError(f"narrow: src must be 2-D float32 of out's shape {out.shape}, got {src.dtype} {src.shape}")
+    if out.dtype == np.float32:
+        out[...] = src
+        return out
+    if out.dtype not in (D.BFLOAT16, D.FLOAT16) or out.strides[1] != out.itemsize:
+        raise ValueError(f"narrow: out must be float32, bfloat16 or float16 with unit column stride, got {out.dtype}")
+    if out.size:
+        run_rows(_narrow_rows, out.shape[0], src, D.code_of(out.dtype), out.view(np.uint16))
+    return out

@@ -4,7 +4,7 @@ One fused, parallel, single pass over ``log_prob``: each block of a row reads it
 ``log_prob`` elements once, takes ``p = exp(log_prob)`` in fp32, and writes
 ``x_grad = p * coef_p[i] - coef_s[i] * weight[j] - [j == t_i] * coef_t[i]`` rounded once to the
 output format.  The O(N) per-row coefficients (the scale ``s_i``, the target weight, the
-mean's denominator ``W = sum_i w_i``, the z-loss term) are computed first by a small serial
+mean's denominator ``W = sum_i w_i``) are computed first by a small serial
 kernel, in a fixed order, so the result does not depend on the thread count.
 
 Rounding order (ls = 0, the device's path), bit for bit as the 910B kernel
@@ -37,16 +37,17 @@ OP = "cross_entropy_loss_grad"
 
 
 @njit(error_model="numpy")
-def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls, gz, lse, zscale, coef_p, coef_t, coef_s):
+def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, any_sign, ls, coef_p, coef_t, coef_s):
     """Fill the per-row fp32 coefficients; returns True when some row is ignored.
 
-    ``red``: 0 none, 1 mean, 2 sum.  ``grad``/``gz``: fp32 [N] (the 0-d values repeated
-    for mean/sum).  For row i with target t and mask m (0 when ignored):
+    ``red``: 0 none, 1 mean, 2 sum.  ``grad``: fp32 [N] (the 0-d value repeated for
+    mean/sum).  A row is ignored when ``t == ignore_index`` and (``any_sign`` or
+    ``ignore_index >= 0``): the SoC's rule (910B: any sign; arch35: only a non-negative
+    ignore_index).  For row i with target t and mask m (0 when ignored):
 
     * nll_i   = s_i·(1-ls)·w_t·m        (s_i = g/W, g or g_i; device order of operations)
     * smooth_i = s_i·(ls/C)·m,  coef_s = smooth_i,  coef_p = nll_i + smooth_i·Σweight
-    * zloss_i = 2·zscale·lse_i·m·gz_i  (gz_i divided by the non-ignored count for mean)
-    * coef_t = nll_i (subtracted at j == t).
+    * coef_t = nll_i (subtracted at j == t; a t outside [0, C) matches no column).
 
     Ignored rows get ``coef_t = coef_p = s_i·0·w`` (±0; NaN when s_i is not finite, as on the
     device: e.g. W = 0 for an all-ignored mean).
@@ -56,11 +57,10 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls, gz, 
     one = np.float32(1.0)
     # W = sum of target weights over non-ignored rows; count of non-ignored rows (fp64, serial)
     wsum = 0.0
-    cnt = 0
+    ign_on = any_sign or ignore_index >= 0
     for i in range(n):
         t = tgt[i]
-        if t != ignore_index:
-            cnt += 1
+        if not (ign_on and t == ignore_index):
             if has_weight:
                 wsum += np.float64(weight[t])
             else:
@@ -73,14 +73,13 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls, gz, 
     lsf = np.float32(ls)
     ls_c = lsf / np.float32(c) if c > 0 else np.float32(0.0)
     keep = one - lsf
-    zs2 = np.float32(2.0) * np.float32(zscale)
     any_ignored = False
     for i in range(n):
         t = tgt[i]
         g = grad[i]
         m = one
         wt = one
-        if t == ignore_index:
+        if ign_on and t == ignore_index:
             m = np.float32(0.0)
             any_ignored = True
             if has_weight:  # device: weight[t] (t >= 0), 0 for a negative ignore_index
@@ -96,11 +95,6 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, ls, gz, 
         nll = lo * wt
         # ls = 0 (the device's only path): c_i itself, no 0·Σweight term (keeps -0, inf)
         cp = nll + sm * Wc if lsf != np.float32(0.0) else nll
-        if zscale != 0.0:
-            zg = gz[i]
-            if red == 1:
-                zg = zg / np.float32(cnt)
-            cp = cp + zs2 * lse[i] * m * zg
         coef_t[i] = nll  # ignored rows: ±0 (or NaN), subtracted at t as on the device
         coef_p[i] = cp
         coef_s[i] = sm
@@ -175,8 +169,12 @@ def cross_entropy_loss_grad_cpu(
     lse_for_zloss,
     lse_square_scale_for_zloss,
     out,
+    ignore_any_sign=True,
 ):
-    """Numba implementation (the op module has validated every argument)."""
+    """Numba implementation (the op module has validated every argument).
+
+    ``grad_zloss``, ``lse_for_zloss`` and ``lse_square_scale_for_zloss`` are not read, as on the
+    device; ``ignore_any_sign`` is the SoC profile's ignore rule (see :func:`_row_coefficients`)."""
     n, c = log_prob.shape
     if n == 0 or c == 0:
         return out
@@ -186,12 +184,6 @@ def cross_entropy_loss_grad_cpu(
     grad = _f32_vector(grad_loss, n)
     has_weight = weight is not None
     w = _f32_vector(weight, c) if has_weight else np.ones(c, np.float32)
-    zscale = float(lse_square_scale_for_zloss)
-    if zscale != 0.0:
-        gz = grad if grad_zloss is None else grad + _f32_vector(grad_zloss, n)
-        lse = _f32_vector(lse_for_zloss, n)
-    else:
-        gz = lse = np.zeros(1, np.float32)
     coef_p = np.empty(n, np.float32)
     coef_t = np.empty(n, np.float32)
     coef_s = np.empty(n, np.float32)
@@ -202,10 +194,8 @@ def cross_entropy_loss_grad_cpu(
         has_weight,
         red,
         int(ignore_index),
+        bool(ignore_any_sign),
         float(label_smoothing),
-        gz,
-        lse,
-        zscale,
         coef_p,
         coef_t,
         coef_s,

@@ -15,7 +15,8 @@ Plan (the op_host "tiling"), O(N + num_weights·D) work, no atomics:
 4. A second parallel pass over fixed blocks of ``ROWS`` output rows writes each indexed row
    (other than ``padding_idx``) once: accumulated in fp32 over its bucket in index order (in the
    fp32 output row itself, or an fp32 scratch row for 16-bit whose last addition is fused
-   with the division and the rounding), divided by its count when ``scale_grad_by_freq``,
+   with the scaling and the rounding), multiplied by the fp32 reciprocal ``1.0f / count`` when
+   ``scale_grad_by_freq`` (the device's ``Muls``, ``embedding_dense_grad_v2_scale.h:100-104``),
    and rounded once.
 
 Each row is produced by one thread with a fixed sequence of operations, so results are
@@ -33,7 +34,7 @@ from numba.extending import intrinsic
 
 from .._config import get_num_threads
 from .._jit import njit, pjit, prange
-from ..dtypes import BFLOAT16, FLOAT32, code_of, from_f32, storage_view, to_f32
+from ..dtypes import BFLOAT16, FLOAT32, code_of, from_f32, from_float32, storage_view, to_f32, to_float32
 from ._strided import strided_base as _base
 
 OP = "embedding_dense_backward"
@@ -106,10 +107,10 @@ def _rows_f32(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob
             g = gb[goff + i * grs : goff + i * grs + d]
             for j in range(d):
                 row[j] += g[j]
-        if scale:
-            cf = np.float32(c)
+        if scale:  # the device's Muls by reciScale = 1.0f / count (embedding_dense_grad_v2_scale.h:100-104)
+            rc = np.float32(1.0) / np.float32(c)
             for j in range(d):
-                row[j] = row[j] / cf
+                row[j] = row[j] * rc
 
 
 @njit(inline="always")
@@ -125,10 +126,10 @@ def _row16(gb, goff, grs, d, order, p0, p1, acc, row, scale, c, code):
             acc[j] += to_f32(g[j], code)
     i = order[p1 - 1]
     g = gb[goff + i * grs : goff + i * grs + d]
-    if scale:
-        cf = np.float32(c)
+    if scale:  # times the fp32 reciprocal, as the device
+        rc = np.float32(1.0) / np.float32(c)
         for j in range(d):
-            row[j] = from_f32((acc[j] + to_f32(g[j], code)) / cf, code)
+            row[j] = from_f32((acc[j] + to_f32(g[j], code)) * rc, code)
     else:
         for j in range(d):
             row[j] = from_f32(acc[j] + to_f32(g[j], code), code)
@@ -186,10 +187,28 @@ def index_int64(indices: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out):
-    """Numba implementation (see module docstring); fills ``out`` [num_weights, D] completely."""
+def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out, result_dtype=None):
+    """Numba implementation (see module docstring); fills ``out`` [num_weights, D] completely.
+
+    ``result_dtype`` (the op's choice, from the SoC profile): the dtype of the device's result
+    before its final Cast to ``out``'s dtype; None means ``out``'s dtype."""
     nw, d = out.shape
     if out.size == 0:
+        return out
+    rdt = out.dtype if result_dtype is None else np.dtype(result_dtype)
+    if rdt != grad.dtype and rdt == FLOAT32:  # the fp32 sums of a widened 16-bit grad (exact widening)
+        grad = to_float32(grad)
+    if rdt != out.dtype:  # the result in rdt, then one cast to out's dtype (op_api :407)
+        tmp = np.empty(out.shape, rdt)
+        embedding_dense_backward(
+            grad=grad,
+            indices=indices,
+            num_weights=num_weights,
+            padding_idx=padding_idx,
+            scale_grad_by_freq=scale_grad_by_freq,
+            out=tmp,
+        )
+        out[...] = from_float32(to_float32(tmp), out.dtype)
         return out
     idx = index_int64(indices) if grad.size else np.zeros(0, np.int64)
     counts, starts, order = _bucket(idx, nw)

@@ -55,7 +55,7 @@ from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
 from . import _bf16dot
 from ._gemm import exact_kernel, matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
-from ._linear import fp32_block, kept_blocks
+from ._linear import fp32_block, kept_blocks, narrow
 from ._vmath import exp_f32
 
 OP = "fused_linear_cross_entropy_loss_grad"
@@ -265,7 +265,8 @@ def fused_linear_cross_entropy_loss_grad(
         )
         # the kept blocks on the bf16 kernel: the weight rows gathered as bits, then interleaved
         fb16_bufs = (scratch(vt * H, np.uint16), scratch(_bf16dot.b_size(vt, H), np.uint32)) if b16 else None
-        assert rb % 2 == 0 or not b16
+        if b16 and rb % 2:  # the bf16 pair layout starts a row block on a pair
+            raise ValueError(f"plan row block must be even for bf16 operands, got {rb}")
     done = 0
     for v0, v1 in plan.v_ranges():
         nv = v1 - v0
@@ -305,7 +306,8 @@ def fused_linear_cross_entropy_loss_grad(
                 epi = (lmax, sexp, grad32, tcol, code, smooth, inv_k, kp, fb, rb)
                 run_rows(_epilogue_memory_saving, nb, G, b0, v0, *epi)
             else:
-                run_rows(_epilogue_high_performance, S.shape[0], S, G, b0, v0, grad32, tcol, code, smooth, inv_k)
+                # the tile's rows (S.shape[0] ran past G and S beyond the first row tile)
+                run_rows(_epilogue_high_performance, nb, S, G, b0, v0, grad32, tcol, code, smooth, inv_k)
             if keep is not None:
                 if first:
                     gwt[...] = 0
@@ -337,6 +339,6 @@ def fused_linear_cross_entropy_loss_grad(
             done += 1
             if progress is not None:
                 progress(done, plan.n_tiles)
-        D.from_float32(gwt, gw_out.dtype, out=gw_out[v0:v1])
-    D.from_float32(gi32, gi_out.dtype, out=gi_out)
+        narrow(gwt, gw_out[v0:v1])  # on the pool: no OpenMP region (fork-safe)
+    narrow(gi32, gi_out)
     return plan

@@ -26,7 +26,7 @@ from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
 from . import _bf16dot
 from ._gemm import exact_kernel, matmul_nt, run_rows, single_threaded_blas
-from ._linear import fp32_block
+from ._linear import fp32_block, narrow
 from ._vmath import exp_f32, row_max, row_nan_count, row_sum_exp
 
 OP = "fused_linear_online_max_sum"
@@ -122,13 +122,16 @@ def run(
                     matmul_nt(X32[b0:b1], W32, Lt)
                 run_rows(_online_tile, Lt.shape[0], Lt, b0, v0, code, lmax, sexp, tcol, picked)
                 if logits is not None:
-                    D.from_float32(Lt, logits.dtype, out=logits[b0:b1, v0:v1])
+                    narrow(Lt, logits[b0:b1, v0:v1])  # on the pool: no OpenMP region (fork-safe)
                 done += 1
                 if progress is not None:
                     progress(done, plan.n_tiles)
     elif logits is not None:
         logits[...] = 0
-    pred[...] = np.where(tcol >= 0, picked - lmax, np.float32(0.0)).astype(np.float32)
+    # unmasked rows: picked - max, picked 0 where no tile holds the column (masked_target >= V:
+    # the device's zeroed atomic sum, fused_linear_online_max_sum.h:948-953,1070-1076); an
+    # empty shard (V = 0, an extension) keeps 0
+    pred[...] = np.where(masked | (V == 0), np.float32(0.0), picked - lmax).astype(np.float32)
     return plan
 
 

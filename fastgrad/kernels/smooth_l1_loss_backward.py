@@ -72,17 +72,19 @@ def _st(o, i, v, code):
 
 
 @njit(inline="always")
-def _elem(g, x, t, beta, inv, scale):
+def _elem(g, x, t, beta, inv, den, scale):
     d = x - t
     if abs(d) >= beta:  # ``beta`` here is the compare threshold (see ``run``)
         s = np.float32(d > np.float32(0)) - np.float32(d < np.float32(0))
+    elif den > np.float32(0):  # 910B TBE: d / (β + 1e-6); a NaN d (the only one here at β = 0) gives 0 there
+        s = d / den + np.float32(0.0) if beta > np.float32(0) else np.float32(0.0)
     else:  # |d| < beta, or d is NaN; + 0: the DAG's (pos + neg) + x·invβ turns -0 into +0
         s = d * inv + np.float32(0.0)
     return (s * g) * scale
 
 
 @njit(inline="always")
-def _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, scale):
+def _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, den, scale):
     """input/target unit-stride, grad_out unit-stride (gs == 1) or a broadcast scalar (gs == 0)."""
     # Contiguous operands are sliced first: indexing a slice with the loop counter lets LLVM
     # drop Numba's negative-index wraparound and vectorize the loop.
@@ -92,17 +94,17 @@ def _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, scale):
     if gs == 1:
         g = gb[go : go + m]
         for j in range(m):
-            _st(o, j, _elem(_ld(g, j, code), _ld(x, j, code), _ld(t, j, code), beta, inv, scale), code)
+            _st(o, j, _elem(_ld(g, j, code), _ld(x, j, code), _ld(t, j, code), beta, inv, den, scale), code)
     else:
         gv = _ld(gb, go, code)
         for j in range(m):
-            _st(o, j, _elem(gv, _ld(x, j, code), _ld(t, j, code), beta, inv, scale), code)
+            _st(o, j, _elem(gv, _ld(x, j, code), _ld(t, j, code), beta, inv, den, scale), code)
 
 
 @njit(inline="always")
-def _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale):
+def _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, den, scale):
     if xs == 1 and ts == 1 and (gs == 1 or gs == 0):
-        _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, scale)
+        _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, code, beta, inv, den, scale)
     else:  # general strides (any sign); every index is a valid element, so non-negative
         o = ob[oo : oo + m]
         for j in range(m):
@@ -115,6 +117,7 @@ def _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale)
                     _ld(tb, np.uint64(to + j * ts), code),
                     beta,
                     inv,
+                    den,
                     scale,
                 ),
                 code,
@@ -148,15 +151,15 @@ def _task(task, nchunk, inner, shape, strides, offs):
 
 
 @njit
-def _f32_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, beta, inv, scale):
+def _f32_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, beta, inv, den, scale):
     """One fp32 span (any strides)."""
-    _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 0, beta, inv, scale)
+    _span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, 0, beta, inv, den, scale)
 
 
 @njit
-def _bf16_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, beta, inv, scale):
+def _bf16_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, beta, inv, den, scale):
     """One contiguous bf16 span, the conversions (a shift, a rounding add) fused in the loop."""
-    _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, 1, beta, inv, scale)
+    _span_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, 1, beta, inv, den, scale)
 
 
 @njit
@@ -199,7 +202,7 @@ SUB = 2048
 
 
 @njit
-def _staged_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale):
+def _staged_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, den, scale):
     """One 16-bit span through fp32 scratch: widen SUB elements of each input, compute, round."""
     gf = np.empty(SUB, np.float32)
     xf = np.empty(SUB, np.float32)
@@ -213,7 +216,7 @@ def _staged_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv,
         x = xf[:n]
         t = tf[:n]
         for j in range(n):
-            x[j] = _elem(g[j], x[j], t[j], beta, inv, scale)
+            x[j] = _elem(g[j], x[j], t[j], beta, inv, den, scale)
         _narrow_span(xf, n, code, ob, oo + j0)
 
 
@@ -227,22 +230,22 @@ def _task_plan(shape, strides, size):
 
 
 @pjit
-def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, scale):
+def _sl1_f32(gb, xb, tb, ob, shape, strides, offs, beta, inv, den, scale):
     inner, nchunk, ntask, gs, xs, ts = _task_plan(shape, strides, ob.size)
     for task in prange(ntask):
         go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
-        _f32_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, beta, inv, scale)
+        _f32_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, beta, inv, den, scale)
 
 
 @pjit
-def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, scale):
+def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, den, scale):
     inner, nchunk, ntask, gs, xs, ts = _task_plan(shape, strides, ob.size)
     for task in prange(ntask):
         go, xo, to, oo, m = _task(task, nchunk, inner, shape, strides, offs)
         if code == 1 and xs == 1 and ts == 1 and (gs == 1 or gs == 0):
-            _bf16_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, beta, inv, scale)
+            _bf16_contig(gb, go, gs, xb, xo, tb, to, ob, oo, m, beta, inv, den, scale)
         else:  # fp16 (branchy conversions) or strided bf16
-            _staged_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, scale)
+            _staged_span(gb, go, gs, xb, xo, xs, tb, to, ts, ob, oo, m, code, beta, inv, den, scale)
 
 
 # ----------------------------------------------------------------------------------------
@@ -278,13 +281,31 @@ def plan(shape: tuple, operands) -> tuple:
     )
 
 
-def run(grad_out, input, target, beta: float, scale: float, out: np.ndarray) -> None:
-    """Fill ``out`` (C-contiguous) from inputs that all have out's dtype family."""
+def run(grad_out, input, target, beta: float, scale: float, out: np.ndarray, kernel: str = "dag") -> None:
+    """Fill ``out`` (C-contiguous) from inputs that all have out's dtype family.
+
+    ``kernel``: ``"dag"`` (the arch35 DAG: module docstring) or ``"tbe"`` (the 910B TBE kernel:
+    ``|d| >= β`` gives ``sign(d)`` — ±1 at ``|d| == β`` — else ``d / fp32(β + 1e-6)``; a NaN d
+    gives 0 at β = 0, NaN otherwise; one formula for tensor and scalar ``grad_out``)."""
     shape = out.shape
     bases = [_base(a, shape) for a in (grad_out, input, target)]
     sh, st = plan(shape, [b[2] for b in bases])
     offs = np.array([b[1] for b in bases], np.int64)
     b32 = np.float32(beta)
+    sc = np.float32(scale)
+    ob = storage_view(out).reshape(-1)
+    if kernel == "tbe":
+        # TBE smooth_l1_loss_grad_v2_compute: temp = vdiv(x, vadds(sigma, 1e-6)) in fp32;
+        # smooth1 = vcmpsel(x, -sigma, 'le', -1, 0), smooth2 = vcmpsel(x, sigma, 'ge', 1, 0),
+        # smooth3 = vcmpsel(|x|, sigma, 'lt', temp, 0) (NaN x replaced by 0 for the compares)
+        den = np.float32(b32 + np.float32(1e-6))
+        z = np.float32(0.0)
+        if out.dtype == FLOAT32:
+            _sl1_f32(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, b32, z, den, sc)
+        else:
+            _sl1_u16(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, code_of(out.dtype), b32, z, den, sc)
+        return
+    den = np.float32(0.0)
     # compare threshold: a tensor grad_out takes the strict DAG (|d| > beta), a 1-element one
     # the scalar DAG (|d| >= beta); |d| > beta  <=>  |d| >= nextafter(beta) (NaN for beta = inf)
     bcmp = b32
@@ -295,12 +316,10 @@ def run(grad_out, input, target, beta: float, scale: float, out: np.ndarray) -> 
     tiny = not np.isfinite(inv)  # beta an fp32 subnormal: 1/beta overflows fp32
     if tiny:
         inv = np.float32(0.0)  # the |d| < beta elements are fixed up below
-    sc = np.float32(scale)
-    ob = storage_view(out).reshape(-1)
     if out.dtype == FLOAT32:
-        _sl1_f32(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, bcmp, inv, sc)
+        _sl1_f32(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, bcmp, inv, den, sc)
     else:
-        _sl1_u16(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, code_of(out.dtype), bcmp, inv, sc)
+        _sl1_u16(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, code_of(out.dtype), bcmp, inv, den, sc)
     if tiny:
         _fix_tiny_beta(grad_out, input, target, b32, bcmp, sc, out)
 
@@ -319,8 +338,9 @@ def _fix_tiny_beta(grad_out, input, target, b32, bcmp, sc, out) -> None:
     out.reshape(-1)[sel] = from_float32(v.astype(np.float32), out.dtype)  # out: C-contiguous
 
 
-def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out):
-    """Numba implementation (see module docstring); fills ``out`` completely."""
+def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out, smooth_l1_kernel="dag"):
+    """Numba implementation (see module docstring); fills ``out`` completely.  ``smooth_l1_kernel``
+    (from the op's SoC profile): ``"tbe"`` (A2/A3) or ``"dag"`` (Ascend 950), see :func:`run`."""
     if out.size == 0:
         return out
     scale = 1.0 / out.size if reduction == "mean" else 1.0
@@ -329,9 +349,9 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out):
     if any(a.dtype != pdt for a in ins):  # mixed inputs: promoted to fp32 (exact widening)
         ins = [a.astype(pdt) for a in ins]
     if out.dtype == pdt:
-        run(*ins, beta, scale, out)
+        run(*ins, beta, scale, out, smooth_l1_kernel)
     else:  # out= of another float dtype: compute in the promoted dtype, then cast (device)
         tmp = np.empty(out.shape, pdt)
-        run(*ins, beta, scale, tmp)
+        run(*ins, beta, scale, tmp, smooth_l1_kernel)
         out[...] = tmp.astype(out.dtype)
     return out

@@ -39,6 +39,9 @@ from ..backends import backend_takes_plan, dispatch, get_backend
 from ..dtypes import dtype_name, parse_dtype
 from ..enums import REDUCTIONS
 from ..errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, AclnnError
+from ..soc import SocProfile, get_profile
+
+# the inner status codes (a tiling failure, no kernel for the SoC) are named in fastgrad/errors.py
 
 #: int64 range: integer attributes beyond it are rejected (the aclnn attributes are int64_t).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -89,10 +92,17 @@ class Call:
     reasons: list = field(default_factory=list)  # (param, message)
     info: dict = field(default_factory=dict)  # op-private derived values (BT, V, ...)
     skip_compute: bool = False  # the device returns without launching
+    soc: SocProfile = field(default_factory=lambda: get_profile(_config.get_soc_version()))
+    inner: list = field(default_factory=list)  # (status, param, message): a failure past the op_api checks
 
     def bad(self, param: str, expected: str, got: Any) -> None:
         """Record that ``param`` is out of range (161002)."""
         self.reasons.append((param, f"{param}: expected {expected}, got {got}"))
+
+    def fail(self, status: int, param: str, expected: str, got: Any) -> None:
+        """Record a failure the device reports with another code than 161002 (a tiling failure,
+        no kernel for the SoC): raised in strict mode only, after every 161002 reason."""
+        self.inner.append((int(status), param, f"{param}: expected {expected}, got {got}"))
 
     def shape_of(self, name: str) -> tuple:
         return tuple(int(d) for d in self.a[name].shape)
@@ -205,6 +215,21 @@ def parse_attr(d: AttrDef, value: Any, call: Call) -> Any:
 # ----------------------------------------------------------------------------------------------
 # the generic path
 # ----------------------------------------------------------------------------------------------
+
+
+def current_profile() -> SocProfile:
+    """The SoC profile the ops follow now: on the ``"acl"`` backend the device's own
+    (``aclrtGetSocName``), elsewhere :func:`fastgrad._config.get_soc_version`'s."""
+    if get_backend() == "acl":
+        from ..backends import acl_runtime
+
+        name = acl_runtime.device_soc_name()
+        if name:
+            try:
+                return get_profile(name)
+            except ValueError:  # a SoC without a profile: the setting's checks
+                pass
+    return get_profile(_config.get_soc_version())
 
 
 def _is_number(x) -> bool:
@@ -340,7 +365,7 @@ def _allocate(call: Call, users: list, checked: list) -> list[arrays.Out | None]
 
 def execute(op: OpDef, args: dict, out: Any = None) -> Any:
     """Run ``op`` on ``args`` (its inputs and attributes by name): check, plan, compute, wrap."""
-    call = Call(op, _config.is_strict(), args)
+    call = Call(op, _config.is_strict(), args, soc=current_profile())
     _adapt_inputs(op, call)
     for d in op.attrs:
         call.attrs[d.name] = parse_attr(d, args.get(d.name), call)
@@ -354,6 +379,9 @@ def execute(op: OpDef, args: dict, out: Any = None) -> Any:
     checked = _check_outs(op, call, out)
     if call.reasons:
         _raise(call)
+    if call.inner:  # the op_api's checks passed; its l0 op / tiling fails (strict mode only)
+        status, param, msg = call.inner[0]
+        raise AclnnError(status, f"{op.name}: {msg} (device: {call.soc.name})", param, [m for _, _, m in call.inner])
 
     kind = arrays.kind_of(*[v for v in (args.get(t.name) for t in op.inputs) if not _is_number(v)])
     names = list(op.outputs)

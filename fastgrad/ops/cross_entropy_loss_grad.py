@@ -2,64 +2,94 @@
 
 from __future__ import annotations
 
-import math
-import numbers
+import warnings
 from typing import Any
 
 import numpy as np
 
+from ..arrays import ArrayLike
 from ..dtypes import FLOAT32, FLOAT_DTYPES, dtype_name
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "cross_entropy_loss_grad"
 
-#: The device's limit on N (seed 001: "logProb第零维N需满足N<200000").
-MAX_N_DEVICE = 200000
+_zloss_warned = False
 
 
-def _lse_optional(raw: dict, strict: bool) -> bool:
-    """lse_for_zloss is required (161001) when the z-loss scale is a non-zero number."""
-    z = raw.get("lse_square_scale_for_zloss", 0.0)
-    real = isinstance(z, numbers.Real) and not isinstance(z, bool)
-    return not (real and z != 0 and math.isfinite(z))  # a bad scale is reported as 161002
+def _warn_zloss_once() -> None:
+    """The device ignores the z-loss inputs (doc at ops-nn e5c3fa9,
+    ``docs/aclnnCrossEntropyLossGrad.md:392``; no kernel reads them): say so once per process."""
+    global _zloss_warned
+    if not _zloss_warned:
+        _zloss_warned = True
+        warnings.warn(
+            "cross_entropy_loss_grad: grad_zloss / lse_for_zloss / lse_square_scale_for_zloss are "
+            "accepted and ignored, as on the device (the CANN kernels never read them; "
+            "aclnnCrossEntropyLossGrad.md: z-loss '不会生效'); the z-loss of a training loss is "
+            "fastgrad.torch.linear_cross_entropy(lse_square_scale=...)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _relations(c: Call) -> None:
-    lp, tg = c.a["log_prob"], c.a["target"]
+    lp, tg, w = c.a["log_prob"], c.a["target"], c.a["weight"]
     n, cc = c.shape_of("log_prob")
     red, ign = c.attrs["reduction"], c.attrs["ignore_index"]
     c.expect_shape("target", (n,))
     red_shapes = [(n,)] if red == "none" else [(), (1,)]  # mean/sum: 0-d or (1,), as the kernel
-    for name in ("grad_loss", "grad_zloss"):
-        a = c.a[name]
-        if a is not None and tuple(a.shape) not in red_shapes:
-            c.bad(name, " or ".join(map(str, red_shapes)) + f" for reduction={red!r}", f"shape {tuple(a.shape)}")
-        elif a is not None and red != "none":
-            c.a[name] = a.reshape(())
-    if c.a["weight"] is not None:
+    gl = c.a["grad_loss"]
+    if tuple(gl.shape) not in red_shapes:
+        c.bad("grad_loss", " or ".join(map(str, red_shapes)) + f" for reduction={red!r}", f"shape {tuple(gl.shape)}")
+    elif red != "none":
+        c.a["grad_loss"] = gl.reshape(())
+    if w is not None:
         c.expect_shape("weight", (cc,))
-    if c.a["lse_for_zloss"] is not None:
-        c.expect_shape("lse_for_zloss", (n,))
-    if n and tg.shape == (n,):  # never read out of bounds (the device would)
-        bad = (tg != ign) & ((tg < 0) | (tg >= cc))
+    if c.a["grad_zloss"] is not None or c.a["lse_for_zloss"] is not None or c.attrs["lse_square_scale_for_zloss"]:
+        _warn_zloss_once()
+    # which rows are ignored: target == ignore_index (910B kernel, any sign), or only when
+    # ignore_index >= 0 (arch35): the SoC profile's rule
+    any_sign = c.soc.ce_grad_ignore_any_sign
+    ignored = (tg == ign) if (any_sign or ign >= 0) else np.zeros(tg.shape, bool)
+    if n and w is not None and tg.shape == (n,):
+        # with a weight the kernel reads weight[target] (TargetWeight): out of bounds for a target
+        # outside [0, C) that is not ignored — fastgrad never reads out of bounds
+        bad = ~ignored & ((tg < 0) | (tg >= cc))
         if bad.any():
             k = int(np.argmax(bad))
-            c.bad("target", f"values in [0, {cc}) or ignore_index ({ign})", f"target[{k}] = {int(tg[k])}")
+            c.bad(
+                "target",
+                f"values in [0, {cc}) or ignore_index ({ign}) when weight is given "
+                "(the device reads weight out of bounds)",
+                f"target[{k}] = {int(tg[k])}",
+            )
+    c.info["kernel_args"] = {"ignore_any_sign": any_sign}
     c.outs["out"] = OutSpec((n, cc), lp.dtype)
 
 
 def _device_limits(c: Call) -> None:
-    gl, lp = c.a["grad_loss"], c.a["log_prob"]
-    n, cc = c.shape_of("log_prob")
+    gl, lp, tg = c.a["grad_loss"], c.a["log_prob"], c.a["target"]
     if not isinstance(c.raw["grad_loss"], (int, float)) and gl.dtype != lp.dtype:
         c.bad("grad_loss", f"the dtype of log_prob ({dtype_name(lp.dtype)})", dtype_name(gl.dtype))
-    for name in ("grad_zloss", "lse_for_zloss"):
-        if c.a[name] is not None:
-            c.bad(name, "None (device: z-loss unsupported)", "an array")
-    if n >= MAX_N_DEVICE:
-        c.bad("log_prob", f"N < {MAX_N_DEVICE} (device limit)", f"N = {n}")
-    if c.attrs["ignore_index"] >= cc:
-        c.bad("ignore_index", f"a value < C = {cc} (device limit)", c.attrs["ignore_index"])
+    for name in ("grad_zloss", "lse_for_zloss"):  # the op's def: one dtype column for all of them
+        a = c.a[name]
+        if a is not None and a.dtype != lp.dtype:
+            c.bad(name, f"the dtype of log_prob ({dtype_name(lp.dtype)}; strict mode)", dtype_name(a.dtype))
+    allowed = c.soc.ce_grad_target_dtypes
+    if dtype_name(tg.dtype) not in allowed:
+        c.bad(
+            "target",
+            f"dtype in ({', '.join(allowed)}) on {c.soc.name} (cross_entropy_loss_grad_def.cpp; strict mode)",
+            dtype_name(tg.dtype),
+        )
+    if c.attrs["label_smoothing"] != 0.0 and not c.soc.ce_grad_label_smoothing:
+        c.bad(
+            "label_smoothing",
+            f"0.0 on {c.soc.name}: the device accepts other values but its kernel then never writes "
+            "x_grad (cross_entropy_loss_grad_weight_none.h:119-130) or writes garbage "
+            "(cross_entropy_loss_grad_weight_not_none.h:133-149); strict mode",
+            c.attrs["label_smoothing"],
+        )
 
 
 DECL = OpDef(
@@ -68,41 +98,34 @@ DECL = OpDef(
     inputs=(
         TensorDef("grad_loss", FLOAT_DTYPES, ndim=(0, 1), scalar_ok=True),
         TensorDef("log_prob", FLOAT_DTYPES, ndim=(2, 2)),
-        TensorDef("target", (np.int64,), ext_dtypes=(np.int32,), ndim=(1, 1)),
+        TensorDef("target", (np.int64, np.int32), ndim=(1, 1)),  # per SoC in strict mode: _device_limits
         TensorDef("weight", (FLOAT32,), ext_dtypes=FLOAT_DTYPES[:2], ndim=(1, 1), optional=True),
-        TensorDef("grad_zloss", FLOAT_DTYPES, ndim=(0, 1), optional=True),
-        TensorDef("lse_for_zloss", FLOAT_DTYPES, ndim=(1, 1), optional=_lse_optional),
+        TensorDef("grad_zloss", FLOAT_DTYPES, ndim=(0, None), optional=True),  # accepted, ignored
+        TensorDef("lse_for_zloss", FLOAT_DTYPES, ndim=(0, None), optional=True),  # accepted, ignored
     ),
     attrs=(
         AttrDef("reduction", "reduction"),
         AttrDef("ignore_index", "int"),
-        AttrDef(
-            "label_smoothing",
-            "float",
-            lo=0.0,
-            hi=1.0,
-            device=(0.0,),
-            device_why="0.0 (device limit; fastgrad computes other values outside strict mode)",
-        ),
-        AttrDef("lse_square_scale_for_zloss", "float", device=(0.0,), device_why="0.0 (device: z-loss unsupported)"),
+        AttrDef("label_smoothing", "float", lo=0.0, hi=1.0),  # per SoC in strict mode: _device_limits
+        AttrDef("lse_square_scale_for_zloss", "float"),  # accepted, ignored
     ),
     outputs=("out",),
     relations=_relations,
     device_limits=_device_limits,
-    source="seed 001; ops-nn loss/cross_entropy_loss_grad; ATen LossNLL.cpp",
+    source="aclnnCrossEntropyLossGrad.md; ops-nn loss/cross_entropy_loss_grad; ATen LossNLL.cpp",
 )
 
 
 def cross_entropy_loss_grad(
-    grad_loss: Any,
-    log_prob: Any,
-    target: Any,
-    weight: Any = None,
+    grad_loss: ArrayLike,
+    log_prob: ArrayLike,
+    target: ArrayLike,
+    weight: ArrayLike | None = None,
     reduction: str | int = "mean",
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
-    grad_zloss: Any = None,
-    lse_for_zloss: Any = None,
+    grad_zloss: ArrayLike | None = None,
+    lse_for_zloss: ArrayLike | None = None,
     lse_square_scale_for_zloss: float = 0.0,
     *,
     out: Any = None,
@@ -121,26 +144,41 @@ def cross_entropy_loss_grad(
     log_prob : array (N, C), float32 | float16 | bfloat16
         The forward's ``log_softmax(logits)``.  ``p = exp(log_prob)`` is used as is (not
         renormalised).  N may be 0; C classes.
-    target : array (N,), int64 (int32 accepted outside strict mode)
-        Class indices in ``[0, C)``, or ``ignore_index``.
+    target : array (N,), int64 | int32
+        Class indices in ``[0, C)``, or ``ignore_index``.  The device's kernel takes int64 on
+        A2/A3 and int64 or int32 on Ascend 950 (``cross_entropy_loss_grad_def.cpp:20-21,44-49,
+        96-101,126``): strict mode refuses int32 on the ``"Ascend910B"``/``"Ascend910_93"``
+        profiles.  Without ``weight`` a target outside ``[0, C)`` that is not ignored is
+        computed as the device computes it: the row is ``exp(log_prob)·c_i`` with no −1 (the
+        kernel's compare never matches; ``cross_entropy_loss_grad_weight_none.h:97-100``, negative
+        targets compared as uint64 in ``arch35/cross_entropy_loss_grad_base.h:487-525``) and the
+        row counts in the mean's denominator.
     weight : array (C,), float32, optional
         Class weights (default all ones).  float16/bfloat16 are accepted outside strict mode
         (widened exactly to fp32).
     reduction : {"mean", "sum", "none"} or {1, 2, 0}
         The forward's reduction.
     ignore_index : int
-        Rows whose target equals it contribute nothing (their gradient row is 0).
+        Rows whose target equals it contribute nothing (their gradient row is 0).  Which rows
+        that is follows the SoC profile (``fg.soc_version``): on ``"Ascend910B"``/
+        ``"Ascend910_93"`` ``target == ignore_index`` whatever its sign (the 910B kernel,
+        ``cross_entropy_loss_grad_base.h:198-220``, and PyTorch); on ``"Ascend950"`` only when
+        ``ignore_index >= 0`` (``arch35/cross_entropy_loss_grad_weight_none.h:143-175``): a
+        negative ignore_index ignores nothing and the mean divides by N (Σ weight[t]).  Any
+        value is accepted (the device checks none).
     label_smoothing : float in [0, 1]
-        Label smoothing ``ls`` with PyTorch's composite semantics (extension: the device
-        accepts only 0).
-    grad_zloss : array, optional
-        Gradient of the z-loss output, shaped like ``grad_loss`` (extension; the device
-        accepts only None).
-    lse_for_zloss : array (N,), float, optional
-        The forward's ``logsumexp(logits)`` per row; required when
-        ``lse_square_scale_for_zloss != 0`` (extension).
+        Label smoothing ``ls`` with PyTorch's composite semantics.  The Ascend 950 kernel
+        computes it (``SmoothLabel``); the 910B kernel does not reject it but then never writes
+        ``x_grad`` (``cross_entropy_loss_grad_weight_none.h:119-130``) or writes garbage
+        (``..._weight_not_none.h:133-149``): strict mode refuses ``ls != 0`` on the A2/A3
+        profiles (161002, the message says why); outside it fastgrad computes the formula.
+    grad_zloss, lse_for_zloss : array, optional
+        Accepted and **ignored**, as on the device (the doc at ops-nn e5c3fa9,
+        ``docs/aclnnCrossEntropyLossGrad.md:392``: z-loss inputs "不会生效"; no kernel reads
+        them).  A ``UserWarning`` says so once per process.  The z-loss of a training loss is
+        :func:`fastgrad.torch.linear_cross_entropy`'s ``lse_square_scale``.
     lse_square_scale_for_zloss : float
-        z-loss scale ``zs`` (extension; the device accepts only 0.0).
+        Accepted and ignored (see above).
     out : array (N, C), dtype of ``log_prob``, optional
         Preallocated output (any strides); returned.
 
@@ -159,41 +197,37 @@ def cross_entropy_loss_grad(
 
         x\_grad_{ij} = m_i s_i\left[(1-ls)\,w_i\,(p_{ij} - \delta_{j,t_i})
                       + \frac{ls}{C}\Big(p_{ij}\sum_c weight_c - weight_j\Big)\right]
-                      + p_{ij}\cdot 2\,zs\cdot lse_i\, m_i\, gz_i
 
-    where ``gz = grad_loss + grad_zloss`` (``grad_zloss`` defaults to 0), divided by the
-    number of non-ignored rows for ``mean``; the z-loss term is present only when
-    ``zs != 0``.  Arithmetic is fp32 (16-bit inputs widened exactly, ``W`` summed serially in
-    fp64), the output is rounded once to the dtype (RNE).  With ``ls = 0`` the rounding order
-    is the 910B kernel's, bit for bit: ``c_i = fl(fl(fl(g·(1-ls))/W)·m_i)·w_i``,
-    ``x = fl(p·c_i)``, at the target ``fl(x - c_i)``, then the cast (ops-nn
+    (``δ`` is 0 on every column for a target outside ``[0, C)``).  Arithmetic is fp32 (16-bit
+    inputs widened exactly, ``W`` summed serially in fp64), the output is rounded once to the
+    dtype (RNE).  With ``ls = 0`` the rounding order is the 910B kernel's, bit for bit:
+    ``c_i = fl(fl(fl(g·(1-ls))/W)·m_i)·w_i``, ``x = fl(p·c_i)``, at the target ``fl(x - c_i)``, then the cast (ops-nn
     ``cross_entropy_loss_grad_weight_none.h:90-101,164-170``,
     ``cross_entropy_loss_grad_weight_not_none.h:110-150,183-194``).  Ignored rows are
     computed as ``p·c_i`` with ``c_i = ±0``, as on the device: 0, but NaN where ``log_prob``
     is NaN (or ``exp`` overflows), and NaN when their scale is not finite.
 
     Deviations, as the device: with ``mean`` and ``W = 0`` (e.g. every row ignored) the
-    result is **NaN everywhere** (PyTorch returns 0).  A row is ignored when
-    ``target == ignore_index`` whatever the sign of ``ignore_index``, as the 910B kernel
-    (``cross_entropy_loss_grad_base.h:198-220``; it compares in fp32, which equals the int64
-    compare below 2**24) and PyTorch; the CANN golden and the Ascend 950 kernel ignore rows only
-    when ``ignore_index >= 0`` (docs/device_parity.md, rows 4b-4e).
+    result is **NaN everywhere** (PyTorch returns 0).  The ignore rule is the profile's (see
+    ``ignore_index``; the 910B kernel compares in fp32, which equals the int64 compare below
+    2**24); the CANN golden ignores rows only when ``ignore_index >= 0``, as the 950 kernel
+    (docs/device_parity.md, rows 4b-4e).
 
     Raises
     ------
     AclnnError
-        161001 (ACLNN_ERR_PARAM_NULLPTR): ``grad_loss``, ``log_prob`` or ``target`` is None,
-        or ``lse_for_zloss`` is None while ``lse_square_scale_for_zloss != 0``.
+        161001 (ACLNN_ERR_PARAM_NULLPTR): ``grad_loss``, ``log_prob`` or ``target`` is None.
         161002 (ACLNN_ERR_PARAM_INVALID): a dtype or shape not listed above; ``reduction``
-        not one of the three; ``label_smoothing`` outside [0, 1]; a target outside [0, C)
-        that is not ``ignore_index`` (the device reads out of bounds; fastgrad always
-        rejects it); a bad ``out``.  In strict mode (``fg.strict()``) also, as the device:
-        ``label_smoothing != 0``; ``grad_zloss`` or ``lse_for_zloss`` given or
-        ``lse_square_scale_for_zloss != 0``; ``N >= 200000``; target not int64; weight
-        not float32; ``grad_loss`` dtype different from ``log_prob``'s; ``ignore_index >= C``
-        (seed: "must be less than C").
+        not one of the three; ``label_smoothing`` outside [0, 1]; **with** ``weight``, a target
+        outside [0, C) that is not ignored (the kernel reads ``weight[target]`` out of bounds;
+        fastgrad always rejects it); a bad ``out``.  In strict mode (``fg.strict()``) also, as
+        the device: target int32 on the A2/A3 profiles; ``label_smoothing != 0`` on the A2/A3
+        profiles; weight not float32; ``grad_loss``, ``grad_zloss`` or ``lse_for_zloss`` of
+        another dtype than ``log_prob``.  (The old limits ``N < 200000`` and
+        ``ignore_index < C`` came from earlier doc revisions; neither today's doc nor the
+        tiling checks them, and fastgrad no longer does.)
 
-    Source: seed 001 (CANN aclnnCrossEntropyLossGrad doc) and docs/spec.md; CANN kernel
+    Source: the CANN doc aclnnCrossEntropyLossGrad.md and docs/spec.md; CANN kernel
     ``CrossEntropyLossGrad`` (ops-nn ``loss/cross_entropy_loss_grad``) and its golden.
     """
     return execute(

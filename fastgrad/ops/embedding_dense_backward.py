@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import BFLOAT16, FLOAT_DTYPES
+from ..arrays import ArrayLike
+from ..dtypes import BFLOAT16, FLOAT32, FLOAT_DTYPES
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "embedding_dense_backward"
@@ -41,7 +42,28 @@ def _relations(c: Call) -> None:
         lo, hi = v.min(), v.max()
         if not (lo >= 0 and hi < nw):
             c.bad("indices", f"values in [0, {nw}) (num_weights)", f"values in [{lo}, {hi}]")
-    c.outs["grad_weight"] = OutSpec((nw, d), g.dtype, size_param="num_weights")
+    c.outs["grad_weight"] = OutSpec((nw, d), g.dtype, accept=FLOAT_DTYPES, size_param="num_weights")
+    c.info["kernel_args"] = {"result_dtype": _result_dtype(c)}
+
+
+#: aclnn_embedding_dense_backward.cpp:44-47: the thresholds of IsNeedCast (:227-235)
+GRAD_ROW_LIMIT = 512
+MEMORY_THRESHOLD = 100 * 1024 * 1024
+
+
+def _result_dtype(c: Call) -> np.dtype:
+    """The dtype the device's result has before the op_api's final Cast to ``out``'s dtype
+    (``aclnn_embedding_dense_backward.cpp:407``).  A2/A3 widen a 16-bit grad to fp32 first
+    (:332-341) when ``IsNeedCast``: the tensors take < 100 MB as 16-bit, or fewer than 512 grad
+    rows, or ``scale_grad_by_freq``; otherwise, and on Ascend 950 (never, ``!is950``), the
+    result is in grad's dtype.  Either way the sums accumulate in fp32."""
+    g = c.a["grad"]
+    if g.dtype == FLOAT32:
+        return FLOAT32
+    rows = math.prod(g.shape[:-1])
+    out_len = c.attrs["num_weights"] * g.shape[-1]
+    need_cast = (g.size + out_len) * 2 < MEMORY_THRESHOLD or rows < GRAD_ROW_LIMIT or c.attrs["scale_grad_by_freq"]
+    return FLOAT32 if (c.soc.name != "Ascend950" and need_cast) else g.dtype
 
 
 DECL = OpDef(
@@ -54,13 +76,13 @@ DECL = OpDef(
     attrs=(AttrDef("num_weights", "int", lo=0), AttrDef("padding_idx", "int"), AttrDef("scale_grad_by_freq", "bool")),
     outputs=("grad_weight",),
     relations=_relations,
-    source="seed 004; ops-nn index/embedding_dense_grad_v2; ATen Embedding.cpp",
+    source="aclnnEmbeddingDenseBackward.md; ops-nn index/embedding_dense_grad_v2; ATen Embedding.cpp",
 )
 
 
 def embedding_dense_backward(
-    grad: Any,
-    indices: Any,
+    grad: ArrayLike,
+    indices: ArrayLike,
     num_weights: int,
     padding_idx: int = -1,
     scale_grad_by_freq: bool = False,
@@ -85,10 +107,19 @@ def embedding_dense_backward(
         Row left at zero (its gradient is dropped); negative means none (the aten op's
         convention; ``F.embedding``'s negative-index normalization is the caller's job).
     scale_grad_by_freq : bool, default False
-        Divide each row by the number of times its index occurs in ``indices``.
+        Scale each row by the number of times its index occurs in ``indices``: the fp32 sum
+        times the fp32 reciprocal ``1.0f / count`` (the device's ``Muls`` by ``reciScale``,
+        ``embedding_dense_grad_v2_scale.h:100-104``), not a division (they differ by one ulp
+        in a third to a half of random sums).
     out : array_like, optional
-        Preallocated ``(num_weights, D)`` array of grad's dtype (contiguous or not).  Written
-        only after all validation passed.
+        Preallocated ``(num_weights, D)`` float array (contiguous or not), any of fp32, fp16,
+        bf16: the device casts its result to ``out``'s dtype (``aclnn_embedding_dense_backward.cpp:407``).
+        That result is fp32 for an fp32 grad; for a 16-bit grad it is the fp32 sums on
+        A2/A3 when the op_api widens the grad (``IsNeedCast``, :227-235, :332-341: the tensors
+        take < 100 MB as 16-bit, fewer than 512 grad rows, or ``scale_grad_by_freq``), so a bf16
+        grad with an fp32 ``out`` returns the unrounded sums; otherwise (larger problems, and
+        always on the ``"Ascend950"`` profile) it is rounded to grad's dtype first.  Written only
+        after all validation passed.
 
     Returns
     -------
@@ -98,13 +129,14 @@ def embedding_dense_backward(
     Notes
     -----
     ``out[k] = sum_{i : indices_i == k} grad_i`` accumulated in fp32 in index order, then
-    ``/= count(k)`` (fp32) when ``scale_grad_by_freq``, rounded once (round-to-nearest-even) to
-    grad's dtype; rows never indexed, and row ``padding_idx``, are zero.  Deterministic
-    (no atomics; bitwise identical for any thread count).
+    ``*= fp32(1.0f / count(k))`` when ``scale_grad_by_freq``, rounded once (round-to-nearest-even)
+    to grad's dtype (or ``out``'s, see above); rows never indexed, and row ``padding_idx``, are
+    zero.  Deterministic (no atomics; bitwise identical for any thread count) — the device's
+    default implementation is not (its doc; docs/spec.md).
 
     Deviations from PyTorch: its CPU kernel accumulates fp16/bf16 in 16 bits (4096 bf16 ones
     sum to 256); fastgrad accumulates in fp32 like the device (4096).  PyTorch scales each
-    term by ``1/count``; fastgrad (SPEC) divides the fp32 sum once.  An index outside
+    term by ``1/count``; fastgrad, as the device, multiplies the fp32 sum by ``fp32(1/count)`` once.  An index outside
     ``[0, num_weights)`` is undefined on the device and in PyTorch; fastgrad rejects it
     (161002) and never writes out of bounds.
 
@@ -121,7 +153,7 @@ def embedding_dense_backward(
         included), ``out`` has the wrong shape/dtype or is read-only, an attribute has the
         wrong type, or (strict mode) grad is not 2-8-D or indices not 1-8-D.
 
-    Source: seed 004 (aclnnEmbeddingDenseBackward); CANN ops-nn
+    Source: the CANN doc aclnnEmbeddingDenseBackward.md; CANN ops-nn
     ``index/embedding_dense_grad_v2`` (op_api ``aclnn_embedding_dense_backward.cpp``).
     """
     return execute(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..arrays import ArrayLike
 from ..dtypes import FLOAT32, FLOAT_DTYPES
+from ..errors import ACLNN_ERR_INNER_NULLPTR
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "fused_cross_entropy_loss_with_max_sum"
@@ -18,7 +20,22 @@ def _relations(c: Call) -> None:
         c.expect_shape(name, (BT,))
     lg = c.a["vocab_parallel_logits"]
     if lg is not None and lg.shape[0] != BT:
-        c.bad("vocab_parallel_logits", f"shape[0] == {BT}", f"shape {tuple(lg.shape)}")
+        # the op_api does not check it (aclnn_fused_cross_entropy_loss_with_max_sum.cpp:72-90).
+        # A2/A3 tiling splits the rows by vocab_parallel_logits.shape[0]
+        # (fused_cross_entropy_loss_with_max_sum_tiling.cpp:96-112): loss rows past it are never
+        # written, or the statistics are read past their end — fastgrad refuses (161002).  The
+        # arch35 tiling refuses it (fused_cross_entropy_loss_with_max_sum_tiling_arch35.cpp:123-132):
+        # strict mode on "Ascend950" reports that failure's code.
+        expected = f"shape[0] == logits_max.shape[0] == {BT}"
+        if c.strict and c.soc.name == "Ascend950":
+            c.fail(ACLNN_ERR_INNER_NULLPTR, "vocab_parallel_logits", expected + " (the arch35 tiling)", tuple(lg.shape))
+        else:
+            c.bad(
+                "vocab_parallel_logits",
+                expected + " (the A2/A3 device does not check it and leaves loss rows unwritten or reads "
+                "past the statistics; fastgrad refuses)",
+                f"shape {tuple(lg.shape)}",
+            )
     if c.attrs["label_smoothing"] != 0.0 and lg is None:
         c.bad("label_smoothing", "0 unless vocab_parallel_logits is given", c.attrs["label_smoothing"])
     c.outs["loss"] = OutSpec((BT,), FLOAT32)
@@ -38,11 +55,11 @@ DECL = OpDef(
 
 
 def fused_cross_entropy_loss_with_max_sum(
-    logits_max: Any,
-    sum_exp_logits: Any,
-    predicted_logits: Any,
+    logits_max: ArrayLike,
+    sum_exp_logits: ArrayLike,
+    predicted_logits: ArrayLike,
     label_smoothing: float = 0.0,
-    vocab_parallel_logits: Any = None,
+    vocab_parallel_logits: ArrayLike | None = None,
     *,
     out: Any = None,
 ) -> tuple[Any, Any]:
@@ -75,7 +92,13 @@ def fused_cross_entropy_loss_with_max_sum(
     ------
     AclnnError 161001 — a statistics input is None.
     AclnnError 161002 — dtypes (fp32 stats; logits bf16/fp16/fp32), ranks, lengths != BT,
-    ``vocab_parallel_logits.shape[0] != BT``, label_smoothing ≠ 0 without logits (or in strict mode).
+    label_smoothing ≠ 0 without logits (or in strict mode), and
+    ``vocab_parallel_logits.shape[0] != BT``: the device's op_api does not check it
+    (``aclnn_fused_cross_entropy_loss_with_max_sum.cpp:72-90``); on A2/A3 the tiling splits the
+    rows by ``vocab_parallel_logits.shape[0]`` (``..._tiling.cpp:96-112``), leaving loss rows
+    unwritten or reading past the statistics, so fastgrad refuses it in every mode.
+    AclnnError 561103 — strict mode on the ``"Ascend950"`` profile, ``vocab_parallel_logits.shape[0]
+    != BT``: the arch35 tiling refuses it (``..._tiling_arch35.cpp:123-132``).
     """
     return execute(
         DECL,

@@ -9,6 +9,8 @@ import ml_dtypes
 import numpy as np
 
 from .. import dtypes as D
+from ..arrays import ArrayLike
+from ..errors import ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_RUNTIME_ERROR
 from ..tiling import plan_linear_cross_entropy
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
@@ -16,6 +18,10 @@ OP = "fused_linear_cross_entropy_loss_grad"
 
 #: The device's minimum V in high-performance mode (a softmax row must be >= 512 bytes).
 MIN_V_HIGH_PERFORMANCE = 128
+#: The tiling's largest H (both modes) and BT-derived bound (high-performance mode).
+MAX_H_TILING = 65535
+#: The tiling's largest V in high-performance mode (``(256 - 1) * 256``: a 512-byte-aligned bf16 row < 64 KiB).
+MAX_V_HIGH_PERFORMANCE = 65280
 
 
 def _float_in(name: str) -> TensorDef:
@@ -117,6 +123,43 @@ def _device_limits(c: Call) -> None:
         c.bad("filter_eps", "None (the device has no gradient filtering; strict mode)", repr(c.raw["filter_eps"]))
     if c.a["input"].size == 0 or c.a["weight"].size == 0:
         c.skip_compute = True  # the device returns success without launching
+        return
+    # past the op_api's 161002 checks: the platform check, then the l0 op's tiling
+    if not c.soc.fused_linear_ops:  # aclnn_fused_linear_cross_entropy_loss_grad.cpp:215-223,317
+        c.fail(
+            ACLNN_ERR_RUNTIME_ERROR,
+            "input",
+            'an Atlas A2/A3 SoC (the op_api: "Current platform is not supported"; strict mode)',
+            c.soc.name,
+        )
+    for param, expected, got in _tiling_failures(c):
+        c.fail(ACLNN_ERR_INNER_NULLPTR, param, expected + " (the op_host tiling; strict mode)", got)
+
+
+#: the Vector unit's Unified Buffer on Atlas A2/A3 (``GetCoreMemSize(UB)``): 192 KiB
+UB_BYTES = 192 * 1024
+
+
+def _tiling_failures(c: Call) -> list:
+    """What ``fused_linear_cross_entropy_loss_grad_tiling.cpp`` at ops-nn e5c3fa9 refuses
+    (``ge::GRAPH_FAILED``; the l0 op then gives no result and the op_api returns
+    ACLNN_ERR_INNER_NULLPTR, ``aclnn_fused_linear_cross_entropy_loss_grad.cpp:324``)."""
+    BT, H = c.shape_of("input")
+    V = c.a["weight"].shape[0]
+    out = []
+    if H > MAX_H_TILING:  # both modes: :237-240 (high-performance), :527-530 (memory-saving)
+        out.append(("input", f"input.shape[1] <= {MAX_H_TILING}", f"H = {H}"))
+    if c.a["softmax"] is None:
+        return out
+    bt16 = -(-BT // 16) * 16  # BT_16ALIGNED (:87)
+    tail_k = BT % 64 or 64  # mm2TailK with baseK = 64 (tiling.h:49; :151-157)
+    if bt16 - tail_k > MAX_H_TILING:  # :220-223
+        out.append(("grad", f"ceil16(BT) - (BT % 64 or 64) <= {MAX_H_TILING} in high-performance mode", f"BT = {BT}"))
+    if V > MAX_V_HIGH_PERFORMANCE:  # :231-235
+        out.append(("weight", f"weight.shape[0] <= {MAX_V_HIGH_PERFORMANCE} in high-performance mode", f"V = {V}"))
+    elif ((UB_BYTES - 32) // 2) // (-(-V * 4 // 64) * 16 * 4) == 0:  # btPerEpochSingle == 0: :181-182, :242-246
+        out.append(("weight", "a softmax row of at most (192 KiB - 32) / 2 bytes in high-performance mode", f"V = {V}"))
+    return out
 
 
 def _plan(c: Call):
@@ -173,20 +216,20 @@ DECL = OpDef(
     device_limits=_device_limits,
     plan=_plan,
     result=_result,
-    source="seed 000; ops-nn matmul/fused_linear_cross_entropy_loss_grad",
+    source="aclnnFusedLinearCrossEntropyLossGrad.md; ops-nn matmul/fused_linear_cross_entropy_loss_grad",
 )
 
 
 def fused_linear_cross_entropy_loss_grad(
-    grad: Any,
-    input: Any,
-    weight: Any,
-    target_mask: Any,
-    masked_target: Any,
+    grad: ArrayLike,
+    input: ArrayLike,
+    weight: ArrayLike,
+    target_mask: ArrayLike,
+    masked_target: ArrayLike,
     label_smoothing: float = 0.0,
-    logits_max: Any = None,
-    sum_exp_logits: Any = None,
-    softmax: Any = None,
+    logits_max: ArrayLike | None = None,
+    sum_exp_logits: ArrayLike | None = None,
+    softmax: ArrayLike | None = None,
     *,
     filter_eps: float | str | None = None,
     return_plan: bool = False,
@@ -194,8 +237,8 @@ def fused_linear_cross_entropy_loss_grad(
 ) -> tuple:
     r"""Gradient of the vocabulary-parallel linear cross-entropy w.r.t. ``input`` and ``weight``.
 
-    The CPU counterpart of ``aclnnFusedLinearCrossEntropyLossGrad`` (seed document
-    ``000_e15f902cbf80e4bf.txt``; ops-nn ``matmul/fused_linear_cross_entropy_loss_grad``).  Its
+    The CPU counterpart of ``aclnnFusedLinearCrossEntropyLossGrad`` (the CANN doc
+    ``aclnnFusedLinearCrossEntropyLossGrad.md``; ops-nn ``matmul/fused_linear_cross_entropy_loss_grad``).  Its
     inputs come from :func:`fused_linear_online_max_sum` and the caller's all-reduce of
     ``logits_max`` / ``sum_exp_logits`` over the vocabulary shards (Megatron's
     ``_VocabParallelCrossEntropy``).
@@ -221,8 +264,11 @@ def fused_linear_cross_entropy_loss_grad(
         Global (all-reduced) row max of the logits and ``Σ exp(logits - max)``.
     softmax : fp32 [BT, V], optional
         High-performance mode: the softmax from :func:`fused_cross_entropy_loss_with_max_sum`.
-        ``logits_max``/``sum_exp_logits`` are then ignored.  **Not modified** (the device
-        overwrites it in place; fastgrad does not).
+        ``logits_max``/``sum_exp_logits`` are then ignored, unchecked, as on the device (its
+        op_api checks their dtype, rank and shape only when ``softmax`` is None:
+        ``aclnn_fused_linear_cross_entropy_loss_grad.cpp:101-106,152-157,204-209``): a 0-d
+        placeholder or anything else passes.  **Not modified** (the device overwrites it in
+        place; fastgrad does not).
     out : (grad_input, grad_weight), optional
         Preallocated outputs (shapes ``[BT, H]`` and ``[V, H]``, input's dtype).  Untouched when
         validation fails.  Extension (not in strict mode): an fp32 ``grad_input`` receives the
@@ -277,8 +323,19 @@ def fused_linear_cross_entropy_loss_grad(
         given with ``softmax``.  Strict mode also: label_smoothing ≠ 0, fp32 input, V < 128 in
         high-performance mode, ``filter_eps`` given.
     AclnnError 361001
-        The selected backend is unavailable.
+        The selected backend is unavailable.  Strict mode, SoC profile ``"Ascend950"``
+        (``fg.soc_version``) and non-empty input/weight: the op_api's platform check ("Current
+        platform is not supported", ``aclnn_fused_linear_cross_entropy_loss_grad.cpp:215-223,317``).
+    AclnnError 561103
+        Strict mode, what the op_host tiling refuses (the op_api then returns
+        ACLNN_ERR_INNER_NULLPTR, :324): ``H > 65535`` (both modes, tiling :237-240, :527-530);
+        in high-performance mode ``ceil16(BT) - (BT % 64 or 64) > 65535`` (:220-223),
+        ``V > 65280`` (:231-235), and a softmax row larger than half the 192 KiB Unified Buffer,
+        ``ceil(V/16)·64 > 98288`` bytes, i.e. ``V > 24560`` (``btPerEpochSingle == 0``, :181-182,
+        :242-246).  Outside strict mode fastgrad computes these shapes.
     """
+    if softmax is not None:  # the device never reads or checks them then (op_api :101-106, :152-157, :204-209)
+        logits_max = sum_exp_logits = None
     return execute(
         DECL,
         dict(

@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import dtypes as D
+from ..arrays import ArrayLike
+from ..errors import ACLNN_ERR_INNER_NULLPTR
 from ..tiling import plan_linear_cross_entropy
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
@@ -41,13 +43,8 @@ def _relations(c: Call) -> None:
         c.bad("weight", f"weight.shape[1] == input.shape[1] == {H}", f"shape {tuple(w.shape)}")
     if t.shape[0] != BT:
         c.bad("target", f"target.shape[0] == input.shape[0] == {BT}", f"shape {tuple(t.shape)}")
-    if end - start != V:
-        c.bad(
-            "vocab_end_index",
-            f"vocab_start_index + weight.shape[0] = {start} + {V} = {start + V} "
-            "(the shard's rows are its vocabulary range)",
-            end,
-        )
+    if end < start:  # op_api CheckAttrValid (aclnn_fused_linear_online_max_sum.cpp:154-171): nothing more
+        c.bad("vocab_end_index", f"a value >= vocab_start_index ({start})", end)
     ldt = c.attrs["logits_dtype"]
     if ldt is None:
         ldt = x.dtype  # the kernel's: the matmul output is the input dtype
@@ -76,6 +73,17 @@ def _device_limits(c: Call) -> None:
             "logits_dtype",
             "the input's dtype (the device's matmul output; strict mode)",
             D.dtype_name(c.attrs["logits_dtype"]),
+        )
+    if not c.soc.fused_linear_ops and BT > 0:
+        # no kernel for the SoC (op_host/config holds ascend910b and ascend910_93 only,
+        # fused_linear_online_max_sum_def.cpp:75-76): the l0 op gives no result and the op_api
+        # returns ACLNN_ERR_INNER_NULLPTR (aclnn_fused_linear_online_max_sum.cpp:274-276); an
+        # empty input returns success before it (:258-263)
+        c.fail(
+            ACLNN_ERR_INNER_NULLPTR,
+            "input",
+            "an Atlas A2/A3 SoC (aclnnFusedLinearOnlineMaxSum has no kernel for this SoC; strict mode)",
+            c.soc.name,
         )
 
 
@@ -110,9 +118,9 @@ DECL = OpDef(
 
 
 def fused_linear_online_max_sum(
-    input: Any,
-    weight: Any,
-    target: Any,
+    input: ArrayLike,
+    weight: ArrayLike,
+    target: ArrayLike,
     vocab_start_index: int,
     vocab_end_index: int,
     return_logits: bool = False,
@@ -134,7 +142,10 @@ def fused_linear_online_max_sum(
     target : int32 | int64 [BT]   global target ids
     vocab_start_index, vocab_end_index : int
         This shard's vocabulary range ``[start, end)`` (end exclusive, as the kernel; the doc's
-        formula says ``>``).  ``0 <= start <= end``.
+        formula says ``>``).  ``0 <= start <= end`` is all the device checks
+        (``aclnn_fused_linear_online_max_sum.cpp:154-171``): ``end - start`` need not equal V
+        (the CANN example runs V = 5 with ``[0, 2)``; its doc allows ``end`` in
+        ``[start, min(start + V - 1, max(target) - 1)]``; ``end == start`` masks every row).
     return_logits : bool
         Also return ``vocab_parallel_logits`` (the device's high-performance branch).
     logits_dtype : None, float32 or the input's dtype, keyword-only
@@ -153,7 +164,12 @@ def fused_linear_online_max_sum(
         ``logits = round_dtype(input·weightᵀ)`` (fp32 accumulation, rounded to the input dtype as
         the device's matmul output); ``logits_max_local[r] = max_v logits[r, v]``;
         ``sum_exp_logits_local[r] = Σ_v exp(logits[r, v] - max)``;
-        ``predicted_logits_local[r] = logits[r, masked_target[r]] - max`` (0 where masked);
+        ``predicted_logits_local[r] = logits[r, masked_target[r]] - max`` (0 where masked;
+        ``0 - max = -max`` for an unmasked target whose ``masked_target >= V``, i.e. a target in
+        ``[start, end)`` beyond the shard's rows: the kernel adds the gathered logit of the tile
+        holding the column into a zeroed sum, no tile holds it, and the final pass subtracts the
+        max wherever the mask bit is 0 — ``fused_linear_online_max_sum.h:846-878,948-953,
+        1061-1076``);
         ``target_mask`` bit r = 1 when ``target[r] < start or >= end`` (padding bits beyond BT
         are those of a 0 target, as the kernel pads the target with 0: ``(0 < start) |
         (0 >= end)``, so 0 on the first shard); ``masked_target = target - start`` (0 where
@@ -177,7 +193,13 @@ def fused_linear_online_max_sum(
         dtypes (input/weight not bf16/fp16[/fp32] or different, target not int32/int64), ranks,
         ``target.shape[0] != BT``, ``weight.shape[1] != H``, ``vocab_start_index < 0``,
         ``vocab_end_index < vocab_start_index``.  Strict mode also: fp32 input, ``H > 65534``,
-        ``weight.shape[0] == 0`` (outside it, an empty shard gives max -inf, sum 0, all masked).
+        ``weight.shape[0] == 0`` (outside it, an empty shard gives max -inf, sum 0, predicted 0).
+    AclnnError 561103
+        Strict mode, SoC profile ``"Ascend950"`` (``fg.soc_version``) and ``BT > 0``: the op has
+        no kernel there (``op_host/config`` holds ascend910b and ascend910_93 only; its doc:
+        "Ascend 950PR/Ascend 950DT：不支持"), and the op_api returns ACLNN_ERR_INNER_NULLPTR
+        when the l0 op gives no result (:274-276).  Outside strict mode fastgrad computes the
+        A2/A3 kernel's result on every profile.
     """
     return execute(
         DECL,

@@ -18,6 +18,7 @@ import numpy as np
 from .. import _outcache, arrays, tiling
 from .. import dtypes as D
 from .._config import is_strict
+from ..arrays import ArrayLike
 from ..errors import AclnnError, invalid
 
 OP = "linear_cross_entropy"
@@ -120,29 +121,29 @@ def plan_block_rows(vocab_size: int, itemsize: int, budget: int | None = None) -
 
 
 def linear_cross_entropy(
-    input,
-    weight,
-    target,
-    bias=None,
-    ce_weight=None,
+    input: ArrayLike,
+    weight: ArrayLike,
+    target: ArrayLike,
+    bias: ArrayLike | None = None,
+    ce_weight: ArrayLike | None = None,
     *,
     ignore_index: int = -100,
-    reduction="mean",
+    reduction: str | int = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     temperature: float = 1.0,
     lse_square_scale: float = 0.0,
     vocab_start_index: int = 0,
     vocab_size: int | None = None,
-    return_grad=False,
-    grad_output=None,
-    lse=None,
+    return_grad: bool | tuple[bool, bool, bool] = False,
+    grad_output: ArrayLike | float | None = None,
+    lse: ArrayLike | None = None,
     combine: Callable | None = None,
     filter_eps: float | str | None = None,
-    accum_dtype=None,
+    accum_dtype: Any = None,
     return_entropy: bool = False,
-    grad_entropy=None,
-    z_mean=None,
+    grad_entropy: ArrayLike | float | None = None,
+    z_mean: ArrayLike | None = None,
     precision: str = "accurate",
 ) -> LinearCrossEntropyResult:
     r"""Cross-entropy of ``z = softcap(input·weightᵀ + bias)/temperature`` without ``[BT, V]``.

@@ -6,12 +6,15 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import ArrayLike
 from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..errors import ACLNN_ERR_INNER_TILING_ERROR
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, broadcasts, execute
 
 OP = "scaled_masked_softmax_backward"
 
-#: The device's range for the last dimension S2 (seed 002: "最后一维范围是[1, 4096]").
+#: The device's largest last dimension S2 on A2/A3 (aclnnScaledMaskedSoftmaxBackward.md:
+#: "最后一维范围是[1, 4096]"); 8192 on Ascend 950 — the SoC profile's ``softmax_grad_max_s2`` (fastgrad/soc.py).
 MAX_S2_DEVICE = 4096
 
 _MASK_DTYPES_EXT = tuple(np.dtype(d) for d in (np.uint8, np.int8, np.int16, np.int32, np.int64))
@@ -40,8 +43,19 @@ def _device_limits(c: Call) -> None:
         c.bad(
             "mask", f"last two dimensions {shape[-2:]} (those of grad_output; strict mode)", f"shape {tuple(m.shape)}"
         )
-    if not (1 <= shape[-1] <= MAX_S2_DEVICE):
-        c.bad("grad_output", f"last dimension in [1, {MAX_S2_DEVICE}] (device limit)", f"shape {shape}")
+    lim = c.soc.softmax_grad_max_s2  # op_api :32-33,104-113: 4096, 8192 on regbase (Ascend 950)
+    if shape[-1] > lim:
+        c.bad("grad_output", f"last dimension <= {lim} on {c.soc.name} (device limit)", f"shape {shape}")
+    elif any(d == 0 for d in shape) or (m is not None and any(d == 0 for d in m.shape[:2])):
+        # the op_api accepts 0 (>= 0, :109); the tiling refuses any dimension <= 0
+        # (scaled_masked_softmax_grad_v2_tiling.cpp:130-132, mask :169-171): the generated
+        # aclnnInner API reports a tiling failure
+        c.fail(
+            ACLNN_ERR_INNER_TILING_ERROR,
+            "grad_output",
+            "every dimension of grad_output and mask > 0 (the op_host tiling; strict mode)",
+            f"shape {shape}" + ("" if m is None else f", mask {tuple(m.shape)}"),
+        )
 
 
 DECL = OpDef(
@@ -66,12 +80,18 @@ DECL = OpDef(
     outputs=("out",),
     relations=_relations,
     device_limits=_device_limits,
-    source="seed 002; ops-nn vfusion/scaled_masked_softmax_grad_v2",
+    source="aclnnScaledMaskedSoftmaxBackward.md; ops-nn vfusion/scaled_masked_softmax_grad_v2",
 )
 
 
 def scaled_masked_softmax_backward(
-    grad_output: Any, y: Any, mask: Any, scale: float = 1.0, fix_triu_mask: bool = False, *, out: Any = None
+    grad_output: ArrayLike,
+    y: ArrayLike,
+    mask: ArrayLike | None,
+    scale: float = 1.0,
+    fix_triu_mask: bool = False,
+    *,
+    out: Any = None,
 ) -> Any:
     r"""Backward of ``y = softmax(mask_fill(x·scale))`` w.r.t. ``x`` (aclnnScaledMaskedSoftmaxBackward).
 
@@ -104,16 +124,24 @@ def scaled_masked_softmax_backward(
 
     Notes
     -----
-    Per row of the last dimension, in fp32 (16-bit inputs widened exactly):
+    Per row of the last dimension, in fp32 (16-bit inputs widened exactly), as the device's
+    kernel (the same on every SoC; the tiling picks it from S2 padded to 64,
+    ``scaled_masked_softmax_grad_v2_tiling.cpp:267-272,314``), without fastmath:
 
     .. math::
 
-        out_j = \Big(go_j\,y_j - \big(\textstyle\sum_k go_k\,y_k\big)\, y_j\Big)\cdot scale,
-        \qquad out_j = 0 \text{ where mask}_j
+        S = \textstyle\sum_k \mathrm{fl}(go_k\,y_k), \qquad
+        out_j = \begin{cases} \big((go_j - S)\, y_j\big)\cdot scale & \lceil S2/64\rceil\cdot 64 \le 1024
+                              \text{ (AscendC SoftmaxGrad, norm\_headdim.h:152)}\\
+                              \big(go_j\,y_j - y_j\, S\big)\cdot scale & \text{otherwise (large\_headdim.h:169-184)}
+                \end{cases}
 
-    rounded once to the dtype (RNE).  The row sum is accumulated in fp32 in a fixed order
-    (same bits for any thread count).  Masked elements are exactly 0 even when the inputs
-    hold NaN/Inf there.
+    each step rounded to fp32, ``out_j = 0`` where masked, then rounded once to the dtype
+    (RNE).  ``S`` is summed in the order of CANN's own golden (the vector unit's reduce: 8-element
+    blocks pairwise, 64-element repeats lane by lane, resp. 64-element blocks then the block
+    sums pairwise), so near cancellation the bits are the device's: fp32 ``go = [.1, .1]``,
+    ``y = [.1, .9]``, scale 1 gives ``[7.45e-10, 6.71e-9]``, not 0.  Same bits for any thread
+    count.  Masked elements are exactly 0 even when the inputs hold NaN/Inf there.
 
     Raises
     ------
@@ -122,11 +150,16 @@ def scaled_masked_softmax_backward(
         None (allowed outside strict mode when ``fix_triu_mask`` is True).
         161002 (ACLNN_ERR_PARAM_INVALID): unsupported dtypes; ``y``'s shape or dtype not
         ``grad_output``'s; a mask that does not broadcast; a bad ``out``.  In strict mode
-        (``fg.strict()``) also, as the device: tensors not 4-D; S2 outside [1, 4096]; a mask
-        that is not bool, not 4-D, or whose last two dimensions differ from
-        ``grad_output``'s; ``fix_triu_mask=True``.
+        (``fg.strict()``) also, as the device's op_api: tensors not 4-D; S2 above the SoC
+        profile's limit (4096 on ``"Ascend910B"``/``"Ascend910_93"``, 8192 on ``"Ascend950"``,
+        ``aclnn_scaled_masked_softmax_backward.cpp:32-33,104-113``); a mask that is not bool,
+        not 4-D, or whose last two dimensions differ from ``grad_output``'s;
+        ``fix_triu_mask=True``.
+        561002 (ACLNN_ERR_INNER_TILING_ERROR), strict mode: a dimension of ``grad_output`` (or
+        the mask's first two) is 0 — the op_api accepts it, the tiling refuses any dimension
+        <= 0 (``scaled_masked_softmax_grad_v2_tiling.cpp:130-132,169-171``).
 
-    Source: seed 002 (CANN aclnnScaledMaskedSoftmaxBackward doc) and docs/spec.md; CANN kernel
+    Source: the CANN doc aclnnScaledMaskedSoftmaxBackward.md and docs/spec.md; CANN kernel
     ``ScaledMaskedSoftmaxGradV2`` (ops-nn ``vfusion/scaled_masked_softmax_grad_v2``).
     """
     return execute(DECL, dict(grad_output=grad_output, y=y, mask=mask, scale=scale, fix_triu_mask=fix_triu_mask), out)

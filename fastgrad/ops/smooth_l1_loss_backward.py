@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import ArrayLike
 from ..dtypes import FLOAT_DTYPES, promote
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
@@ -24,6 +25,7 @@ def _relations(c: Call) -> None:
         c.bad("input", "grad_out, input and target shapes that broadcast", ", ".join(map(str, shapes)))
         return
     c.outs["grad_input"] = OutSpec(shape, promote(*(c.a[n].dtype for n in names)), accept=FLOAT_DTYPES)
+    c.info["kernel_args"] = {"smooth_l1_kernel": c.soc.smooth_l1_kernel}  # the SoC profile's kernel
 
 
 DECL = OpDef(
@@ -32,15 +34,23 @@ DECL = OpDef(
     inputs=tuple(
         TensorDef(n, FLOAT_DTYPES, ndim=(0, MAX_DIMS), ext_ndim=(0, None)) for n in ("grad_out", "input", "target")
     ),
-    attrs=(AttrDef("reduction", "reduction"), AttrDef("beta", "float", lo=0.0)),
+    attrs=(AttrDef("reduction", "reduction"), AttrDef("beta", "float", lo=0.0, finite=False)),
     outputs=("grad_input",),
     relations=_relations,
-    source="seed 003; ops-nn loss/smooth_l1_loss_grad_v2 (op_api aclnn_smooth_l1_loss_backward.cpp)",
+    source=(
+        "aclnnSmoothL1LossBackward.md; ops-nn loss/smooth_l1_loss_grad_v2 (op_api aclnn_smooth_l1_loss_backward.cpp)"
+    ),
 )
 
 
 def smooth_l1_loss_backward(
-    grad_out: Any, input: Any, target: Any, reduction: str | int = "mean", beta: float = 1.0, *, out: Any = None
+    grad_out: ArrayLike,
+    input: ArrayLike,
+    target: ArrayLike,
+    reduction: str | int = "mean",
+    beta: float = 1.0,
+    *,
+    out: Any = None,
 ) -> Any:
     """Gradient of the smooth L1 loss with respect to ``input``.
 
@@ -58,6 +68,8 @@ def smooth_l1_loss_backward(
         divides by the element count of the broadcast output.
     beta : float, default 1.0
         Threshold between the L2 and L1 regimes, ``>= 0``; used as fp32 (as the device).
+        ``+inf`` is accepted (the op_api checks only ``beta >= 0``): the gradient is 0 for every
+        finite ``d``.
     out : array_like, optional
         Preallocated ``grad_input`` of the broadcast shape, any of the three float dtypes
         (contiguous or not).  Written only after all validation passed.
@@ -71,20 +83,30 @@ def smooth_l1_loss_backward(
 
     Notes
     -----
-    With ``d = input - target`` in fp32::
+    The kernel follows the SoC profile (``fg.soc_version``; ``fastgrad/soc.py``).  With
+    ``d = input - target`` in fp32:
 
-        s = d / beta            if |d| < beta    (computed as d * fp32(1/beta), as the kernel)
+    **"Ascend910B" / "Ascend910_93"** (the default; the TBE DSL kernel
+    ``impl/dynamic/smooth_l1_loss_grad_v2.py`` of the CANN opp, ops-nn
+    ``experimental/loss/smooth_l1_loss_grad_v2`` registers it for ascend910b)::
+
+        s = -[d <= -beta] + [d >= beta] + [|d| < beta] · d / fp32(beta + 1e-6)
+
+    — exactly ±1 at ``|d| == beta``, a true division by ``beta + 1e-6`` in the quadratic zone;
+    a NaN ``d`` is read as 0 by the compares (0 at beta = 0, NaN otherwise); one formula for a
+    tensor and a one-element ``grad_out``.
+
+    **"Ascend950"** (the arch35 AscendC DAG, ``op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h``)::
+
+        s = d * fp32(1/beta)    if |d| < beta
         s = sign(d)             otherwise, with sign(0) = 0
-        grad_input = s * grad_out * (1/N if reduction == "mean" else 1)
 
-    bit for bit as the ops-nn kernel (``SmoothL1LossGradV2OpDag``, Ascend 950): a
-    ``grad_out`` of more than one element compares strictly, so ``|d| == beta`` gives
-    ``d * fp32(1/beta)`` (``1 - 2**-24`` for beta = 1.7); a one-element ``grad_out`` takes
-    the scalar DAG (``|d| >= beta`` -> sign).  ``1/N`` is ``fp32(1/N)``, multiplied.  The
-    910B runs a TBE kernel instead, ``d / (beta + 1e-6)`` in the quadratic zone (~1e-6/beta
-    relative) and 0 for NaN ``d`` at beta = 0; below beta = 1e-6 the 950 gives NaN: fastgrad
-    keeps ``d/beta`` there, and 0 at beta = 0, d = 0 (docs/device_parity.md, rows 5-5e).
+    bit for bit: a ``grad_out`` of more than one element compares strictly, so ``|d| == beta``
+    gives ``d * fp32(1/beta)`` (``1 - 2**-24`` for beta = 1.7); a one-element ``grad_out``
+    takes the scalar DAG (``|d| >= beta`` -> sign).  Below beta = 1e-6 the 950 gives NaN:
+    fastgrad keeps ``d/beta`` there, and 0 at beta = 0, d = 0 (docs/device_parity.md, rows 5-5f).
 
+    Both: ``grad_input = s * grad_out * (fp32(1/N) if reduction == "mean" else 1)``,
     rounded once (round-to-nearest-even) to the output dtype; 16-bit inputs are widened to
     fp32 exactly.  NaN in ``d`` or ``grad_out`` gives NaN.  When ``out``'s dtype differs from
     the promoted dtype, the result is rounded to the promoted dtype and then cast (the
@@ -111,8 +133,8 @@ def smooth_l1_loss_backward(
         values, ``beta`` is negative or NaN, or (strict mode) a tensor has more than 8
         dimensions.
 
-    Source: seed 003 (aclnnSmoothL1LossBackward); CANN ops-nn
+    Source: the CANN doc aclnnSmoothL1LossBackward.md; CANN ops-nn
     ``loss/smooth_l1_loss_grad_v2`` (op_api ``aclnn_smooth_l1_loss_backward.cpp``, kernel
-    DAG ``SmoothL1LossGradV2OpDag``).
+    DAG ``SmoothL1LossGradV2OpDag``); the CANN opp TBE ``smooth_l1_loss_grad_v2_compute``.
     """
     return execute(DECL, dict(grad_out=grad_out, input=input, target=target, reduction=reduction, beta=beta), out)

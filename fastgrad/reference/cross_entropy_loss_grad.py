@@ -11,7 +11,7 @@ operands, rounded to fp32: exactly the IEEE fp32 result), with a correctly round
 (ops-nn ``loss/cross_entropy_loss_grad/op_kernel``: ``cross_entropy_loss_grad_base.h:198-252``,
 ``cross_entropy_loss_grad_weight_none.h:90-101,164-181``, ``..._weight_not_none.h:80-150,
 183-207``).  Ignored rows are ``p·c_i`` with ``c_i = ±0``: 0, NaN where ``p`` is NaN or inf.
-The extensions (label smoothing, z-loss), which the device does not compute, use the float64
+The extension (label smoothing), which the 910B device does not compute, uses the float64
 formula (docs/spec.md) rounded once to the dtype.
 """
 
@@ -31,12 +31,17 @@ def _fl(a):
     return np.asarray(a, np.float64).astype(np.float32).astype(np.float64)
 
 
-def _device_path(grad_loss, log_prob, target, weight, reduction, ignore_index, out):
-    """ls = 0, no z-loss: the 910B kernel's fp32 order of operations (module docstring)."""
+def _ignored(t, ignore_index, any_sign):
+    """The SoC's ignore rule: 910B any sign, arch35 only a non-negative ignore_index."""
+    return (t == ignore_index) & (any_sign or ignore_index >= 0)
+
+
+def _device_path(grad_loss, log_prob, target, weight, reduction, ignore_index, out, any_sign=True):
+    """ls = 0: the 910B kernel's fp32 order of operations (module docstring)."""
     n, c = log_prob.shape
     lp = _f64(log_prob)
     t = np.asarray(target).astype(np.int64)
-    m = (t != ignore_index).astype(np.float64)  # ignoreSelect
+    m = (~_ignored(t, ignore_index, any_sign)).astype(np.float64)  # ignoreSelect
     inside = (t >= 0) & (t < c)
     if weight is None:
         w_t = np.ones(n)
@@ -74,17 +79,20 @@ def cross_entropy_loss_grad_reference(
     lse_for_zloss,
     lse_square_scale_for_zloss,
     out,
+    ignore_any_sign=True,
 ):
+    """The z-loss inputs are not read (the device ignores them)."""
     n, c = log_prob.shape
-    if float(label_smoothing) == 0.0 and float(lse_square_scale_for_zloss) == 0.0:
-        return _device_path(grad_loss, log_prob, target, weight, reduction, ignore_index, out)
+    if float(label_smoothing) == 0.0:
+        return _device_path(grad_loss, log_prob, target, weight, reduction, ignore_index, out, ignore_any_sign)
     lp = _f64(log_prob)
     t = np.asarray(target).astype(np.int64)
     wc = np.ones(c) if weight is None else _f64(weight)
-    keep = t != ignore_index  # ignoreMask
+    keep = ~_ignored(t, ignore_index, ignore_any_sign)  # ignoreMask
     m = keep.astype(np.float64)
-    t_safe = np.where(keep, t, 0)
-    w_t = np.where(keep, wc[t_safe] if c else 0.0, 0.0)  # weight of each row's target
+    inside = keep & (t >= 0) & (t < c)
+    t_safe = np.where(inside, t, 0)
+    w_t = np.where(keep, wc[t_safe] if c else 0.0, 0.0)  # weight of each row's target (1 outside [0, C): no weight)
     g = _f64(grad_loss)
     if reduction == "mean":
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -96,19 +104,11 @@ def cross_entropy_loss_grad_reference(
     ls = float(label_smoothing)
     p = np.exp(lp)
     onehot = np.zeros((n, c))
-    onehot[np.nonzero(keep)[0], t[keep]] = 1.0
+    onehot[np.nonzero(inside)[0], t[inside]] = 1.0  # a target outside [0, C) matches no column
     with np.errstate(invalid="ignore"):
         # sm = s·m and the ignored-row zero through multiplication, as the device (NaN stays NaN)
         sm = (s * m)[:, None]
         res = sm * ((1.0 - ls) * w_t[:, None] * (p - onehot) + (ls / c if c else 0.0) * (p * wc.sum() - wc[None, :]))
-        zs = float(lse_square_scale_for_zloss)
-        if zs != 0.0:
-            gz = g if grad_zloss is None else g + _f64(grad_zloss)
-            gz = np.broadcast_to(gz, (n,)).astype(np.float64)
-            if reduction == "mean":
-                gz = gz / m.sum()
-            lse = _f64(lse_for_zloss).reshape(n)
-            res = res + p * (2.0 * zs * lse * m * gz)[:, None]
     # ignored rows: exactly 0 when the scale is finite (p·0 would be NaN for p = inf)
     fin = np.isfinite(s) | keep
     res[~keep & fin] = 0.0

@@ -1,7 +1,9 @@
 """float64 golden of ``embedding_dense_backward`` (obvious, slow, independent of the kernel).
 
-Sums the grad rows of each index in float64 (``np.add.at``), divides by the occurrence count
-when ``scale_grad_by_freq``, zeroes the ``padding_idx`` row and rounds once to grad's dtype.
+Sums the grad rows of each index in float64 (``np.add.at``), multiplies by the device's fp32
+reciprocal of the occurrence count (``fp32(1.0f / count)``, ``embedding_dense_grad_v2_scale.h:100-104``)
+when ``scale_grad_by_freq``, zeroes the ``padding_idx`` row and rounds once to ``result_dtype``
+(the device's result dtype, grad's by default), then casts to ``out``'s dtype.
 Float indices are truncated toward zero, as the device's Cast to an integer type.
 """
 
@@ -12,7 +14,7 @@ import numpy as np
 OP = "embedding_dense_backward"
 
 
-def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out):
+def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out, result_dtype=None):
     nw, d = out.shape
     acc = np.zeros((nw, d), np.float64)
     idx = np.asarray(indices).reshape(-1)
@@ -26,8 +28,10 @@ def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_g
         if scale_grad_by_freq:
             counts = np.bincount(idx, minlength=nw).astype(np.float64)
             seen = counts > 0
-            acc[seen] /= counts[seen][:, None]
+            rc = (np.float32(1.0) / counts[seen].astype(np.float32)).astype(np.float64)
+            acc[seen] *= rc[:, None]
     if 0 <= padding_idx < nw:
         acc[padding_idx] = 0.0
-    out[...] = acc.astype(out.dtype)
+    rdt = out.dtype if result_dtype is None else np.dtype(result_dtype)
+    out[...] = acc.astype(rdt).astype(out.dtype)
     return out

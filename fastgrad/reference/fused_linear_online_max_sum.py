@@ -31,7 +31,10 @@ def fused_linear_online_max_sum(
     ok = (~masked) & (local < V)
     picked = np.zeros(BT)
     if V:
-        picked[ok] = L[np.nonzero(ok)[0], local[ok]] - m[ok]
+        picked[ok] = L[np.nonzero(ok)[0], local[ok]]
+        # unmasked rows: the picked logit (0 where masked_target >= V: no tile holds it) - max
+        # (fused_linear_online_max_sum.h:948-953,1070-1076)
+        picked = np.where(masked, 0.0, picked - m)
     lmax[...] = m.astype(np.float32)
     sexp[...] = s.astype(np.float32)
     pred[...] = picked.astype(np.float32)

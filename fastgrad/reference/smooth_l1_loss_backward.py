@@ -5,7 +5,8 @@ to ``out``'s dtype when that differs, as the device's final Cast does).  ``beta`
 the fp32 value the device receives, and the quadratic zone multiplies by the device's fp32
 constant ``1/beta`` (ops-nn ``arch35/smooth_l1_loss_grad_v2_tiling.cpp:145``); the zone is
 ``|d| <= beta`` for a tensor ``grad_out`` and ``|d| < beta`` for a one-element one (the two
-DAGs of ``op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h``).
+DAGs of ``op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h``).  ``smooth_l1_kernel="tbe"`` (the
+A2/A3 profiles) takes the 910B TBE formula instead (``_tbe``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ from ..dtypes import promote
 OP = "smooth_l1_loss_backward"
 
 
-def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out):
+def _tbe(d, b):
+    """The 910B TBE kernel: ``-[d <= -β] + [d >= β] + [|d| < β]·d/fp32(β + 1e-6)``, a NaN d read
+    as 0 by the compares (so 0 at β = 0, NaN otherwise)."""
+    den = float(np.float32(np.float32(b) + np.float32(1e-6)))
+    x = np.where(np.isnan(d), 0.0, d)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        temp = d / den
+        return (-(x <= -b).astype(np.float64) + (x >= b)) + np.where(np.abs(x) < b, temp, 0.0)
+
+
+def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out, smooth_l1_kernel="dag"):
     shape = out.shape
     g = np.broadcast_to(np.asarray(grad_out, dtype=np.float64), shape)
     x = np.broadcast_to(np.asarray(input, dtype=np.float64), shape)
@@ -36,6 +47,8 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out):
         d = x - t
         lin = (np.abs(d) <= b) if strict else (np.abs(d) < b)
         s = np.where(lin & (b > 0), d * inv + 0.0, np.sign(d))  # sign(0) = 0; NaN stays NaN
+        if smooth_l1_kernel == "tbe":
+            s = _tbe(d, b)
         r = s * g
         if reduction == "mean" and r.size:
             r = r / r.size

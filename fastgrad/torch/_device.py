@@ -20,7 +20,6 @@ float64 matmuls, so ``torch.autograd.gradcheck`` can check the autograd wiring (
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..ops.fused_cross_entropy_loss_with_max_sum import fused_cross_entropy_loss_with_max_sum
 from ..ops.fused_linear_cross_entropy_loss_grad import fused_linear_cross_entropy_loss_grad
@@ -28,6 +27,7 @@ from ..ops.fused_linear_online_max_sum import fused_linear_online_max_sum
 from ..vocab_parallel import megatron_smoothing as _kernel_smoothing
 from ..vocab_parallel import torch_smoothing_to_megatron as _smoothing_plan
 from . import distributed as _vp
+from ._autograd import differentiable_once
 
 __all__ = ["DeviceLinearCrossEntropyFunction"]
 
@@ -165,7 +165,7 @@ class DeviceLinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad_loss):
         hidden, weight, tmask, mt, m, s, valid, owned = ctx.saved_tensors
         reduction, eps, group, V, n_valid = ctx.cfg

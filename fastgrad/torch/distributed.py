@@ -55,13 +55,24 @@ def shard_weight(
     return weight[start : start + sizes[rank]]
 
 
+def check_group(group, name: str = "process_group") -> None:
+    """``group`` is None or a ``torch.distributed.ProcessGroup``; else ``TypeError`` naming it."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected None or a torch.distributed.ProcessGroup, got {type(group).__name__}")
+
+
 def vocab_shard_range(local_vocab_size: int, group=None) -> tuple[int, int, int]:
     """``(vocab_start_index, vocab_end_index, vocab_size)`` of this rank's shard.
 
     All-gathers the local shard sizes once over ``group`` (a collective: every rank of the group
     must call it) and places the shards in rank order.  ``vocab_end_index`` is exclusive;
     ``vocab_size`` is the global vocabulary size.
+
+    Raises ``TypeError`` unless ``group`` is None (the default group) or a
+    ``torch.distributed.ProcessGroup``; ``RuntimeError`` (torch's) when the default process group
+    is not initialised.
     """
+    check_group(group)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     mine = torch.tensor([int(local_vocab_size)], dtype=torch.int64)

@@ -4,40 +4,47 @@ Calls only the public op :func:`fastgrad.linear_cross_entropy` (row-block fused 
 backward, statistics and gradient from the same fp32 logits).  ``precision="device"`` runs the
 NPU's exact pipeline instead (:mod:`fastgrad.torch._device`, over the aclnn ops).
 
-When the gradient is computed — the rule
------------------------------------------
+When the gradient is computed — the schedule
+---------------------------------------------
 * **fused** (3 GEMMs per step): ``torch.is_grad_enabled()``, at least one of ``hidden`` /
   ``weight`` / ``bias`` requires grad, ``reduction`` is ``"mean"`` or ``"sum"`` (a scalar
   loss: any later use of it only scales the gradient, so the gradient can be computed in the
-  forward and scaled by the incoming gradient in the backward), and — with ``fused=None`` —
-  the gradients it holds from the forward to the backward (fp32 ``[V, H]`` + ``[BT, H]``, or a
-  16-bit ``[V, H]`` with ``accum_dtype``) fit the workspace budget (``FASTGRAD_WORKSPACE_MB``,
-  default 256 MiB), or ``filter_eps`` is set.  ``fused=True`` forces it where allowed.
+  forward and scaled by the incoming gradient in the backward), no entropy output, and — with
+  the schedule ``"auto"`` (``fused=None``) — the gradients it holds from the forward to the
+  backward (fp32 ``[V, H]`` + ``[BT, H]``, or a 16-bit ``[V, H]`` with ``accum_dtype``) fit
+  ``fused_memory_fraction`` (default 1/4) of the available memory, or ``fused_memory_limit``
+  bytes (:func:`fastgrad.torch.options.choose_schedule`), or ``filter_eps`` is set.
+  ``schedule="fused"`` (``fused=True``) forces it where allowed.
 * **recompute** (4 GEMMs, the least memory): otherwise — ``reduction="none"`` (per-row upstream
-  gradients are not known in the forward), a large ``[V, H]`` (the Qwen2.5-0.5B head: 519 MiB
-  of fp32 gradient), or ``fused=False``.  The forward keeps one ``[BT, 2048]`` chunk of logits
-  at a time and holds only the fp32 ``[BT]`` log-sum-exp; the backward recomputes the logits
-  vocabulary chunk by vocabulary chunk and writes a 16-bit ``weight``'s gradient in its own
-  dtype, each chunk summed in fp32 and rounded once — no fp32 ``[V, H]`` exists.  At the
-  Qwen2.5-0.5B head (BT 2048, bf16) the step's peak is 315 MiB over its inputs, against
-  1089 MiB fused and 1784 MiB for PyTorch's bf16 step (``bench/results``, Zen 4 EPYC).
+  gradients are not known in the forward), an entropy output, memory too tight for the held
+  gradients, ``precision="fast"`` where it applies (all four GEMMs on the bf16 kernel), or
+  ``schedule="recompute"`` (``fused=False``).  The forward keeps one ``[BT, 2048]`` chunk of
+  logits at a time and holds only the fp32 ``[BT]`` log-sum-exp; the backward recomputes the
+  logits vocabulary chunk by vocabulary chunk and writes a 16-bit ``weight``'s gradient in its
+  own dtype, each chunk summed in fp32 and rounded once — no fp32 ``[V, H]`` exists.
 * no grad mode / nothing requires grad: forward only (1 GEMM).
+
+Differentiable once: a backward with ``create_graph=True`` (``torch.autograd.functional.hessian``,
+a gradient penalty) raises :class:`fastgrad.AclnnError` 361001 (a ``RuntimeError``) instead of
+returning a gradient whose own derivative would silently be zero.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import numbers
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .._config import bf16_kernel_in_use, is_strict, prefer_onednn
+from .._config import bf16_kernel_in_use, gemm, is_strict, prefer_onednn
 from ..errors import invalid
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce_op
-from ..tiling import workspace_budget
 from . import distributed as _vp
+from ._autograd import differentiable_once
 from ._device import DeviceLinearCrossEntropyFunction
+from .options import choose_schedule, fused_held_bytes, resolve_options
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropyOutput"]
 
@@ -56,6 +63,12 @@ class LinearCrossEntropyOutput(NamedTuple):
     token_accuracy: torch.Tensor | None
     predicted_tokens: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+
+
+def _engine(cfg):
+    """The options' GEMM engine for this call (forward and backward), or the process setting."""
+    e = cfg.get("engine")
+    return contextlib.nullcontext() if e is None else gemm(e)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -84,7 +97,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             accum_dtype=cfg.get("accum_dtype"),
             precision=cfg.get("op_precision", "accurate"),
         )
-        with prefer_onednn():  # the GEMM engine: fastgrad.gemm_engine
+        with prefer_onednn(), _engine(cfg):  # the GEMM engine: fastgrad.gemm_engine
             r = _lce_op(
                 h.detach(),
                 weight.detach(),
@@ -110,13 +123,23 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # Liger's predicted tokens: the argmax, -1 where the target is ignored
         pred = torch.where(t == cfg["ignore_index"], torch.full_like(r.predicted, -1), r.predicted)
         ctx.mark_non_differentiable(r.z_loss, acc, pred)
+        # an output not used in the graph (the entropy of a metric) gets None, not zeros: no
+        # entropy gradient is computed for it
+        ctx.set_materialize_grads(False)
         return r.loss, r.z_loss, acc, pred, r.entropy
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad_loss, _gz=None, _ga=None, _gp=None, grad_entropy=None):
-        if not any(ctx.needs_input_grad[:3]):
+        if not any(ctx.needs_input_grad[:3]) or (grad_loss is None and grad_entropy is None):
             return (None,) * 6
+        return LinearCrossEntropyFunction._backward(ctx, grad_loss, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_loss, grad_entropy):
+        if grad_loss is None:  # only the entropy is differentiated (recompute: t saved 5th)
+            shape = ctx.saved_tensors[4].shape if ctx.cfg["reduction"] == "none" else ()
+            grad_loss = torch.zeros(shape, dtype=torch.float64)
         if ctx.fused:
             h, weight, bias = ctx.saved_tensors
             gi, gw, gb = ctx.grads  # kept: a retained graph may be differentiated again
@@ -141,7 +164,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             h, weight, bias, ce_weight, t, lse, z_mean = ctx.saved_tensors
             need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
             with_h = grad_entropy is not None  # an entropy output: z_mean was saved
-            with prefer_onednn():
+            with prefer_onednn(), _engine(ctx.cfg):
                 r = _lce_op(
                     h.detach(),
                     weight.detach(),
@@ -165,17 +188,27 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return gi, gw, gb, None, None, None
 
 
-def _fused_fits(h, weight, accum_dtype, filter_eps):
-    """The default rule's memory test: the gradients the fused step holds from the forward to the
-    backward (fp32 ``[V, H]`` + ``[BT, H]``, or a 16-bit ``[V, H]`` with ``accum_dtype``) fit the
-    workspace budget (``FASTGRAD_WORKSPACE_MB``, default 256); with ``filter_eps`` always (its
-    skipping is in the fused step's row blocks)."""
+def _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts):
+    """The ``"auto"`` schedule's memory test (:func:`fastgrad.torch.options.choose_schedule`): the
+    gradients the fused step holds from the forward to the backward (fp32 ``[BT, H]``, fp32
+    ``[V, H]`` — 16-bit with a 16-bit ``accum_dtype`` —, fp32 ``[V]``, each only when its input
+    requires grad) fit the options' fraction of the available memory (or their byte limit);
+    with ``filter_eps`` always (its skipping is in the fused step's row blocks)."""
     if filter_eps is not None:
         return True
     V, H = weight.shape
     wsize = 4 if accum_dtype is None or accum_dtype in (torch.float32, torch.float64) else 2
-    held = V * H * wsize + h.shape[0] * H * 4
-    return held <= workspace_budget()
+    held = fused_held_bytes(
+        h.shape[0],
+        H,
+        V,
+        grad_input=h.requires_grad,
+        grad_weight=weight.requires_grad,
+        grad_bias=bias is not None and bias.requires_grad,
+        weight_bytes=wsize,
+    )
+    sched = choose_schedule(held, fraction=opts.fused_memory_fraction, limit=opts.fused_memory_limit)
+    return sched == "fused"
 
 
 def _fast_applies(h, weight, filter_eps):
@@ -259,6 +292,7 @@ def _shift_target(target, n, ignore_index):
     return out
 
 
+@torch.compiler.disable  # one graph break at the loss: dynamo never traces the kernels' Python
 def linear_cross_entropy(
     hidden,
     weight,
@@ -284,9 +318,13 @@ def linear_cross_entropy(
     vocab_size=None,
     filter_eps=None,
     accum_dtype=None,
+    options=None,
 ):
     r"""``F.cross_entropy(softcap(hidden @ weight.T + bias) / temperature, target, ...)`` (+ z-loss)
     without ever materializing the ``[BT, V]`` logits.
+
+    PyTorch's own signature (``input, linear_weight, target, *, linear_bias, weight, ...,
+    options``) is :func:`fastgrad.torch.nn.functional.linear_cross_entropy`.
 
     Parameters
     ----------
@@ -333,10 +371,11 @@ def linear_cross_entropy(
         Mean error against float64 near fp32's, no elementwise one-rounding bound
         (:func:`fastgrad.linear_cross_entropy`, ``docs/torch.md``).  Strict mode rejects it
         (161002).
-    fused : bool, optional — None: fuse forward and backward (3 GEMMs) when the rule in the
-        module docstring allows it (a scalar loss whose held fp32 gradients fit the workspace
-        budget); True: fuse whenever the loss is scalar; False: always recompute in the backward
-        (4 GEMMs, the least memory)
+    fused : bool, optional — None: the schedule rule of the module docstring (fused — 3 GEMMs —
+        when the loss is scalar and its held gradients fit a quarter of the available memory,
+        :func:`fastgrad.torch.options.choose_schedule`); True: fuse whenever the loss is scalar;
+        False: always recompute in the backward (4 GEMMs, the least memory).  The same as
+        ``options=LinearCrossEntropyOptions(schedule="auto" | "fused" | "recompute")``.
     vocab_start_index, vocab_size : keyword-only shard layout (all-gathered when omitted)
     filter_eps : None | "auto" | float in (0, 1] — gradient filtering (Cut Cross-Entropy's
         ``filter_eps``; default None: dense).  In the gradient GEMMs, blocks of 256 rows × 64
@@ -348,6 +387,13 @@ def linear_cross_entropy(
         dtype's eps / 32 (bf16 2⁻¹²).  The loss is exact; the error bound and the skipped-block
         counts: :func:`fastgrad.linear_cross_entropy`.  Not with ``precision="device"`` nor in
         strict mode (161002).
+    options : None | str | LinearCrossEntropyOptions — fastgrad's modes in one object
+        (:class:`fastgrad.torch.LinearCrossEntropyOptions`: ``precision``, ``schedule``,
+        ``filter_eps``, ``accum_dtype``, ``engine``, the fused schedule's memory share) or a
+        preset name (``"default"``, ``"fused"``, ``"low_memory"``, ``"fast"``, ``"filtered"``,
+        ``"device"``, ``"blas"``).  The flat keywords ``precision``, ``fused``, ``filter_eps``,
+        ``accum_dtype`` are the same fields; giving one of them together with ``options`` is
+        refused (161002).
     accum_dtype : None | torch.float32 | hidden's dtype — Liger-Kernel's ``accum_dtype``, the
         dtype in which ``weight``'s gradient is accumulated over the row blocks of the fused
         step.  None (default): fp32, rounded once at the end.  ``hidden.dtype`` (bf16/fp16):
@@ -365,7 +411,81 @@ def linear_cross_entropy(
     fastgrad.AclnnError
         161002 (a ``ValueError``) for every bad argument: non-tensor or non-CPU inputs, shapes,
         dtypes, a target outside ``[0, V)`` that is not ``ignore_index``, bad attributes.
+        361001 (a ``RuntimeError``) from a backward with ``create_graph=True``.
     """
+    opts = resolve_options(options, "options", OP)
+    if options is not None:
+        flat = {"precision": precision, "fused": fused, "filter_eps": filter_eps, "accum_dtype": accum_dtype}
+        given = [k for k, v in flat.items() if v is not None]
+        if given:
+            raise _bad(given[0], f"None when options= is given (set it in the options: {given})", flat[given[0]])
+    else:
+        if precision not in (None, "accurate", "device", "fast"):
+            raise _bad("precision", "'accurate', 'device' or 'fast'", repr(precision))
+        if fused not in (None, True, False):
+            raise _bad("fused", "None, True or False", repr(fused))
+        if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
+            raise _bad("accum_dtype", "None, torch.float32 or hidden's dtype", repr(accum_dtype))
+        schedule = {None: "auto", True: "fused", False: "recompute"}[fused]
+        opts = dataclasses.replace(
+            opts, precision=precision, schedule=schedule, accum_dtype=accum_dtype, filter_eps=filter_eps
+        )
+    precision, fused, filter_eps, accum_dtype = opts.precision, opts.fused, opts.filter_eps, opts.accum_dtype
+    with _engine({"engine": opts.engine}):
+        return _linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            ignore_index,
+            reduction,
+            label_smoothing,
+            process_group,
+            bias,
+            ce_weight,
+            softcap,
+            temperature,
+            lse_square_scale,
+            return_z_loss,
+            return_token_accuracy,
+            return_predicted_tokens,
+            return_entropy,
+            shift,
+            precision,
+            fused,
+            vocab_start_index,
+            vocab_size,
+            filter_eps,
+            accum_dtype,
+            opts,
+        )
+
+
+def _linear_cross_entropy(
+    hidden,
+    weight,
+    target,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    process_group,
+    bias,
+    ce_weight,
+    softcap,
+    temperature,
+    lse_square_scale,
+    return_z_loss,
+    return_token_accuracy,
+    return_predicted_tokens,
+    return_entropy,
+    shift,
+    precision,
+    fused,
+    vocab_start_index,
+    vocab_size,
+    filter_eps,
+    accum_dtype,
+    opts,
+):
     _check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing)
     eps = float(label_smoothing)
     n_shift = int(shift) if isinstance(shift, (bool, numbers.Integral)) else None
@@ -389,6 +509,7 @@ def linear_cross_entropy(
             )
         start, V = 0, K
     else:
+        _vp.check_group(process_group)
         if vocab_start_index is None or vocab_size is None:
             s0, _, V0 = _vp.vocab_shard_range(K, process_group)
             start = s0 if vocab_start_index is None else int(vocab_start_index)
@@ -400,6 +521,14 @@ def linear_cross_entropy(
                 "vocab_start_index", f"a shard [start, start + {K}) inside [0, {V})", f"[{start}, {start + K}) of {V}"
             )
 
+    for name, flag in (
+        ("return_z_loss", return_z_loss),
+        ("return_token_accuracy", return_token_accuracy),
+        ("return_predicted_tokens", return_predicted_tokens),
+        ("return_entropy", return_entropy),
+    ):
+        if not isinstance(flag, bool):
+            raise _bad(name, "a bool", repr(flag))
     t_full = _shift_target(target, n_shift, int(ignore_index))
     t = t_full.reshape(-1)
     bad = (t != ignore_index) & ((t < 0) | (t >= V))
@@ -437,9 +566,6 @@ def linear_cross_entropy(
             loss = loss[..., : target.shape[-1] - n_shift]
         return loss
 
-    for name, flag in (("return_predicted_tokens", return_predicted_tokens), ("return_entropy", return_entropy)):
-        if not isinstance(flag, bool):
-            raise _bad(name, "a bool", repr(flag))
     if return_entropy and filter_eps is not None:
         raise _bad("filter_eps", "None with return_entropy (the filter is on the cross-entropy term)", filter_eps)
     H = hidden.shape[-1]
@@ -450,7 +576,7 @@ def linear_cross_entropy(
         fused_ok = (
             torch.is_grad_enabled()
             and fusable
-            and _fused_fits(h, weight, accum_dtype, filter_eps)
+            and _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts)
             and not (precision == "fast" and _fast_applies(h, weight, filter_eps))
         )
     else:
@@ -470,6 +596,7 @@ def linear_cross_entropy(
         "accum_dtype": accum_dtype,
         "return_entropy": return_entropy,
         "op_precision": "fast" if precision == "fast" else "accurate",
+        "engine": opts.engine,
     }
     cw = None if ce_weight is None else ce_weight.detach()
     loss, z_loss, acc, pred, ent = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)

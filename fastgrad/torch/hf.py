@@ -1,24 +1,48 @@
 """Hugging Face ``transformers`` integration: the causal-LM loss through fastgrad.
 
-``apply_to(model_or_class)`` (or ``apply_fastgrad_to_llama()``, ``..._qwen2()``, ``..._qwen3()``,
-``..._mistral()``, ``..._gemma2()``, as Liger's ``apply_liger_kernel_to_*``) replaces the
-``forward`` of a ``*ForCausalLM`` so that, **in training mode with labels**, the loss is
-:func:`fastgrad.torch.linear_cross_entropy` of the last hidden states and the LM-head weight
-(shifted labels, ``ignore_index=-100``, Gemma-2's ``final_logit_softcapping``; ``sum /
-num_items_in_batch`` when the Trainer passes it for gradient accumulation) and the ``[B, T, V]``
-logits are never built (``outputs.logits`` is None).  Everything else — eval mode, no labels,
-generation — runs the original ``forward`` unchanged.
+``apply_to(model_or_class)`` (or ``apply_fastgrad_to_<family>()``, as Liger's
+``apply_liger_kernel_to_*``) replaces the ``forward`` of a ``*ForCausalLM`` of a supported family
+(:data:`SUPPORTED`) so that, **in training mode with labels**, the loss is
+:func:`fastgrad.torch.linear_cross_entropy` of the last hidden states and the LM-head weight and
+the ``[B, T, V]`` logits are never built (``outputs.logits`` is None).  The head's own transform
+is applied exactly as the family's ``forward`` does it: Granite's ``logits / logits_scaling``,
+Cohere's ``logits * logit_scale``, Gemma-2/3's ``final_logit_softcapping`` (a scale ``s > 0``
+before a softcap ``c`` is ``softcap=c/s, temperature=1/s``).  A class outside the table — or a
+subclass that overrides ``forward`` — is refused (AclnnError 161002), never computed with a head
+fastgrad does not know.
 
-``torch.compile``: the fastgrad loss is a graph break (a Python autograd Function over NumPy
-kernels); compile the decoder (``model.model = torch.compile(model.model)``) rather than the
-whole causal-LM.
+The rest of the model's contract is kept: the labels are shifted as ``ForCausalLMLoss`` does
+(or ``shift_labels`` taken as given), ``sum / num_items_in_batch`` when the Trainer passes it,
+``logits_to_keep`` slices the hidden states as the model does (labels must match the kept
+positions, as unpatched), ``return_dict=False`` returns a tuple, the MoE families add their
+router load-balancing loss, and the decoder gets exactly the keywords the caller gave (the
+cache keyword of the installed transformers — ``cache`` since 5.x — is never renamed or
+added).  Eval mode, no labels and ``generate`` call the original ``forward`` with the caller's
+arguments, untouched.
+
+TRL: TRL's trainers (``SFTTrainer``, ``GRPOTrainer``, ...) replace ``model.forward`` with their
+fused LM head (``trl.trainer.utils.add_fused_lm_head``) and call ``model(..., fused_lm_head=True)``
+for per-token log-probabilities.  The patched ``forward`` serves that call through fastgrad
+(``reduction="none"``: ``log_probs = -loss``, the entropy, ``is_top1``).  ``apply_to`` before the
+trainer is built: fastgrad's hook on ``add_fused_lm_head`` records TRL's temperature and outputs
+and keeps the fastgrad forward; ``apply_to(trainer.model)`` after: the temperature and outputs
+are read from TRL's head and the fastgrad forward replaces it.
+
+``torch.compile``: the loss is one graph break (``torch.compiler.disable``); the decoder before
+it is compiled.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import importlib
+import importlib.util
+import inspect
+import math
+import sys
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,154 +52,521 @@ from .functional import linear_cross_entropy
 __all__ = [
     "apply_to",
     "revert",
-    "apply_fastgrad_to_llama",
-    "apply_fastgrad_to_qwen2",
-    "apply_fastgrad_to_qwen3",
-    "apply_fastgrad_to_mistral",
-    "apply_fastgrad_to_gemma2",
+    "is_patched",
     "SUPPORTED",
+    "LOSS_KEYWORDS",
 ]
 
-#: architecture -> (module, class) of the current transformers release
-SUPPORTED = {
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
-    "gemma2": ("transformers.models.gemma2.modeling_gemma2", "Gemma2ForCausalLM"),
+_OP = "apply_to"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """A family's ``*ForCausalLM``: its module and class, how its logits are scaled before the
+    softcap (``scale(model) -> float``), whether it softcaps
+    (``config.final_logit_softcapping``) and whether it adds a router load-balancing loss."""
+
+    module: str
+    cls: str
+    scale: Callable[[Any], float] | None = None
+    softcap: bool = False
+    moe: bool = False
+
+
+def _granite_scale(m: Any) -> float:
+    return 1.0 / float(m.config.logits_scaling)  # logits = lm_head(h) / logits_scaling
+
+
+def _cohere_scale(m: Any) -> float:
+    return float(m.logit_scale)  # logits = lm_head(h) * self.logit_scale
+
+
+def _spec(name: str, cls: str, **kw: Any) -> HeadSpec:
+    return HeadSpec(f"transformers.models.{name}.modeling_{name}", cls, **kw)
+
+
+#: family -> its ``*ForCausalLM`` and head transform (the heads read from each family's
+#: ``forward`` in transformers 5.24): Liger-Kernel's text families with this head, and Cohere
+SUPPORTED: dict[str, HeadSpec] = {
+    "llama": _spec("llama", "LlamaForCausalLM"),
+    "mistral": _spec("mistral", "MistralForCausalLM"),
+    "mixtral": _spec("mixtral", "MixtralForCausalLM", moe=True),
+    "gemma": _spec("gemma", "GemmaForCausalLM"),
+    "gemma2": _spec("gemma2", "Gemma2ForCausalLM", softcap=True),
+    "gemma3_text": _spec("gemma3", "Gemma3ForCausalLM", softcap=True),
+    "qwen2": _spec("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": _spec("qwen3", "Qwen3ForCausalLM"),
+    "qwen3_moe": _spec("qwen3_moe", "Qwen3MoeForCausalLM", moe=True),
+    "phi3": _spec("phi3", "Phi3ForCausalLM"),
+    "granite": _spec("granite", "GraniteForCausalLM", scale=_granite_scale),
+    "granitemoe": _spec("granitemoe", "GraniteMoeForCausalLM", scale=_granite_scale, moe=True),
+    "olmo2": _spec("olmo2", "Olmo2ForCausalLM"),
+    "olmo3": _spec("olmo3", "Olmo3ForCausalLM"),
+    "glm4": _spec("glm4", "Glm4ForCausalLM"),
+    "smollm3": _spec("smollm3", "SmolLM3ForCausalLM"),
+    "exaone4": _spec("exaone4", "Exaone4ForCausalLM"),
+    "cohere": _spec("cohere", "CohereForCausalLM", scale=_cohere_scale),
+    "cohere2": _spec("cohere2", "Cohere2ForCausalLM", scale=_cohere_scale),
 }
-_ATTR = "_fastgrad_original_forward"
-#: the loss keyword arguments the Trainer / loss_function take (not passed to the decoder)
-_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+#: keywords of :func:`linear_cross_entropy` ``apply_to`` passes on; the others are the model's
+#: (``ignore_index``, ``reduction``, ``shift``, ``softcap``, ``bias`` come from the model, the
+#: Trainer and the head) and are refused
+LOSS_KEYWORDS = (
+    "options",
+    "precision",
+    "fused",
+    "filter_eps",
+    "accum_dtype",
+    "label_smoothing",
+    "lse_square_scale",
+    "temperature",
+    "ce_weight",
+)
+#: TRL's per-token outputs the fastgrad head computes
+TRL_OUTPUTS = ("log_probs", "entropy", "is_top1")
+_ORIG = "_fastgrad_original_forward"
+_SETTINGS = "_fastgrad_loss_kw"
+_TRL = "_fastgrad_trl_head"
 
 
-def _make_forward(original, **loss_kw):
-    @functools.wraps(original)
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        logits_to_keep=0,
-        **kwargs,
-    ):
-        if labels is None or not self.training:
-            return original(
-                self,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            )
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+def _spec_of_class(cls: type) -> tuple[str, HeadSpec] | None:
+    """The family whose ``*ForCausalLM`` defines ``cls``'s forward (a subclass overriding it: None)."""
+    for klass in cls.__mro__:
+        if "forward" in vars(klass) or _ORIG in vars(klass):
+            for name, spec in SUPPORTED.items():
+                if klass.__name__ == spec.cls and klass.__module__ == spec.module:
+                    return name, spec
+            return None
+    return None
 
-        num_items = kwargs.pop("num_items_in_batch", None)
-        ignore_index = kwargs.pop("ignore_index", -100)
-        shift_labels = kwargs.pop("shift_labels", None)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
+
+def _original_forward(cls: type) -> Callable:
+    """The class's unpatched forward (through a class patch)."""
+    for klass in cls.__mro__:
+        if _ORIG in vars(klass):
+            return vars(klass)[_ORIG]
+        if "forward" in vars(klass):
+            return vars(klass)["forward"]
+    raise invalid("model_or_class", "a class with a forward", cls.__name__, _OP)
+
+
+def _is_ours(fn: Any) -> bool:
+    f = getattr(fn, "__func__", fn)
+    return getattr(f, "__code__", None) is _PATCHED_CODE
+
+
+def is_patched(model_or_class: Any) -> bool:
+    """Whether the effective ``forward`` of a model (instance) or class is fastgrad's — checked by
+    identity, not by a flag (``functools.wraps`` copies flags onto other wrappers, TRL's head)."""
+    if isinstance(model_or_class, type):
+        return _is_ours(vars(model_or_class).get("forward", getattr(model_or_class, "forward", None)))
+    inst = vars(model_or_class).get("forward")
+    if inst is not None:
+        return _is_ours(inst)
+    return _is_ours(type(model_or_class).forward)
+
+
+def _check_loss_kw(loss_kw: dict) -> dict:
+    bad = [k for k in loss_kw if k not in LOSS_KEYWORDS]
+    if bad:
+        raise invalid(
+            bad[0],
+            f"one of {', '.join(LOSS_KEYWORDS)} (the model's head, the Trainer and the labels set "
+            "softcap, ignore_index, reduction, shift, bias; return_* would change outputs.loss)",
+            f"{bad[0]}={loss_kw[bad[0]]!r}",
+            _OP,
         )
-        hidden = outputs.last_hidden_state
-        head = self.get_output_embeddings()
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        if shift_labels is None:
-            target, shift = labels, 1
-        else:
-            target, shift = shift_labels, 0
-        reduction = "sum" if num_items is not None else "mean"
-        loss = linear_cross_entropy(
-            hidden,
-            head.weight,
-            target.to(hidden.device),
-            ignore_index=ignore_index,
-            reduction=reduction,
-            bias=getattr(head, "bias", None),
-            softcap=softcap,
-            shift=shift,
-            **loss_kw,
-        )
-        if num_items is not None:
-            if torch.is_tensor(num_items):
-                num_items = num_items.to(loss.device)
-            loss = loss / num_items
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=None,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+    return dict(loss_kw)
 
-    forward._fastgrad_patched = True
+
+def _head_transform(model: Any, spec: HeadSpec, extra_temperature: float) -> tuple[float | None, float]:
+    """``(softcap, temperature)`` for :func:`linear_cross_entropy` giving the family's logits
+    ``softcap_c(s·z) / T``: ``c/s`` and ``T/s`` (``c·tanh(s·z/c) = s·(c/s)·tanh(z/(c/s))``)."""
+    s = 1.0 if spec.scale is None else spec.scale(model)
+    if not (math.isfinite(s) and s > 0):
+        raise invalid("logit scale", "a finite scale > 0 of the model's logits", s, _OP)
+    c = model.config.final_logit_softcapping if spec.softcap else None
+    softcap = None if c is None else float(c) / s
+    return softcap, float(extra_temperature) / s
+
+
+def _slice_kept(hidden: torch.Tensor, logits_to_keep: Any) -> torch.Tensor:
+    """``slice_logits_to_keep`` of transformers: the hidden states the model's head would see."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden[logits_to_keep]
+        return torch.take_along_dim(hidden, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
+    return hidden[:, logits_to_keep, :]
+
+
+def _bind(original: Callable, model: Any, args: tuple, kwargs: dict) -> dict:
+    """The caller's arguments by name (positional ones bound to the original's signature)."""
+    if not args:
+        return dict(kwargs)
+    names = [p for p in inspect.signature(original).parameters][1:]
+    named = dict(zip(names, args))
+    clash = set(named) & set(kwargs)
+    if clash or len(args) > len(names):
+        raise TypeError(f"forward() got multiple values for {sorted(clash)}")
+    return {**named, **kwargs}
+
+
+def _router_aux(model: Any, outputs: Any, attention_mask: Any) -> torch.Tensor:
+    mod = sys.modules[_spec_of_class(type(model))[1].module]  # type: ignore[index]
+    return mod.load_balancing_loss_func(
+        outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask
+    )
+
+
+def _make_forward(original: Callable) -> Callable:
+    def forward(self, *args, **kwargs):
+        fused_head = kwargs.pop("fused_lm_head", False)
+        if not fused_head and (kwargs.get("labels") is None or not self.training):
+            return original(self, *args, **kwargs)
+        return _training_forward(self, original, _bind(original, self, args, kwargs), fused_head)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]  # generate() reads the signature
+    forward.__name__ = "forward"
+    forward.__qualname__ = getattr(original, "__qualname__", "forward")
+    forward.__doc__ = original.__doc__
     return forward
 
 
-def apply_to(model_or_class, **loss_kw):
+_PATCHED_CODE = _make_forward(lambda self: None).__code__
+
+
+def _training_forward(self, original: Callable, kw: dict, fused_head: bool):
+    name, spec = _spec_of_class(type(self)) or (None, None)
+    if spec is None:  # the class was swapped after the patch
+        raise invalid("model", "a supported *ForCausalLM", type(self).__name__, _OP)
+    loss_kw = dict(getattr(self, _SETTINGS, {}) or {})
+    labels = kw.pop("labels", None)
+    logits_to_keep = kw.pop("logits_to_keep", 0)
+    return_dict = kw.pop("return_dict", None)
+    num_items = kw.pop("num_items_in_batch", None)
+    ignore_index = kw.pop("ignore_index", -100)
+    shift_labels = kw.pop("shift_labels", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    router = None
+    if spec.moe:
+        router = kw.pop("output_router_logits", None)
+        if router is None:
+            router = getattr(self.config, "output_router_logits", False)
+        kw["output_router_logits"] = router
+    if fused_head:
+        kw["use_cache"] = False
+    # the decoder's own output object whatever return_dict says (the model returns the tuple)
+    outputs = self.model(**kw, return_dict=True)
+    hidden = outputs.last_hidden_state
+    head = self.get_output_embeddings()
+    if hidden.dtype != head.weight.dtype:  # autocast: the decoder's output in the autocast dtype
+        hidden = hidden.to(head.weight.dtype)  # the head in the weight's precision (fp32: exact)
+    softcap, temperature = _head_transform(self, spec, loss_kw.pop("temperature", 1.0))
+    if fused_head:
+        return _trl_forward(
+            self, outputs, hidden, head, labels, shift_labels, num_items, softcap, temperature, loss_kw, router, kw
+        )
+    hidden = _slice_kept(hidden, logits_to_keep)
+    if shift_labels is None:
+        target, shift = labels, 1
+    else:
+        target, shift = shift_labels, 0
+    target = target.to(hidden.device)
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise invalid(
+            "labels",
+            f"the shape of the positions the head scores, {tuple(hidden.shape[:-1])} (logits_to_keep="
+            f"{logits_to_keep if not torch.is_tensor(logits_to_keep) else 'a tensor'}; as unpatched, labels must "
+            "match the kept positions)",
+            f"shape {tuple(target.shape)}",
+            _OP,
+        )
+    reduction = "sum" if num_items is not None else "mean"
+    loss = linear_cross_entropy(
+        hidden,
+        head.weight,
+        target,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        bias=getattr(head, "bias", None),
+        softcap=softcap,
+        temperature=temperature,
+        shift=shift,
+        **loss_kw,
+    )
+    if num_items is not None:
+        if torch.is_tensor(num_items):
+            num_items = num_items.to(loss.device)
+        loss = loss / num_items
+    fields: dict[str, Any] = {"loss": loss, "logits": None}
+    aux = None
+    if spec.moe and router:
+        aux = _router_aux(self, outputs, kw.get("attention_mask"))
+        loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        fields["loss"] = loss
+    out_cls = _output_class(spec)
+    names = {f.name for f in dataclasses.fields(out_cls)}
+    for f in ("cache", "past_key_values", "hidden_states", "attentions", "router_logits"):
+        if f in names and hasattr(outputs, f):
+            fields[f] = getattr(outputs, f)
+    if "aux_loss" in names:
+        fields["aux_loss"] = aux
+    out = out_cls(**fields)
+    return out if return_dict else out.to_tuple()
+
+
+def _output_class(spec: HeadSpec) -> type:
+    from transformers import modeling_outputs as mo
+
+    return mo.MoeCausalLMOutputWithPast if spec.moe else mo.CausalLMOutputWithPast
+
+
+def _trl_forward(
+    self, outputs, hidden, head, labels, shift_labels, num_items, softcap, temperature, loss_kw, router, kw
+):
+    """TRL's ``fused_lm_head=True`` call (``trl.trainer.utils.add_fused_lm_head``), through fastgrad:
+    per-token ``log_probs`` (0 where the label is -100), ``entropy``, ``is_top1``, ``label_mask``
+    and ``loss = -Σ log_probs / (label count or num_items_in_batch)``; its temperature divides
+    the logits after the model's head transform."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    trl = dict(getattr(self, _TRL, None) or {"temperature": 1.0, "outputs": ("log_probs",)})
+    changes = [k for k in ("label_smoothing", "lse_square_scale", "ce_weight") if loss_kw.get(k)]
+    if changes:
+        raise invalid(
+            changes[0],
+            "not set for TRL's fused LM head (its outputs are per-token log-probabilities)",
+            loss_kw[changes[0]],
+            _OP,
+        )
+    for k in ("label_smoothing", "lse_square_scale", "ce_weight"):
+        loss_kw.pop(k, None)
+    if shift_labels is None:
+        hidden, target = hidden[:, :-1], labels[:, 1:]
+    else:
+        target = shift_labels
+    target = target.to(head.weight.device)
+    mask = target != -100
+    want = set(trl["outputs"])
+    r = linear_cross_entropy(
+        hidden.to(head.weight.device),
+        head.weight,
+        target,
+        ignore_index=-100,
+        reduction="none",
+        bias=getattr(head, "bias", None),
+        softcap=softcap,
+        temperature=temperature * float(trl["temperature"]),
+        return_entropy="entropy" in want,
+        return_predicted_tokens=True,
+        **loss_kw,
+    )
+    log_probs = -r.loss
+    is_top1 = (r.predicted_tokens == target) & mask if "is_top1" in want else None
+    denom = mask.sum().clamp(min=1) if num_items is None else num_items
+    loss = -log_probs.sum() / denom
+    aux = None
+    if router:
+        aux = _router_aux(self, outputs, kw.get("attention_mask"))
+        loss = loss + getattr(self.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux
+    return FusedCausalLMOutput(
+        loss=loss,
+        log_probs=log_probs,
+        entropy=r.entropy if "entropy" in want else None,
+        log_sum_sq_probs=None,
+        mean_logits=None,
+        is_top1=is_top1,
+        label_mask=mask,
+        aux_loss=aux,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL
+# ----------------------------------------------------------------------------------------------
+
+
+def _trl_head_settings(fn: Any) -> dict | None:
+    """TRL's fused head on an instance: its temperature and outputs read from the closure of
+    ``add_fused_lm_head``'s forward; None when ``fn`` is not TRL's head."""
+    f = getattr(fn, "__func__", fn)
+    code = getattr(f, "__code__", None)  # TRL's head copies the model forward's names (functools.wraps)
+    if code is None or "add_fused_lm_head" not in getattr(code, "co_qualname", "") or "trl" not in code.co_filename:
+        return None
+    cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+    try:
+        return {
+            "temperature": float(cells["temperature"].cell_contents),
+            "outputs": tuple(cells["outputs"].cell_contents),
+        }
+    except (KeyError, ValueError):
+        raise invalid(
+            "model",
+            "TRL's fused LM head of trl 1.x (its temperature and outputs readable); apply fastgrad before "
+            "building the trainer",
+            "an unknown TRL head",
+            _OP,
+        ) from None
+
+
+def _install_trl_hook() -> None:
+    """Wrap ``trl.trainer.utils.add_fused_lm_head`` (and the names TRL's trainer modules imported)
+    so that on a fastgrad-patched model it records TRL's temperature and outputs and keeps the
+    fastgrad forward, which serves ``fused_lm_head=True``.  Other models, and heads asking for
+    outputs fastgrad does not compute (``mean_logits``, ``log_sum_sq_probs``), get TRL's head."""
+    if importlib.util.find_spec("trl") is None:
+        return
+    try:
+        u = importlib.import_module("trl.trainer.utils")
+    except Exception:  # a broken TRL install: the HF patch works without it
+        return
+    orig = u.add_fused_lm_head
+    if getattr(orig, "_fastgrad_hook", False):
+        return
+
+    def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
+        if is_patched(model) and set(outputs) <= set(TRL_OUTPUTS):
+            # fastgrad computes the head's GEMMs in fp32 anyway: cast_lm_head_to_fp32 changes nothing
+            object.__setattr__(model, _TRL, {"temperature": float(temperature), "outputs": tuple(outputs)})
+            return None
+        return orig(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
+
+    add_fused_lm_head.__doc__ = orig.__doc__
+    add_fused_lm_head._fastgrad_hook = True  # type: ignore[attr-defined]
+    add_fused_lm_head._fastgrad_original = orig  # type: ignore[attr-defined]
+    u.add_fused_lm_head = add_fused_lm_head  # type: ignore[attr-defined]
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("trl.") and getattr(mod, "add_fused_lm_head", None) is orig:
+            mod.add_fused_lm_head = add_fused_lm_head  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------------------------
+# apply / revert
+# ----------------------------------------------------------------------------------------------
+
+
+def _refuse_class(cls: type) -> None:
+    raise invalid(
+        "model_or_class",
+        "a *ForCausalLM of a supported family whose forward is the family's own ("
+        + ", ".join(f"{n}: {s.cls}" for n, s in SUPPORTED.items())
+        + "); another head may scale or transform its logits in a way fastgrad does not apply",
+        cls.__name__,
+        _OP,
+    )
+
+
+def apply_to(model_or_class: Any, **loss_kw: Any) -> Any:
     """Route the training loss of a causal-LM model (instance or class) through fastgrad.
 
-    ``loss_kw`` are passed to :func:`linear_cross_entropy` (e.g. ``lse_square_scale``,
-    ``label_smoothing``, ``precision``).  An instance is patched alone; a class patches every
-    instance.  Returns the argument.  Raises AclnnError 161002 for an object without the
-    causal-LM structure (``model.model`` decoder, ``get_output_embeddings()``).
+    Parameters
+    ----------
+    model_or_class : a ``transformers`` ``*ForCausalLM`` of a family in :data:`SUPPORTED`
+        (instance or class).  An instance is patched alone; a class patches every instance.
+    **loss_kw
+        Passed to :func:`linear_cross_entropy`: only :data:`LOSS_KEYWORDS` (``options``,
+        ``precision``, ``fused``, ``filter_eps``, ``accum_dtype``, ``label_smoothing``,
+        ``lse_square_scale``, ``temperature`` — multiplied with the head's own —, ``ce_weight``).
+        A second ``apply_to`` replaces them (the latest call wins).
+
+    Returns
+    -------
+    The argument.
+
+    Raises
+    ------
+    fastgrad.AclnnError
+        161002 (a ``ValueError``): a class outside :data:`SUPPORTED` or one overriding the
+        family's ``forward``; a keyword outside :data:`LOSS_KEYWORDS`; a model whose forward
+        was replaced by something other than fastgrad's or TRL's fused head.
     """
+    loss_kw = _check_loss_kw(loss_kw)
+    _install_trl_hook()
     if isinstance(model_or_class, type):
         cls = model_or_class
-        if getattr(cls.forward, "_fastgrad_patched", False):
-            return cls
-        if not hasattr(cls, "get_output_embeddings"):
-            raise invalid("model_or_class", "a transformers *ForCausalLM class", cls.__name__, "apply_to")
-        original = cls.forward
-        setattr(cls, _ATTR, original)
-        cls.forward = _make_forward(original, **loss_kw)
+        if _spec_of_class(cls) is None:
+            _refuse_class(cls)
+        if not _is_ours(vars(cls).get("forward")):
+            original = _original_forward(cls)
+            setattr(cls, _ORIG, original)
+            cls.forward = _make_forward(original)  # type: ignore[attr-defined]
+        setattr(cls, _SETTINGS, loss_kw)
         return cls
     model = model_or_class
-    if not (hasattr(model, "get_output_embeddings") and hasattr(model, "model")):
-        raise invalid("model_or_class", "a transformers *ForCausalLM model", type(model).__name__, "apply_to")
-    if getattr(model.forward, "_fastgrad_patched", False):
-        return model
-    original = type(model).forward
-    model.forward = types.MethodType(_make_forward(original, **loss_kw), model)
+    if not isinstance(model, torch.nn.Module) or _spec_of_class(type(model)) is None:
+        _refuse_class(type(model))
+    inst = vars(model).get("forward")
+    if inst is not None and not _is_ours(inst):
+        trl = _trl_head_settings(inst)
+        if trl is None:
+            raise invalid(
+                "model",
+                "a model whose forward is its class's, fastgrad's or TRL's fused LM head "
+                "(apply fastgrad before wrapping forward)",
+                f"forward replaced by {getattr(inst, '__qualname__', type(inst).__name__)}",
+                _OP,
+            )
+        object.__setattr__(model, _TRL, trl)
+    if inst is None or not _is_ours(inst):
+        original = _original_forward(type(model))
+        object.__setattr__(model, "forward", types.MethodType(_make_forward(original), model))
+    object.__setattr__(model, _SETTINGS, loss_kw)
     return model
 
 
-def revert(model_or_class):
-    """Undo :func:`apply_to`."""
+def revert(model_or_class: Any) -> Any:
+    """Undo :func:`apply_to` (and forget its keywords); a model that served TRL's fused head
+    gets TRL's own head back."""
     if isinstance(model_or_class, type):
-        if _ATTR in model_or_class.__dict__:
-            model_or_class.forward = model_or_class.__dict__[_ATTR]
-            delattr(model_or_class, _ATTR)
-    elif "forward" in vars(model_or_class):
-        del model_or_class.forward
+        if _ORIG in vars(model_or_class):
+            model_or_class.forward = vars(model_or_class)[_ORIG]  # type: ignore[attr-defined]
+            delattr(model_or_class, _ORIG)
+        if _SETTINGS in vars(model_or_class):
+            delattr(model_or_class, _SETTINGS)
+        return model_or_class
+    d = vars(model_or_class)
+    if "forward" in d and _is_ours(d["forward"]):
+        del d["forward"]
+    d.pop(_SETTINGS, None)
+    trl = d.pop(_TRL, None)
+    if trl is not None:  # the model served TRL's fused head: give it TRL's own head back
+        u = importlib.import_module("trl.trainer.utils")
+        add = getattr(u.add_fused_lm_head, "_fastgrad_original", u.add_fused_lm_head)
+        add(model_or_class, temperature=trl["temperature"], outputs=trl["outputs"])
     return model_or_class
 
 
-def _arch(name):
-    def apply(**loss_kw):
-        mod, cls = SUPPORTED[name]
-        return apply_to(getattr(importlib.import_module(mod), cls), **loss_kw)
+def _arch(name: str) -> Callable[..., type]:
+    def apply(**loss_kw: Any) -> type:
+        spec = SUPPORTED[name]
+        return apply_to(getattr(importlib.import_module(spec.module), spec.cls), **loss_kw)
 
     apply.__name__ = f"apply_fastgrad_to_{name}"
-    apply.__doc__ = f"Patch ``{SUPPORTED[name][1]}`` (every instance): see :func:`apply_to`."
+    apply.__doc__ = f"Patch ``{SUPPORTED[name].cls}`` (every instance): see :func:`apply_to`."
     return apply
 
 
 apply_fastgrad_to_llama = _arch("llama")
+apply_fastgrad_to_mistral = _arch("mistral")
+apply_fastgrad_to_mixtral = _arch("mixtral")
+apply_fastgrad_to_gemma = _arch("gemma")
+apply_fastgrad_to_gemma2 = _arch("gemma2")
+apply_fastgrad_to_gemma3_text = _arch("gemma3_text")
 apply_fastgrad_to_qwen2 = _arch("qwen2")
 apply_fastgrad_to_qwen3 = _arch("qwen3")
-apply_fastgrad_to_mistral = _arch("mistral")
-apply_fastgrad_to_gemma2 = _arch("gemma2")
+apply_fastgrad_to_qwen3_moe = _arch("qwen3_moe")
+apply_fastgrad_to_phi3 = _arch("phi3")
+apply_fastgrad_to_granite = _arch("granite")
+apply_fastgrad_to_granitemoe = _arch("granitemoe")
+apply_fastgrad_to_olmo2 = _arch("olmo2")
+apply_fastgrad_to_olmo3 = _arch("olmo3")
+apply_fastgrad_to_glm4 = _arch("glm4")
+apply_fastgrad_to_smollm3 = _arch("smollm3")
+apply_fastgrad_to_exaone4 = _arch("exaone4")
+apply_fastgrad_to_cohere = _arch("cohere")
+apply_fastgrad_to_cohere2 = _arch("cohere2")
+__all__ += [f"apply_fastgrad_to_{n}" for n in SUPPORTED]

@@ -24,9 +24,12 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     reduction : {"mean", "sum", "none"}, default "mean"
     label_smoothing : float in [0, 1], default 0 (PyTorch's meaning, global vocabulary)
     ce_weight, softcap, temperature, lse_square_scale, return_z_loss, return_token_accuracy,
-    return_predicted_tokens, return_entropy, shift, precision, fused, filter_eps, accum_dtype
-        As :func:`fastgrad.torch.linear_cross_entropy` (Liger / CCE names); ``forward`` takes
-        an optional LM-head ``bias``.
+    return_predicted_tokens, return_entropy, shift, precision, fused, filter_eps, accum_dtype, options
+        As :func:`fastgrad.torch.linear_cross_entropy` (Liger / CCE names; ``options``: fastgrad's
+        modes as one :class:`fastgrad.torch.LinearCrossEntropyOptions` or a preset name);
+        ``forward`` takes an optional LM-head ``bias``.  PyTorch's module signature
+        (``in_features, num_classes, ...``, the linear layer inside) is
+        :class:`fastgrad.torch.nn.LinearCrossEntropyLoss`.
     process_group : torch.distributed.ProcessGroup, optional
         Vocabulary parallel: ``weight`` is this rank's shard.  The shard layout
         (``vocab_start_index``, ``vocab_size``) is all-gathered on the first call and reused;
@@ -64,6 +67,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         fused: bool | None = None,
         filter_eps: float | str | None = None,
         accum_dtype: torch.dtype | None = None,
+        options=None,
     ):
         super().__init__()
         self.ce_weight = ce_weight
@@ -79,6 +83,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.fused = fused
         self.filter_eps = filter_eps
         self.accum_dtype = accum_dtype
+        self.options = options
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -136,6 +141,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             fused=self.fused,
             filter_eps=self.filter_eps,
             accum_dtype=self.accum_dtype,
+            options=self.options,
         )
 
     def extra_repr(self) -> str:

@@ -335,6 +335,15 @@ FAKE_API int aclsysGetVersionStr(char *pkgName, char *versionStr) {
 
 FAKE_API const char *aclGetRecentErrMsg(void) { return S.errmsg[0] ? S.errmsg : NULL; }
 
+/* The SoC name: FAKE_ACL_SOC_NAME (default Ascend910B3, an Atlas A2); "none" -> NULL (failure).
+ * Not logged: the backend asks once per runtime, before its first op. */
+FAKE_API const char *aclrtGetSocName(void) {
+    const char *e = getenv("FAKE_ACL_SOC_NAME");
+    fake_count("get_soc_name", 1);
+    if (e && strcmp(e, "none") == 0) return NULL;
+    return e && e[0] ? e : "Ascend910B3";
+}
+
 FAKE_API int aclrtGetDeviceCount(uint32_t *count) {
     fake_logf("{\"fn\":\"aclrtGetDeviceCount\"}");
     fake_count("get_device_count", 1);

@@ -1,0 +1,48 @@
+"""Write the bitwise pins of the LM-head ops (tests/pins/lm_head_pins.json).
+
+Run with the fastgrad whose results are to be pinned first on the import path, e.g. for the
+commit the pins were taken from (6464144):
+
+    git archive 6464144 | tar -x -C /tmp/base
+    PYTHONPATH=/tmp/base python tests/pins/make_pins.py --merge
+
+``--merge`` adds this machine's keys to the file (other machines' keys are kept): the native
+kernels' keys hold on every CPU with the ISA, the BLAS keys only with the same OpenBLAS kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent))
+
+import pin_cases  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+OUT = HERE / "lm_head_pins.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--merge", action="store_true", help="keep the keys already in the file")
+    ap.add_argument("--source", default="6464144", help="the commit whose results these are")
+    a = ap.parse_args()
+    import fastgrad
+
+    data = json.loads(OUT.read_text()) if a.merge and OUT.exists() else {"pins": {}}
+    data["source"] = a.source
+    data["fastgrad_path"] = "(see --source)"
+    for key, cases in pin_cases.machine_keys().items():
+        entry = data["pins"].setdefault(key, {})
+        for name in cases:
+            entry[name] = pin_cases.digest(name, key)
+        print(key, len(cases), "cases", file=sys.stderr)
+    print("fastgrad from", fastgrad.__file__, file=sys.stderr)
+    OUT.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The LM-head cases whose bits are pinned (tests/test_bitwise_pins.py, tests/pins/make_pins.py).
+
+A key names the engine the GEMMs ran on and what their bits depend on:
+
+* ``native-bf16dot``: bf16 operands of the NumPy-level online max-sum and FLCE grad on "auto" —
+  every GEMM on the native kernel (pinned from the AVX-512 BF16 ``vdpbf16ps`` kernel of 6464144;
+  its AVX-512F and AVX2 FMA variants sum in the same order, so the same bits on every CPU with
+  AVX2 + FMA, checked under each ISA setting the machine runs).
+* ``native-f32fma``: fp16 operands of the same ops on "auto" — every GEMM on the fp32-FMA kernel
+  (AVX-512F or AVX2 + FMA: the same order, the same bits).
+* ``blas-<OpenBLAS kernel>-<version>``: everything on ``fg.gemm("blas")`` (fp32, bf16, fp16 and
+  the training op): OpenBLAS's sgemm bits depend on its kernel for the CPU and its version.
+
+Inputs come from a fixed seed; shapes cross the kernels' tile edges (row blocks, 64-column spans,
+vocabulary chunks, k-passes of 256 pairs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+
+#: (BT, H, V): rows crossing 6-row register tiles, H crossing a 512-element k-pass, V crossing
+#: 64-column spans and a 2048-column vocabulary chunk
+SHAPE = (67, 600, 4133)
+
+
+def _openblas_key() -> str | None:
+    from threadpoolctl import threadpool_info
+
+    for info in threadpool_info():
+        if info.get("internal_api") == "openblas":
+            return f"blas-{info.get('architecture')}-{info.get('version')}"
+    return None
+
+
+def machine_keys() -> dict[str, list[str]]:
+    """The keys this machine can check, each with its case names."""
+    from fastgrad import _cpu
+
+    keys: dict[str, list[str]] = {}
+    if _cpu.has("avx2", "fma") or _cpu.has("avx512f"):
+        keys["native-bf16dot"] = [n for n in CASES if n.endswith("/bf16")]
+        keys["native-f32fma"] = [n for n in CASES if n.endswith("/fp16")]
+    blas = _openblas_key()
+    if blas is not None:
+        keys[blas] = list(CASES) + list(TRAINING_CASES)
+    return keys
+
+
+def _inputs(dtype, seed: int = 0):
+    BT, H, V = SHAPE
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((BT, H), dtype=np.float32).astype(dtype)
+    w = (rng.standard_normal((V, H), dtype=np.float32) * 0.05).astype(dtype)
+    t = rng.integers(0, V, BT).astype(np.int64)
+    t[::7] = -100  # ignored rows (the training op); the aclnn ops mask them through target_mask
+    return x, w, t
+
+
+def _flce(dtype, mode: str):
+    import fastgrad as fg
+
+    x, w, t = _inputs(dtype)
+    BT, H, V = SHAPE
+    t = np.where(t < 0, 0, t)
+    s = fg.fused_linear_online_max_sum(x, w, t, 0, V, return_logits=(mode == "hp"))
+    tm, mt = s.target_mask, s.masked_target
+    grad = np.full(BT, 1.0 / BT, np.float32)
+    if mode == "hp":
+        m = np.asarray(s.logits_max_local, np.float32)[:, None]
+        lg = np.asarray(s.vocab_parallel_logits).astype(np.float32)
+        sm = (np.exp(lg - m) / np.asarray(s.sum_exp_logits_local, np.float32)[:, None]).astype(np.float32)
+        out = fg.fused_linear_cross_entropy_loss_grad(grad, x, w, tm, mt, softmax=sm)
+    else:
+        kw = {"filter_eps": "auto"} if mode == "filtered" else {}
+        ls = 0.1 if mode == "smoothing" else 0.0
+        out = fg.fused_linear_cross_entropy_loss_grad(
+            grad,
+            x,
+            w,
+            tm,
+            mt,
+            label_smoothing=ls,
+            logits_max=s.logits_max_local,
+            sum_exp_logits=s.sum_exp_logits_local,
+            **kw,
+        )
+    return {"grad_input": out[0], "grad_weight": out[1]}
+
+
+def _online(dtype, shard: bool):
+    import fastgrad as fg
+
+    x, w, t = _inputs(dtype)
+    V = SHAPE[2]
+    t = np.where(t < 0, 0, t)
+    if shard:  # the second half of a 2-way vocabulary split: rows of w are [V//2, V)
+        lo = V // 2
+        s = fg.fused_linear_online_max_sum(x, w[lo:], t, lo, V, return_logits=True)
+    else:
+        s = fg.fused_linear_online_max_sum(x, w, t, 0, V)
+    return {k: v for k, v in s._asdict().items() if v is not None}
+
+
+def _training(dtype, features: str):
+    import fastgrad as fg
+
+    x, w, t = _inputs(dtype)
+    kw = {}
+    if features == "features":
+        kw = dict(softcap=30.0, lse_square_scale=1e-4, label_smoothing=0.1)
+    r = fg.linear_cross_entropy(x, w, t, return_grad=True, **kw)
+    return {"loss": r.loss, "lse": r.lse, "grad_input": r.grad_input, "grad_weight": r.grad_weight}
+
+
+CASES = {}
+for _dt, _nm in ((np.float32, "fp32"), (BF16, "bf16"), (np.float16, "fp16")):
+    CASES[f"online_max_sum/full/{_nm}"] = (lambda dt: lambda: _online(dt, False))(_dt)
+    CASES[f"online_max_sum/shard/{_nm}"] = (lambda dt: lambda: _online(dt, True))(_dt)
+    for _mode in ("memory_saving", "smoothing", "filtered", "hp"):
+        CASES[f"flce_grad/{_mode}/{_nm}"] = (lambda dt, m: lambda: _flce(dt, m))(_dt, _mode)
+TRAINING_CASES = {}
+for _dt, _nm in ((np.float32, "fp32"), (BF16, "bf16")):
+    for _f in ("plain", "features"):
+        TRAINING_CASES[f"linear_cross_entropy/{_f}/{_nm}"] = (lambda dt, f: lambda: _training(dt, f))(_dt, _f)
+
+
+def _engine(key: str):
+    import fastgrad as fg
+
+    return fg.gemm("blas") if key.startswith("blas-") else fg.gemm("auto")
+
+
+def digest(name: str, key: str) -> dict[str, str]:
+    """sha256 (first 20 hex digits) of each output's bytes, computed on the key's engine."""
+    fn = CASES.get(name) or TRAINING_CASES[name]
+    with _engine(key) if key else contextlib.nullcontext():
+        outs = fn()
+    res = {}
+    for k, v in sorted(outs.items()):
+        a = np.ascontiguousarray(np.asarray(v))
+        res[k] = f"{a.dtype.str}{list(a.shape)}:" + hashlib.sha256(a.tobytes()).hexdigest()[:20]
+    return res

@@ -1,0 +1,56 @@
+"""The LM-head ops give the same bits as commit 6464144 (tests/pins/lm_head_pins.json).
+
+The pins were computed by that commit's code (tests/pins/make_pins.py: how to redo it); each key
+names the engine and what its bits depend on (tests/pins/pin_cases.py).  The native kernels' keys
+hold on every CPU with the ISA; the BLAS keys only where OpenBLAS runs the same kernel, so on a
+machine whose OpenBLAS kernel has no pin those cases are reported as skipped with the kernel's name.
+A refactor of the LM-head engine must keep every pin (a deliberate change of results re-pins with
+the commit named in the file).
+"""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent / "pins"
+sys.path.insert(0, str(HERE))
+
+import pin_cases  # noqa: E402
+
+PINS = json.loads((HERE / "lm_head_pins.json").read_text())["pins"]
+KEYS = pin_cases.machine_keys()
+
+
+def _isas(key: str) -> list[str]:
+    """The native ISA settings a key is checked under (every one this machine runs)."""
+    if key.startswith("native-"):
+        from common import native_isas
+
+        return native_isas()
+    return ["auto"]
+
+
+PARAMS = [(k, n, isa) for k, names in KEYS.items() for n in names for isa in _isas(k)]
+
+
+def test_this_machine_checks_some_pins():
+    # every x86-64 CI machine checks at least the BLAS or the native pins; say which
+    checked = [k for k in KEYS if k in PINS]
+    if not checked:
+        pytest.skip(f"no pins for this machine's keys {sorted(KEYS)} (pinned: {sorted(PINS)})")
+    assert all(len(PINS[k]) >= len(KEYS[k]) for k in checked)
+
+
+@pytest.mark.parametrize("key,name,isa", PARAMS, ids=[f"{k}:{n}:{i}" for k, n, i in PARAMS])
+def test_pinned_bits(key, name, isa):
+    from fastgrad import _config
+
+    if key not in PINS:
+        pytest.skip(f"no pin for {key} (pinned: {sorted(PINS)})")
+    _config.set_native_isa(isa)
+    try:
+        assert pin_cases.digest(name, key) == PINS[key][name]
+    finally:
+        _config.set_native_isa(None)

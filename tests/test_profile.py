@@ -1,0 +1,232 @@
+"""`fastgrad bench --from-profile`: msprof op_summary and torch_npu kernel_details files (tests/data/profile/,
+headers as msprof 9ba1ac7 op_summary_assembler.cpp and torch_npu 9e73e70 _csv_headers.py write them)."""
+
+import csv
+import json
+import os
+
+import pytest
+from cli_helpers import fastgrad_inprocess
+
+from fastgrad.ascend import profile as P
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profile")
+OP_SUMMARY = os.path.join(DATA, "op_summary_20261125000000.csv")
+KERNEL_DETAILS = os.path.join(DATA, "kernel_details.csv")
+LEVEL0 = os.path.join(DATA, "kernel_details_level0.csv")
+
+#: What each aclnn call of the files is (written from the files, not from fastgrad).
+EXPECTED = [
+    (
+        "aclnnFusedLinearOnlineMaxSum",
+        "fused_linear_online_max_sum",
+        "forward",
+        "bfloat16",
+        {"BT": 64, "H": 32, "V": 256},
+    ),
+    (
+        "aclnnFusedLinearCrossEntropyLossGrad",
+        "fused_linear_cross_entropy_loss_grad",
+        "memory-saving",
+        "bfloat16",
+        {"BT": 64, "H": 32, "V": 256},
+    ),
+    ("aclnnCrossEntropyLossGrad", "cross_entropy_loss_grad", "mean", "bfloat16", {"N": 128, "C": 512}),
+    (
+        "aclnnScaledMaskedSoftmaxBackward",
+        "scaled_masked_softmax_backward",
+        "broadcast-mask",
+        "float16",
+        {"B": 2, "N": 2, "S1": 64, "S2": 64},
+    ),
+    ("aclnnSmoothL1LossBackward", "smooth_l1_loss_backward", "mean", "bfloat16", {"n": 2048}),
+    (
+        "aclnnEmbeddingDenseBackward",
+        "embedding_dense_backward",
+        "dense",
+        "bfloat16",
+        {"tokens": 256, "num_weights": 1000, "D": 64},
+    ),
+]
+DURATIONS_US = {  # the NPU time of each call: its rows' Task Duration(us) summed
+    "aclnnFusedLinearOnlineMaxSum": 48.76,
+    "aclnnFusedLinearCrossEntropyLossGrad": 97.41,
+    "aclnnCrossEntropyLossGrad": 6.88,
+    "aclnnScaledMaskedSoftmaxBackward": 9.54,
+    "aclnnSmoothL1LossBackward": 4.10,
+    "aclnnEmbeddingDenseBackward": 1.92 + 5.31 + 11.65 + 2.73,
+}
+
+
+def _raw_header(path):
+    with open(path, newline="") as f:
+        return next(csv.reader(f))
+
+
+def test_headers_are_the_profilers():
+    assert _raw_header(OP_SUMMARY)[:11] == [
+        "Device_id",
+        "Model ID",
+        "Task ID",
+        "Stream ID",
+        "Op Name",
+        "OP Type",
+        "OP State",
+        "Task Type",
+        "Task Start Time(us)",
+        "Task Duration(us)",
+        "Task Wait Time(us)",
+    ]
+    assert _raw_header(KERNEL_DETAILS)[:9] == [
+        "Step Id",
+        "Device_id",
+        "Name",
+        "Type",
+        "Accelerator Core",
+        "Start Time(us)",
+        "Duration(us)",
+        "Wait Time(us)",
+        "Block Num",
+    ]
+    assert "Input Shapes" not in _raw_header(LEVEL0)
+
+
+@pytest.mark.parametrize("path,kind", [(OP_SUMMARY, "op_summary"), (KERNEL_DETAILS, "kernel_details")])
+def test_read_group_and_match(path, kind):
+    prof = P.read_profile(path)
+    assert (prof.kind, prof.level, len(prof.rows)) == (kind, 1, 11)
+    r0 = prof.rows[0]
+    assert r0.start_us == pytest.approx(1764028800000000.0) and r0.duration_us == pytest.approx(35.12)
+    assert r0.input_shapes == [[64, 32], [32, 256]] and r0.input_dtypes == ["bfloat16", "bfloat16"]
+    assert prof.rows[4].input_shapes == [[], [128, 512], [128]]  # a scalar grad_loss is an empty entry
+    groups = P.group_rows(prof.rows)
+    assert [g.api for g in groups] == [
+        "aclnnMm",
+        "aclnnFusedLinearOnlineMaxSum",
+        "aclnnFusedCrossEntropyLossWithMaxSum",
+        "aclnnFusedLinearCrossEntropyLossGrad",
+        "aclnnCrossEntropyLossGrad",
+        "aclnnScaledMaskedSoftmaxBackward",
+        "aclnnSmoothL1LossBackward",
+        "aclnnEmbeddingDenseBackward",
+    ]
+    assert [r.type for r in groups[-1].rows] == ["Cast", "Sort", "EmbeddingDenseGradV2", "Cast"]
+    matched = [(g.api, P.match_group(g)) for g in groups]
+    got = [(api, m.op, m.mode, m.dtype, m.shape) for api, m in matched if not isinstance(m, str)]
+    assert got == EXPECTED
+    reasons = {api: m for api, m in matched if isinstance(m, str)}
+    assert reasons["aclnnMm"] == "op type MatMulV2: not one of the seven ops"
+    assert "no vocab_parallel_logits" in reasons["aclnnFusedCrossEntropyLossWithMaxSum"]
+    for api, m in matched:
+        if not isinstance(m, str):
+            assert m.group.duration_us == pytest.approx(DURATIONS_US[api])
+
+
+def test_high_performance_and_reduction_none_rows():
+    row = P.KernelRow(
+        2,
+        "aclnnFusedLinearCrossEntropyLossGrad_X_X",
+        "FusedLinearCrossEntropyLossGrad",
+        "MIX_AIC",
+        0.0,
+        5.0,
+        "",
+        [[8], [8, 4], [300, 4], [1], [8], [8, 300]],
+        ["float32", "float16"],
+        [],
+        [],
+    )
+    m = P.match_group(P.Group("aclnnFusedLinearCrossEntropyLossGrad", [row], row))
+    assert (m.mode, m.dtype, m.shape) == ("high-performance", "float16", {"BT": 8, "H": 4, "V": 300})
+    row = P.KernelRow(
+        2,
+        "aclnnCrossEntropyLossGrad_X_X",
+        "CrossEntropyLossGrad",
+        "AIV",
+        0.0,
+        1.0,
+        "",
+        [[16], [16, 10], [16]],
+        ["float32", "float32", "int64"],
+        [],
+        [],
+    )
+    m = P.match_group(P.Group("aclnnCrossEntropyLossGrad", [row], row))
+    assert isinstance(m, str) and "reduction 'none'" in m
+    row = P.KernelRow(
+        2,
+        "aclnnEmbeddingDenseBackward_X_X",
+        "EmbeddingDenseGrad",
+        "AIV",
+        0.0,
+        1.0,
+        "",
+        [[16, 4], [16]],
+        ["float32", "int64"],
+        [],
+        [],
+    )
+    m = P.match_group(P.Group("aclnnEmbeddingDenseBackward", [row], row))
+    assert isinstance(m, str) and "Output Shapes" in m
+
+
+def test_level0_is_reported_not_guessed(tmp_path):
+    prof = P.read_profile(LEVEL0)
+    assert prof.level == 0 and len(prof.rows) == 11
+    with pytest.raises(P.ProfileError, match="level-0"):
+        P.compare_profile(LEVEL0)
+    r = fastgrad_inprocess("bench", "--from-profile", LEVEL0, "--json", tmp_path / "r.json")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr
+    assert "level-0" in r.stderr and "--task-time=l1" in r.stderr and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("content", ["a,b,c\n1,2,3\n", ""])
+def test_not_a_profile_is_one_line(tmp_path, content):
+    p = tmp_path / "x.csv"
+    p.write_text(content)
+    r = fastgrad_inprocess("bench", "--from-profile", p)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "op_summary" in r.stderr
+    r = fastgrad_inprocess("bench", "--from-profile", tmp_path / "missing.csv")
+    assert r.returncode == 2 and "no such file" in r.stderr
+
+
+@pytest.mark.parametrize("path", [OP_SUMMARY, KERNEL_DETAILS])
+def test_cli_report(tmp_path, path):
+    pytest.importorskip("matplotlib")
+    r = fastgrad_inprocess(
+        "bench",
+        "--from-profile",
+        path,
+        "--repeat",
+        "1",
+        "--budget",
+        "1",
+        "-q",
+        "--json",
+        tmp_path / "r.json",
+        "--markdown",
+        tmp_path / "r.md",
+        "--plot",
+        tmp_path / "png",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(tmp_path / "r.json") as f:
+        rep = json.load(f)
+    assert rep["schema"] == "fastgrad-profile-compare/1" and rep["source"]["level"] == 1
+    assert [(x["api"], x["op"], x["mode"], x["dtype"], x["shape"]) for x in rep["rows"]] == EXPECTED
+    for x in rep["rows"]:
+        assert x["npu_us"] == pytest.approx(DURATIONS_US[x["api"]])
+        assert x["cpu_ms"] > 0 and x["cpu"]["reps"] == 1
+        assert x["npu_rate"] == pytest.approx(x["work"] / (x["npu_us"] * 1e-6) / 1e9)
+        assert x["cpu_rate"] == pytest.approx(x["work"] / (x["cpu_ms"] * 1e-3) / 1e9)
+    flce = rep["rows"][1]
+    assert flce["unit"] == "GFLOP/s" and flce["work"] == 3 * 2.0 * 64 * 32 * 256  # the 3 GEMMs of the grad
+    sl1 = rep["rows"][4]
+    assert sl1["unit"] == "GB/s" and sl1["work"] == 3 * 2048 * 2  # read x, t, write grad, bf16
+    assert [u["types"] for u in rep["unmapped"]] == [["MatMulV2"], ["FusedCrossEntropyLossWithMaxSum"]]
+    for e in EXPECTED:
+        assert e[1] in r.stdout
+    assert "not mapped (2)" in r.stdout and "MatMulV2" in r.stdout
+    md = (tmp_path / "r.md").read_text()
+    assert md.startswith("| line | OP Type") and md.count("\n| ") == len(EXPECTED) and "Not mapped" in md
+    assert os.path.getsize(tmp_path / "png" / "profile_compare.png") > 1000
