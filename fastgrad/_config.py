@@ -226,9 +226,10 @@ def gemm_engine() -> str:
       has AVX-512 BF16 or AMX-BF16 (Zen 4/5 EPYC: oneDNN at least as fast as OpenBLAS) and the
       probe passes; ``"blas"`` everywhere else — the NumPy-level ops (golden data) give the same
       bits whatever else the process imported.  Also on ``"auto"`` inside the training loss, on a
-      CPU with AVX2 + FMA or AVX-512, the logits GEMMs of bf16 ``hidden`` and ``weight`` run on an
-      exact-product bf16 kernel (``fastgrad/kernels/_bf16dot.py``: the products of bf16 values are
-      exact in fp32, summed in fp32 in a fixed order, the same bits on every ISA
+      CPU with AVX-512 (AVX2 + FMA only under the ISA setting ``"avx2"``: on ``"auto"`` an
+      AVX2-only CPU keeps BLAS, :func:`bf16_kernel_in_use`), the logits GEMMs of bf16 ``hidden``
+      and ``weight`` run on an exact-product bf16 kernel (``fastgrad/kernels/_bf16dot.py``: the
+      products of bf16 values are exact in fp32, summed in fp32 in a fixed order, the same bits on every ISA
       (:func:`native_isa`); ~2.2× sgemm per core on a Zen 4 EPYC with AVX-512 BF16; bf16
       subnormals read as zero) — ``"blas"`` or ``"onednn"`` set explicitly turn it off.
       On ``"auto"`` the NumPy-level ``fused_linear_online_max_sum`` and
@@ -299,10 +300,13 @@ def native_isa() -> str:
     ``FASTGRAD_NATIVE_ISA`` holds another value.
 
     * ``"auto"``: the best variant this CPU runs — bf16 operands on ``vdpbf16ps`` (AVX-512 BF16),
-      else AVX-512F FMAs, else AVX2 + FMA; fp16 operands on AVX-512F, else AVX2 + FMA.
+      else AVX-512F FMAs, else AVX2 + FMA; fp16 operands on AVX-512F, else AVX2 + FMA.  Where
+      that is an AVX2 variant, the GEMM setting ``"auto"`` keeps BLAS (measured faster there:
+      :func:`bf16_kernel_in_use`); the variant runs when called for explicitly.
     * ``"avx512"``: only the AVX-512 variants (none on an AVX2-only CPU: BLAS).
     * ``"avx2"``: only the AVX2 + FMA variants, compiled with the AVX-512 features off — on an
-      AVX-512 machine, the code an AVX2-only CPU runs (``FASTGRAD_NATIVE_ISA=avx2`` in CI).
+      AVX-512 machine, the code an AVX2-only CPU runs (``FASTGRAD_NATIVE_ISA=avx2`` in CI); the
+      GEMM setting ``"auto"`` runs them (this explicit setting overrides the BLAS rule above).
 
     The variants give the same bits (``fastgrad/kernels/_native.py``); the setting changes the
     speed only.  The kernels read it from ``_bf16dot`` (pushed there by this module)."""
@@ -340,9 +344,9 @@ def bf16_kernel_available() -> bool:
 def bf16_kernel_in_use() -> bool:
     """GEMMs of bf16 values go to the exact-product bf16 kernel: the GEMM setting ``"auto"`` on a
     CPU where the kernel runs (:func:`bf16_kernel_available`) — except an AVX2-only CPU under
-    the ISA setting ``"auto"``: there ``"auto"`` keeps BLAS (OpenBLAS's Haswell sgemm path was
-    faster for the FLCE grad, the online max-sum and the training loss: 1.14x, 1.09x, 1.01x
-    its CPU time on the AVX2 code, Zen 4 EPYC, one thread; ``_bf16dot.AUTO_AVX2``).
+    the ISA setting ``"auto"``: there ``"auto"`` keeps BLAS, which was faster (the AVX2 code
+    on a Zen 4 EPYC, one thread, against OpenBLAS's Haswell sgemm path: FLCE grad 1.18x, online
+    max-sum 1.12x, training loss 0.97x its CPU time; ``_bf16dot.AUTO_AVX2``).  An explicit
     ``set_native_isa("avx2")`` / ``FASTGRAD_NATIVE_ISA=avx2`` runs the AVX2 kernel anyway."""
     from .kernels import _bf16dot
 
@@ -353,8 +357,10 @@ def bf16_kernel_in_use() -> bool:
 def fp16_kernel_in_use() -> bool:
     """GEMMs of fp16 values in the NumPy-level fused linear ops go to the fp32 kernel
     (``fastgrad/kernels/_bf16dot.py``, kind ``"f32"``: the products of fp16 values are exact in
-    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on a CPU with AVX-512F or
-    AVX2 + FMA (:func:`native_isa`)."""
+    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on a CPU with AVX-512F,
+    or with AVX2 + FMA only under an explicit ISA setting ``"avx2"`` (:func:`native_isa`; on
+    ``"auto"`` an AVX2-only CPU keeps BLAS: the AVX2 code took 1.37x / 1.46x the BLAS path's
+    time for the fp16 FLCE grad / online max-sum, ``_bf16dot.AUTO_AVX2``)."""
     from .kernels import _bf16dot
 
     native_isa()

@@ -75,7 +75,7 @@ def fp32_precision_bf16():
     """PyTorch's fp32 matmuls in oneDNN's bf16 math mode for the duration (process-wide)."""
     import torch
 
-    m = torch.backends.mkldnn.matmul
+    m = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]
     old = m.fp32_precision
     m.fp32_precision = "bf16"
     try:

@@ -224,3 +224,64 @@ def test_the_a_operand_takes_the_variants_form(request):
     if "f32" not in spec.a_forms:  # fp32 A on the pairs-only variant: refused, not misread
         with pytest.raises(ValueError, match="takes A"):
             B.gemm_tile(keep, B.interleave(keep.astype(BF).T.copy()), 0, 5, np.empty((5, 5), np.float32))
+
+
+@needs_kernel
+def test_packed_rows_leave_power_of_two_strides():
+    """``pack`` writes rows of ``b_cols(n)`` (64 more where ``npad(n)`` is a multiple of 256:
+    rows 1 KiB · 2ʲ apart would share cache sets), zero past ``n``; the GEMM reads the same
+    values: bitwise what an unpadded ``B`` gives, within the fp32 bound of float64."""
+    assert B.b_cols(8192) == 8256 and B.b_cols(256) == 320 and B.b_cols(896) == 896 and B.b_cols(70) == 128
+    assert B.b_size(5, 256) == 3 * 320
+    rng = np.random.default_rng(11)
+    X = rng.standard_normal((37, 90)).astype(BF)
+    W = rng.standard_normal((256, 90)).astype(BF)
+    bp = B.pack(B.pairs(W))
+    assert bp.shape == (45, 320) and not bp[:, 256:].any()
+    xa = X.astype(np.float32) if B.a_form() == "f32" else B.pairs(X)
+    got = np.full((37, 256), np.nan, np.float32)
+    B.matmul_nt(xa, bp, 256, got)
+    flat = np.full_like(got, np.nan)
+    B.gemm_tile(xa, np.ascontiguousarray(bp[:, :256]), 0, 256, flat)
+    assert np.array_equal(got.view(np.uint32), flat.view(np.uint32))
+    ref, den = _oracle(X, W)
+    assert np.all(np.abs(got - ref) <= 90 * 2.0**-24 * den + 1e-30)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["bf16", "f32"])
+@pytest.mark.parametrize("layout", ["transposed", "rows_1KiB_apart"])
+@pytest.mark.parametrize("ak", [2048, 64, 1])
+def test_matmul_copies_an_fp32_a_that_would_alias(monkeypatch, kind, layout, ak):
+    """``matmul`` with an fp32 ``A`` read down its columns (``gᵀ`` in place) or with rows
+    1 KiB · 2ʲ apart copies each row task into scratch first (the AVX2 variants), in blocks of ``_AK`` values of
+    ``k`` (one block, four, one per pair): the same bits as the same GEMM on a contiguous ``A``,
+    with and without ``acc``, within fp32's bound of float64."""
+    monkeypatch.setattr(B, "_AK", ak)
+    if not B.available(kind) or (kind == "bf16" and B.a_form("bf16") != "f32"):
+        pytest.skip(f"no {kind} variant taking fp32 A under this ISA setting (vdpbf16ps takes pairs)")
+    rng = np.random.default_rng(12)
+    M, K, N = 600, 255, 130  # two row tasks; an odd K (bf16: a last pair with a zero)
+    dt = BF if kind == "bf16" else np.float16
+    src = rng.standard_normal((K, M) if layout == "transposed" else (M, 256)).astype(dt).astype(np.float32)
+    A = src.T if layout == "transposed" else src[:, :K]  # rows 1 KiB apart
+    assert (A.strides[1] != 4) == (layout == "transposed") and A.shape == (M, K)
+    Bm = rng.standard_normal((K, N)).astype(dt)
+    if kind == "bf16":
+        bp = B.interleave(Bm.view(np.uint16))
+    else:
+        bp = np.zeros((K, B.npad(N)), np.float32)
+        bp[:, :N] = Bm
+    Ac = np.empty((M, K + 3), np.float32)[:, :K]  # a copy read in place: unit column stride,
+    Ac[...] = A  # rows 1036 bytes apart
+    assert Ac.strides == (4 * (K + 3), 4)
+    C = rng.standard_normal((M, N)).astype(np.float32)
+    for acc in (False, True):
+        got, want = C.copy(), C.copy()
+        B.matmul(A, bp, N, got, acc=acc)
+        B.matmul(Ac, bp, N, want, acc=acc)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        a64, b64 = A.astype(np.float64), Bm.astype(np.float64)
+        ref = a64 @ b64 + (C if acc else 0)
+        den = np.abs(a64) @ np.abs(b64) + (np.abs(C) if acc else 0)
+        assert np.all(np.abs(got - ref) <= (K + 1) * 2.0**-24 * den + 1e-30)

@@ -240,3 +240,42 @@ def test_engine_choice_and_errors():
     with pytest.raises(ValueError, match="dtype"):
         _engine.BlasEngine(np.zeros((2, 3), np.float32), np.zeros((4, 3), ml_dtypes.bfloat16))
     assert _engine.engines(np.float32) == ["blas", "onednn"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_auto_keeps_blas_where_only_the_avx2_variant_runs(monkeypatch, dtype):
+    """The "auto" rule (``_bf16dot.AUTO_AVX2``): where the best variant the CPU runs is an AVX2
+    one and the ISA setting is "auto" (an AVX2-only machine), "auto" keeps BLAS — measured
+    faster there; an explicit ISA setting "avx2" runs the AVX2 kernel; an AVX-512 variant runs
+    on "auto"."""
+    import ml_dtypes
+
+    from fastgrad.kernels import _bf16dot as B
+    from fastgrad.kernels import _engine
+    from fastgrad.kernels import _native as N
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    kind = "bf16" if dtype == "bfloat16" else "f32"
+    in_use = _config.bf16_kernel_in_use if kind == "bf16" else _config.fp16_kernel_in_use
+    avx2 = N.SPECS["avx2_bf16" if kind == "bf16" else "avx2_f32"]
+    avx512 = N.SPECS["avx512_bf16dp" if kind == "bf16" else "avx512_f32"]
+    try:
+        _config.set_native_isa("auto")
+        # an AVX2-only CPU, simulated: the best variant is the AVX2 one
+        monkeypatch.setattr(B, "variant", lambda k="bf16", isa=None: avx2 if k == kind else None)
+        assert B.auto_variant(kind) is None
+        assert _engine.choose(dt) == "blas" and "native" in _engine.engines(dt)
+        assert not in_use()
+        # an explicit "avx2" setting runs the AVX2 kernel
+        _config.set_native_isa("avx2")
+        assert B.auto_variant(kind) is avx2
+        assert _engine.choose(dt) == "native" and in_use()
+        with fg.gemm("blas"):
+            assert not in_use()
+        # an AVX-512 CPU on "auto": the native kernel
+        _config.set_native_isa("auto")
+        monkeypatch.setattr(B, "variant", lambda k="bf16", isa=None: avx512 if k == kind else None)
+        assert B.auto_variant(kind) is avx512
+        assert _engine.choose(dt) == "native" and in_use()
+    finally:
+        _config.set_native_isa(None)

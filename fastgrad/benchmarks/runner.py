@@ -152,7 +152,7 @@ def _child_main():
         try:
             case = C.find_case(job["case"], spec["quick"])
             with threads(spec["threads"]):
-                inp = case.build()
+                inp: dict | None = case.build()
                 for ri, backend in job["rows"]:
                     rows.append(
                         run_one(

@@ -81,11 +81,12 @@ def variant(kind: str = "bf16", isa: str | None = None) -> _native.KernelSpec | 
 
 
 #: per operand kind, whether the GEMM setting ``"auto"`` runs the AVX2 + FMA variant when it is
-#: the best the CPU has (ISA setting ``"auto"``): not for bf16 — on a Zen 4 EPYC, one thread,
-#: the AVX2 code against OpenBLAS's Haswell sgemm path at (1024, 896, 32000), the FLCE grad took
-#: 1.14x, the online max-sum 1.09x, the training loss 1.01x the BLAS path's CPU time (the GEMMs
-#: themselves run at sgemm's rate; the packing and pairing passes are the difference)
-AUTO_AVX2 = {"bf16": False, "f32": True}
+#: the best the CPU has (ISA setting ``"auto"``): no — on a Zen 4 EPYC running the AVX2 code, one
+#: thread, CPU time (noisy, shared machine), at (1024, 896, 32000) against OpenBLAS's Haswell
+#: sgemm path: bf16 FLCE grad 1.18x, online max-sum 1.12x, training loss 0.97x (a tie); fp16
+#: FLCE grad 1.37x, online max-sum 1.46x.  The AVX2 GEMM runs at 85-109 GF/s per core against
+#: sgemm's ~105, and the BLAS path's tiles beat it; the AVX-512 variants win (0.65x)
+AUTO_AVX2 = {"bf16": False, "f32": False}
 
 
 def auto_variant(kind: str = "bf16") -> _native.KernelSpec | None:
@@ -426,6 +427,10 @@ def gemm_tile(
         out[:, n64:] = tail[:, : n - n64]
 
 
+#: the most values of ``k`` of an fp32 ``A`` that :func:`matmul` copies into scratch at a time
+_AK = 2048
+
+
 def _a_stride(k: int) -> int:
     """The row stride (elements) of an ``A`` copied into scratch with ``k`` columns: ``k``, plus
     16 where ``k`` is a multiple of 256 (the row tile's broadcasts, rows 1 KiB · 2ʲ apart, would
@@ -453,18 +458,36 @@ def matmul(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = 
     from ._gemm import ROW_BLOCK, _run, _spans
 
     cols = _col_spans(n)
-    if xp.dtype == np.float32 and xp.ndim == 2 and xp.strides[1] != 4 and xp.shape[1] > 0:
-        # fp32 A read down its columns (gᵀ in place: rows of g a power of two apart share one
-        # L1 set): each task copies its rows into the thread's scratch first (exact), then its
-        # column spans — the same sums (fp16 FLCE grad, AVX2 at H = 896: ~60 → ~80 GF/s)
+    kind = "bf16" if bp.dtype == np.uint32 else "f32"
+    spec = variant(kind) if xp.dtype == np.float32 else None
+    if (
+        spec is not None
+        and spec.isa == "avx2"
+        and xp.ndim == 2
+        and xp.shape[1] > 0
+        and (xp.strides[1] != 4 or xp.strides[0] % 1024 == 0)
+    ):
+        # fp32 A read down its columns (gᵀ in place), or rows 1 KiB · 2ʲ apart (g of a vocabulary
+        # chunk of 8192): the row tile's broadcasts would share a few L1 sets.  On the AVX2
+        # variants each task copies its rows into the thread's scratch first (exact; a padded
+        # row stride), then its column spans — the same sums (Zen 4 running the AVX2 code, FLCE
+        # grad at H = 896: g·W ~69 → ~97 GF/s; fp16 FLCE grad 2.48 → 2.33 s; on AVX-512 the
+        # copy cost more than it saved: 1.78 → 1.88 s, so it is not made there).  In
+        # blocks of ≤ _AK values of k (the scratch ≤ 512 × _AK values): a block after the first
+        # sums onto the stored values, the same additions in the same order (gemm_tile's passes)
         k = xp.shape[1]
-        ka = _a_stride(k)
+        per = 2 if bp.dtype == np.uint32 else 1  # values of k per row of B (bf16 pairs: 2)
+        kb = max(per, (_AK // per) * per)
+        ka = _a_stride(kb)
 
         def task(r0, r1):
-            a = _local((r1 - r0) * ka)[: (r1 - r0) * ka].view(np.float32).reshape(r1 - r0, ka)[:, :k]
-            _copy_rows(0, r1 - r0, xp[r0:r1], a)
-            for c0, c1 in cols:
-                gemm_tile(a, bp, c0, c1, out[r0:r1, c0:c1], acc)
+            buf = _local((r1 - r0) * ka)[: (r1 - r0) * ka].view(np.float32).reshape(r1 - r0, ka)
+            for k0 in range(0, k, kb):
+                k1 = min(k, k0 + kb)
+                a = buf[:, : k1 - k0]
+                _copy_rows(0, r1 - r0, xp[r0:r1, k0:k1], a)
+                for c0, c1 in cols:
+                    gemm_tile(a, bp[k0 // per :], c0, c1, out[r0:r1, c0:c1], acc or k0 > 0)
 
         _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(xp.shape[0], ROW_BLOCK)])
         return

@@ -151,9 +151,9 @@ def engines(dtype) -> list[str]:
 
 def choose(dtype, setting: str = "auto") -> str:
     """The engine for ``dtype`` under a GEMM setting: ``"auto"`` → ``"native"`` where it runs
-    and ``_bf16dot.auto_variant`` takes it (not bf16 on an AVX2-only CPU under the ISA setting
-    ``"auto"``: BLAS is faster there), else ``"blas"``; ``"blas"`` / ``"onednn"`` as given.  Raises ``ValueError`` for another
-    setting."""
+    and ``_bf16dot.auto_variant`` takes it (not on an AVX2-only CPU under the ISA setting
+    ``"auto"``: BLAS is faster there), else ``"blas"``; ``"blas"`` / ``"onednn"`` as given.
+    Raises ``ValueError`` for another setting."""
     if setting in ("blas", "onednn"):
         return setting
     if setting != "auto":
@@ -161,7 +161,7 @@ def choose(dtype, setting: str = "auto") -> str:
     dt = np.dtype(dtype)
     kind = "bf16" if dt == D.BFLOAT16 else "f32" if dt == D.FLOAT16 else None
     if kind is not None and _bf16dot.auto_variant(kind) is None:
-        return "blas"  # no variant, or the AVX2 one where BLAS is faster (_bf16dot.AUTO_AVX2)
+        return "blas"  # no variant, or an AVX2 one where BLAS is faster (_bf16dot.AUTO_AVX2)
     return engines(dtype)[0]
 
 

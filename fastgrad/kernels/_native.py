@@ -45,11 +45,15 @@ on ARM), not a new module; the CPU features come from ``fastgrad._cpu``, which r
 Each spec is compiled once per process (MCJIT, Numba's LLVM), on first use; a spec whose CPU
 flags are missing is not built; a build that fails is reported once (``RuntimeWarning``) and the
 callers fall back to BLAS.  The functions (:func:`function_name`) have the signature
-``f(A, lda, ska, B, ldb, C, ldc, M, N, KP)``: ``C[M, N] (+)= A · B``, ``M % mr == 0`` (the
+``f(A, lda, ska, B, ldb, C, ldc, M, N, KP, B2)``: ``C[M, N] (+)= A · B``, ``M % mr == 0`` (the
 function ``mr<r>`` for ``r ≤ mr`` rows), ``N % (lanes·nr) == 0``, ``KP ≥ 1`` (rows of ``B``:
 pairs for bf16, values for fp32); ``A[i, k]`` at ``A + i·lda + k·ska`` (``k`` in pairs for pairs
 ``A``, in values for fp32 ``A``: a pair ``p`` of ``B`` meets ``A[i, 2p]`` and ``A[i, 2p+1]``),
-``B[k, n]`` at ``B + k·ldb + n``, ``C[i, n]`` at ``C + i·ldc + n`` (32-bit elements).  They
+``B[k, n]`` at ``B + k·ldb + n``, ``C[i, n]`` at ``C + i·ldc + n`` (32-bit elements); ``B2``
+is ``B`` again (the FMA bf16 variants load the even halves through it: a second pointer LLVM
+cannot prove equal, so it does not merge the two loads and hold the raw pairs across both
+halves — without it the 6 × 16 AVX2 tile spilled a register every ``k`` pair, ~85 against
+~100–109 GF/s per core on a Zen 4 EPYC running the AVX2 code).  They
 check nothing: the Python wrapper (``_bf16dot.gemm_tile``) validates every argument with
 ``ValueError`` before the call.
 """
@@ -94,6 +98,10 @@ class KernelSpec:
     * ``isolate``: compile with the host's features of newer ISAs switched off (``-avx512f``,
       ``-amx-tile``...): the code a CPU with only ``flags`` runs.
     * ``flush_subnormals``: MXCSR DAZ and FTZ set for the call (vdpbf16ps's subnormal rules).
+    * ``order``: the tile loops, ``"mn"`` (rows outer, the default: ``A``'s row tile stays in L1
+      while ``B``'s column tiles pass) or ``"nm"`` (columns outer: ``B``'s strip stays while the
+      row tiles pass; measured no faster for the AVX2 variants on a Zen 4 EPYC).  The sums are
+      the same either way (``k`` innermost, in order).
     * ``a_forms``: the forms of ``A`` compiled, the first preferred: ``"pairs"`` (32-bit bf16
       pairs, ``k`` counted in pairs) or ``"f32"`` (fp32 values; with bf16 pairs as ``B``: values
       that are bf16 values, two per pair of ``B``, ``A[i, 2p]`` and ``A[i, 2p+1]``).  The FMA bf16
@@ -282,7 +290,11 @@ def _emit(module, spec: KernelSpec, mr: int, acc: bool, a_form: str) -> None:
     elif spec.kind == "bf16":
         # a pair's odd (high) product first, then the even (low) one: vdpbf16ps's order
         for half in ("odd", "even"):
-            bh = [b.bitcast(b.and_(v, hi_mask), vf) for v in bv] if half == "odd" else [b.bitcast(b.shl(v, sh16), vf) for v in bv2]
+            bh = (
+                [b.bitcast(b.and_(v, hi_mask), vf) for v in bv]
+                if half == "odd"
+                else [b.bitcast(b.shl(v, sh16), vf) for v in bv2]
+            )
             for i in range(mr):
                 if a_f32:
                     av = _splat(b, a_odd[i] if half == "odd" else a_even[i], vf)
