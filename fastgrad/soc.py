@@ -28,7 +28,7 @@ name raises ``ValueError`` listing the profiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: the profile names, in CANN's spelling
 ASCEND910B = "Ascend910B"
@@ -78,27 +78,21 @@ class SocProfile:
     ce_grad_label_smoothing: bool
 
 
+#: Atlas A2 (the default); A3 runs the same binaries (op_host/config/ascend910b and .../ascend910_93)
+_A2 = SocProfile(
+    name=ASCEND910B,
+    product="Atlas A2 training/inference",
+    fused_linear_ops=True,
+    smooth_l1_kernel="tbe",
+    softmax_grad_max_s2=4096,
+    ce_grad_target_dtypes=("int64",),
+    ce_grad_ignore_any_sign=True,
+    ce_grad_label_smoothing=False,
+)
+
 PROFILES: dict[str, SocProfile] = {
-    ASCEND910B: SocProfile(
-        name=ASCEND910B,
-        product="Atlas A2 training/inference",
-        fused_linear_ops=True,
-        smooth_l1_kernel="tbe",
-        softmax_grad_max_s2=4096,
-        ce_grad_target_dtypes=("int64",),
-        ce_grad_ignore_any_sign=True,
-        ce_grad_label_smoothing=False,
-    ),
-    ASCEND910_93: SocProfile(
-        name=ASCEND910_93,
-        product="Atlas A3 training/inference",
-        fused_linear_ops=True,
-        smooth_l1_kernel="tbe",
-        softmax_grad_max_s2=4096,
-        ce_grad_target_dtypes=("int64",),
-        ce_grad_ignore_any_sign=True,
-        ce_grad_label_smoothing=False,
-    ),
+    ASCEND910B: _A2,
+    ASCEND910_93: replace(_A2, name=ASCEND910_93, product="Atlas A3 training/inference"),
     ASCEND950: SocProfile(
         name=ASCEND950,
         product="Ascend 950PR/950DT",

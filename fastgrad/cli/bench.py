@@ -22,6 +22,16 @@ import sys
 from . import OneLineParser
 
 
+def write_markdown(path: str, text: str) -> None:
+    """Write a report's Markdown table to ``path`` (its folder made if missing) and say so."""
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}")
+
+
 def _csv(s):
     return [x.strip() for x in s.split(",") if x.strip()] if s else []
 
@@ -226,12 +236,7 @@ def main(argv: list[str]) -> int:
         B.save(report, args.json)
         print(f"\nwrote {args.json}")
     if args.markdown:
-        import os
-
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(B.format_markdown(report))
-        print(f"wrote {args.markdown}")
+        write_markdown(args.markdown, B.format_markdown(report))
     if args.plot:
         files = B.plot(report, args.plot)
         if files:

@@ -54,12 +54,9 @@ def run(args) -> int:
         P.save(report, args.json)
         print(f"wrote {args.json}")
     if args.markdown:
-        import os
+        from .bench import write_markdown
 
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(P.format_markdown(report))
-        print(f"wrote {args.markdown}")
+        write_markdown(args.markdown, P.format_markdown(report))
     if args.plot:
         files = P.plot(report, args.plot)
         print("wrote " + ", ".join(files) if files else "no plot written: matplotlib is not installed or no row mapped")

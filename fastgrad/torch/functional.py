@@ -432,190 +432,138 @@ def linear_cross_entropy(
         )
     precision, fused, filter_eps, accum_dtype = opts.precision, opts.fused, opts.filter_eps, opts.accum_dtype
     with _engine({"engine": opts.engine}):
-        return _linear_cross_entropy(
-            hidden,
-            weight,
-            target,
-            ignore_index,
-            reduction,
-            label_smoothing,
-            process_group,
-            bias,
-            ce_weight,
-            softcap,
-            temperature,
-            lse_square_scale,
-            return_z_loss,
-            return_token_accuracy,
-            return_predicted_tokens,
-            return_entropy,
-            shift,
-            precision,
-            fused,
-            vocab_start_index,
-            vocab_size,
-            filter_eps,
-            accum_dtype,
-            opts,
-        )
-
-
-def _linear_cross_entropy(
-    hidden,
-    weight,
-    target,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    process_group,
-    bias,
-    ce_weight,
-    softcap,
-    temperature,
-    lse_square_scale,
-    return_z_loss,
-    return_token_accuracy,
-    return_predicted_tokens,
-    return_entropy,
-    shift,
-    precision,
-    fused,
-    vocab_start_index,
-    vocab_size,
-    filter_eps,
-    accum_dtype,
-    opts,
-):
-    _check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing)
-    eps = float(label_smoothing)
-    n_shift = int(shift) if isinstance(shift, (bool, numbers.Integral)) else None
-    if n_shift is None or n_shift < 0:
-        raise _bad("shift", "a bool or an int >= 0", repr(shift))
-    if precision is None:
-        precision = "device" if is_strict() else "accurate"
-    if precision not in ("accurate", "device", "fast"):
-        raise _bad("precision", "'accurate', 'device' or 'fast'", repr(precision))
-    if precision == "fast" and is_strict():
-        raise _bad("precision", "'accurate' or 'device' in strict mode (the device has no 'fast')", "'fast'")
-    if fused not in (None, True, False):
-        raise _bad("fused", "None, True or False", repr(fused))
-    K = weight.shape[0]
-    if process_group is None:
-        if vocab_start_index not in (None, 0) or vocab_size not in (None, K):
-            raise _bad(
-                "vocab_start_index",
-                "0 and vocab_size == weight.shape[0] without a process_group (a shard layout needs one)",
-                f"vocab_start_index={vocab_start_index}, vocab_size={vocab_size}",
-            )
-        start, V = 0, K
-    else:
-        _vp.check_group(process_group)
-        if vocab_start_index is None or vocab_size is None:
-            s0, _, V0 = _vp.vocab_shard_range(K, process_group)
-            start = s0 if vocab_start_index is None else int(vocab_start_index)
-            V = V0 if vocab_size is None else int(vocab_size)
+        _check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing)
+        eps = float(label_smoothing)
+        n_shift = int(shift) if isinstance(shift, (bool, numbers.Integral)) else None
+        if n_shift is None or n_shift < 0:
+            raise _bad("shift", "a bool or an int >= 0", repr(shift))
+        if precision is None:
+            precision = "device" if is_strict() else "accurate"
+        if precision not in ("accurate", "device", "fast"):
+            raise _bad("precision", "'accurate', 'device' or 'fast'", repr(precision))
+        if precision == "fast" and is_strict():
+            raise _bad("precision", "'accurate' or 'device' in strict mode (the device has no 'fast')", "'fast'")
+        if fused not in (None, True, False):
+            raise _bad("fused", "None, True or False", repr(fused))
+        K = weight.shape[0]
+        if process_group is None:
+            if vocab_start_index not in (None, 0) or vocab_size not in (None, K):
+                raise _bad(
+                    "vocab_start_index",
+                    "0 and vocab_size == weight.shape[0] without a process_group (a shard layout needs one)",
+                    f"vocab_start_index={vocab_start_index}, vocab_size={vocab_size}",
+                )
+            start, V = 0, K
         else:
-            start, V = int(vocab_start_index), int(vocab_size)
-        if start < 0 or start + K > V:
+            _vp.check_group(process_group)
+            if vocab_start_index is None or vocab_size is None:
+                s0, _, V0 = _vp.vocab_shard_range(K, process_group)
+                start = s0 if vocab_start_index is None else int(vocab_start_index)
+                V = V0 if vocab_size is None else int(vocab_size)
+            else:
+                start, V = int(vocab_start_index), int(vocab_size)
+            if start < 0 or start + K > V:
+                raise _bad(
+                    "vocab_start_index",
+                    f"a shard [start, start + {K}) inside [0, {V})",
+                    f"[{start}, {start + K}) of {V}",
+                )
+
+        for name, flag in (
+            ("return_z_loss", return_z_loss),
+            ("return_token_accuracy", return_token_accuracy),
+            ("return_predicted_tokens", return_predicted_tokens),
+            ("return_entropy", return_entropy),
+        ):
+            if not isinstance(flag, bool):
+                raise _bad(name, "a bool", repr(flag))
+        t_full = _shift_target(target, n_shift, int(ignore_index))
+        t = t_full.reshape(-1)
+        bad = (t != ignore_index) & ((t < 0) | (t >= V))
+        if bool(bad.any()):
+            first = int(t[bad.nonzero()[0, 0]])
             raise _bad(
-                "vocab_start_index", f"a shard [start, start + {K}) inside [0, {V})", f"[{start}, {start + K}) of {V}"
+                "target", f"class ids in [0, {V}) or ignore_index ({ignore_index})", f"Target {first} is out of bounds"
             )
 
-    for name, flag in (
-        ("return_z_loss", return_z_loss),
-        ("return_token_accuracy", return_token_accuracy),
-        ("return_predicted_tokens", return_predicted_tokens),
-        ("return_entropy", return_entropy),
-    ):
-        if not isinstance(flag, bool):
-            raise _bad(name, "a bool", repr(flag))
-    t_full = _shift_target(target, n_shift, int(ignore_index))
-    t = t_full.reshape(-1)
-    bad = (t != ignore_index) & ((t < 0) | (t >= V))
-    if bool(bad.any()):
-        first = int(t[bad.nonzero()[0, 0]])
-        raise _bad(
-            "target", f"class ids in [0, {V}) or ignore_index ({ignore_index})", f"Target {first} is out of bounds"
-        )
+        if precision == "device":
+            extras = {
+                "bias": bias is not None,
+                "ce_weight": ce_weight is not None,
+                "softcap": softcap is not None,
+                "temperature": temperature != 1.0,
+                "lse_square_scale": lse_square_scale != 0.0,
+                "return_z_loss": return_z_loss,
+                "return_token_accuracy": return_token_accuracy,
+                "return_predicted_tokens": return_predicted_tokens,
+                "return_entropy": return_entropy,
+            }
+            used = [k for k, v in extras.items() if v]
+            if filter_eps is not None:
+                used.append("filter_eps")
+            if accum_dtype is not None:
+                used.append("accum_dtype")
+            if used:
+                raise _bad(used[0], "the plain loss with precision='device' (the aclnn pipeline)", used)
+            if eps != 0.0 and is_strict():
+                raise invalid("label_smoothing", "0 (the device's FLCE grad supports only 0; strict mode)", eps, OP)
+            loss = DeviceLinearCrossEntropyFunction.apply(
+                hidden, weight, t_full, int(ignore_index), reduction, eps, process_group, start, V
+            )
+            if reduction == "none" and n_shift:
+                loss = loss[..., : target.shape[-1] - n_shift]
+            return loss
 
-    if precision == "device":
-        extras = {
-            "bias": bias is not None,
-            "ce_weight": ce_weight is not None,
-            "softcap": softcap is not None,
-            "temperature": temperature != 1.0,
-            "lse_square_scale": lse_square_scale != 0.0,
-            "return_z_loss": return_z_loss,
-            "return_token_accuracy": return_token_accuracy,
-            "return_predicted_tokens": return_predicted_tokens,
+        if return_entropy and filter_eps is not None:
+            raise _bad("filter_eps", "None with return_entropy (the filter is on the cross-entropy term)", filter_eps)
+        H = hidden.shape[-1]
+        h = hidden.reshape(-1, H)
+        # the upstream gradients must be known in the forward: a reduced loss, no entropy output
+        fusable = reduction != "none" and not return_entropy
+        if fused is None:
+            fused_ok = (
+                torch.is_grad_enabled()
+                and fusable
+                and _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts)
+                and not (precision == "fast" and _fast_applies(h, weight, filter_eps))
+            )
+        else:
+            fused_ok = bool(fused) and fusable
+        cfg = {
+            "ignore_index": int(ignore_index),
+            "reduction": reduction,
+            "label_smoothing": eps,
+            "softcap": None if softcap is None else float(softcap),
+            "temperature": float(temperature),
+            "lse_square_scale": float(lse_square_scale),
+            "start": start,
+            "V": V,
+            "group": process_group,
+            "fused": fused_ok,
+            "filter_eps": filter_eps,
+            "accum_dtype": accum_dtype,
             "return_entropy": return_entropy,
+            "op_precision": "fast" if precision == "fast" else "accurate",
+            "engine": opts.engine,
         }
-        used = [k for k, v in extras.items() if v]
-        if filter_eps is not None:
-            used.append("filter_eps")
-        if accum_dtype is not None:
-            used.append("accum_dtype")
-        if used:
-            raise _bad(used[0], "the plain loss with precision='device' (the aclnn pipeline)", used)
-        if eps != 0.0 and is_strict():
-            raise invalid("label_smoothing", "0 (the device's FLCE grad supports only 0; strict mode)", eps, OP)
-        loss = DeviceLinearCrossEntropyFunction.apply(
-            hidden, weight, t_full, int(ignore_index), reduction, eps, process_group, start, V
-        )
-        if reduction == "none" and n_shift:
-            loss = loss[..., : target.shape[-1] - n_shift]
+        cw = None if ce_weight is None else ce_weight.detach()
+        loss, z_loss, acc, pred, ent = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)
+        shape = tuple(target.shape)
+
+        def per_token(x):
+            x = x.reshape(shape)
+            return x[..., : max(shape[-1] - n_shift, 0)] if n_shift else x
+
+        pred = per_token(pred)
+        if reduction == "none":
+            loss, z_loss, acc = (per_token(x) for x in (loss, z_loss, acc))
+            ent = None if ent is None else per_token(ent)
+        if return_z_loss or return_token_accuracy or return_predicted_tokens or return_entropy:
+            return LinearCrossEntropyOutput(
+                loss,
+                z_loss if return_z_loss else None,
+                acc if return_token_accuracy else None,
+                pred if return_predicted_tokens else None,
+                ent,
+            )
         return loss
-
-    if return_entropy and filter_eps is not None:
-        raise _bad("filter_eps", "None with return_entropy (the filter is on the cross-entropy term)", filter_eps)
-    H = hidden.shape[-1]
-    h = hidden.reshape(-1, H)
-    # the upstream gradients must be known in the forward: a reduced loss, no entropy output
-    fusable = reduction != "none" and not return_entropy
-    if fused is None:
-        fused_ok = (
-            torch.is_grad_enabled()
-            and fusable
-            and _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts)
-            and not (precision == "fast" and _fast_applies(h, weight, filter_eps))
-        )
-    else:
-        fused_ok = bool(fused) and fusable
-    cfg = {
-        "ignore_index": int(ignore_index),
-        "reduction": reduction,
-        "label_smoothing": eps,
-        "softcap": None if softcap is None else float(softcap),
-        "temperature": float(temperature),
-        "lse_square_scale": float(lse_square_scale),
-        "start": start,
-        "V": V,
-        "group": process_group,
-        "fused": fused_ok,
-        "filter_eps": filter_eps,
-        "accum_dtype": accum_dtype,
-        "return_entropy": return_entropy,
-        "op_precision": "fast" if precision == "fast" else "accurate",
-        "engine": opts.engine,
-    }
-    cw = None if ce_weight is None else ce_weight.detach()
-    loss, z_loss, acc, pred, ent = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)
-    shape = tuple(target.shape)
-
-    def per_token(x):
-        x = x.reshape(shape)
-        return x[..., : max(shape[-1] - n_shift, 0)] if n_shift else x
-
-    pred = per_token(pred)
-    if reduction == "none":
-        loss, z_loss, acc = (per_token(x) for x in (loss, z_loss, acc))
-        ent = None if ent is None else per_token(ent)
-    if return_z_loss or return_token_accuracy or return_predicted_tokens or return_entropy:
-        return LinearCrossEntropyOutput(
-            loss,
-            z_loss if return_z_loss else None,
-            acc if return_token_accuracy else None,
-            pred if return_predicted_tokens else None,
-            ent,
-        )
-    return loss
