@@ -1,4 +1,26 @@
-"""Process-wide settings: strict device-parity mode and thread count.
+"""The settings, in one place: every environment variable and context variable of fastgrad is
+read here, and nowhere below the op layer (``tests/test_architecture.py`` checks it).
+
+==========================  =======================  ==========================================
+setting                     environment              API (process / context)
+==========================  =======================  ==========================================
+strict device parity        ``FASTGRAD_STRICT``      ``set_strict`` / ``strict()``
+SoC profile                 ``FASTGRAD_SOC_VERSION`` ``set_soc_version`` / ``soc_version()``
+backend                     ``FASTGRAD_BACKEND``     ``set_backend`` / ``use_backend()``
+GEMM engine                 ``FASTGRAD_GEMM``        ``set_gemm_engine`` / ``gemm()``
+native kernel ISA           ``FASTGRAD_NATIVE_ISA``  ``set_native_isa``
+workspace budget            ``FASTGRAD_WORKSPACE_MB`` ``set_workspace_budget``
+output cache cap            ``FASTGRAD_OUTPUT_CACHE_MB`` ``set_output_cache_limit`` / ``output_cache()``
+threads                     ``NUMBA_NUM_THREADS``    ``set_num_threads`` / ``num_threads()``
+Numba cache                 ``FASTGRAD_NUMBA_CACHE``, ``NUMBA_CACHE_DIR``  (read once, at import)
+CANN runtime                ``FASTGRAD_ACL_LIB_DIR``, ``FASTGRAD_ACL_DEVICE``, ``ASCEND_HOME_PATH``
+==========================  =======================  ==========================================
+
+Precedence: context > process setting > environment > default.  An invalid environment value
+is refused with ``AclnnParamError`` (161002, a ``ValueError``) naming the variable, never read as
+the default.  :func:`settings` resolves them all into one frozen :class:`Settings`, which the op
+layer reads once per call and resolves into the call's plan (the GEMM choice, the budget); the
+kernels take plain parameters and the plan.
 
 Strict mode (``fg.strict()`` or ``FASTGRAD_STRICT=1``) makes every public op reject exactly
 what the CANN device rejects, with the device's status code; outside it, those inputs are
@@ -10,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 _STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fastgrad_strict", default=None)
 _strict_global: bool | None = None
@@ -309,17 +333,17 @@ def native_isa() -> str:
       GEMM setting ``"auto"`` runs them (this explicit setting overrides the BLAS rule above).
 
     The variants give the same bits (``fastgrad/kernels/_native.py``); the setting changes the
-    speed only.  The kernels read it from ``_bf16dot`` (pushed there by this module)."""
-    if _native_isa_global is not None:
-        v = _native_isa_global
-    else:
-        env = os.environ.get("FASTGRAD_NATIVE_ISA", "").strip()
-        v = _check_isa(env, "FASTGRAD_NATIVE_ISA (environment variable)") if env else "auto"
-    from .kernels import _bf16dot
+    speed only.  The op layer resolves it into each LM-head call's GEMM choice
+    (``fastgrad/ops/_engines.py``); no kernel reads it."""
+    return _native_isa_setting()
 
-    if _bf16dot.selected_isa() != v:
-        _bf16dot.select_isa(v)
-    return v
+
+def _native_isa_setting() -> str:
+    """:func:`set_native_isa` > ``FASTGRAD_NATIVE_ISA`` > ``"auto"`` (the setting alone)."""
+    if _native_isa_global is not None:
+        return _native_isa_global
+    env = os.environ.get("FASTGRAD_NATIVE_ISA", "").strip()
+    return _check_isa(env, "FASTGRAD_NATIVE_ISA (environment variable)") if env else "auto"
 
 
 def set_native_isa(name: str | None) -> None:
@@ -328,43 +352,6 @@ def set_native_isa(name: str | None) -> None:
     See :func:`native_isa`.  Raises ``ValueError`` for any other name."""
     global _native_isa_global
     _native_isa_global = None if name is None else _check_isa(name)
-    native_isa()
-
-
-def bf16_kernel_available() -> bool:
-    """The exact-product bf16 GEMM kernel (``fastgrad/kernels/_bf16dot.py``) runs on this CPU
-    under the ISA setting (:func:`native_isa`): AVX-512 BF16, AVX-512F or AVX2 + FMA; compiled
-    once per process (a build failure warns once and leaves the GEMMs on BLAS)."""
-    from .kernels import _bf16dot
-
-    native_isa()
-    return _bf16dot.available()
-
-
-def bf16_kernel_in_use() -> bool:
-    """GEMMs of bf16 values go to the exact-product bf16 kernel: the GEMM setting ``"auto"`` on a
-    CPU where the kernel runs (:func:`bf16_kernel_available`) — except an AVX2-only CPU under
-    the ISA setting ``"auto"``: there ``"auto"`` keeps BLAS, which was faster (the AVX2 code
-    on a Zen 4 EPYC, one thread, against OpenBLAS's Haswell sgemm path: FLCE grad 1.18x, online
-    max-sum 1.12x, training loss 0.97x its CPU time; ``_bf16dot.AUTO_AVX2``).  An explicit
-    ``set_native_isa("avx2")`` / ``FASTGRAD_NATIVE_ISA=avx2`` runs the AVX2 kernel anyway."""
-    from .kernels import _bf16dot
-
-    native_isa()
-    return gemm_setting() == "auto" and _bf16dot.auto_variant("bf16") is not None
-
-
-def fp16_kernel_in_use() -> bool:
-    """GEMMs of fp16 values in the NumPy-level fused linear ops go to the fp32 kernel
-    (``fastgrad/kernels/_bf16dot.py``, kind ``"f32"``: the products of fp16 values are exact in
-    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on a CPU with AVX-512F,
-    or with AVX2 + FMA only under an explicit ISA setting ``"avx2"`` (:func:`native_isa`; on
-    ``"auto"`` an AVX2-only CPU keeps BLAS: the AVX2 code took 1.37x / 1.46x the BLAS path's
-    time for the fp16 FLCE grad / online max-sum, ``_bf16dot.AUTO_AVX2``)."""
-    from .kernels import _bf16dot
-
-    native_isa()
-    return gemm_setting() == "auto" and _bf16dot.auto_variant("f32") is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,3 +414,167 @@ def soc_version(name: str):
         yield
     finally:
         _SOC.reset(token)
+
+
+# ----------------------------------------------------------------------------------------------
+# workspace budget (the tile plans), output cache cap (fastgrad._outcache)
+# ----------------------------------------------------------------------------------------------
+
+_budget_override: int | None = None
+
+
+def set_workspace_budget(nbytes: int | None) -> None:
+    """Set the scratch-memory budget (bytes) used by tile plans; None: back to
+    ``FASTGRAD_WORKSPACE_MB`` (default 256 MiB)."""
+    global _budget_override
+    _budget_override = None if nbytes is None else int(nbytes)
+
+
+def workspace_budget() -> int:
+    """The scratch-memory budget of the tile plans in bytes: :func:`set_workspace_budget` >
+    ``FASTGRAD_WORKSPACE_MB`` > 256 MiB (161002 for an invalid variable)."""
+    if _budget_override is not None:
+        return _budget_override
+    return env_bytes("FASTGRAD_WORKSPACE_MB", 256, 1)
+
+
+def output_cache_env_limit() -> int:
+    """The output cache's cap from ``FASTGRAD_OUTPUT_CACHE_MB`` (default 2048 MiB; 0: off) in
+    bytes; ``fastgrad._outcache`` asks this when no cap was set in the process."""
+    return env_bytes("FASTGRAD_OUTPUT_CACHE_MB", 2048, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# backend (the registry, fastgrad.backends, takes the name from here)
+# ----------------------------------------------------------------------------------------------
+
+_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastgrad_backend", default=None)
+_backend_global: str | None = None
+
+
+def backend_setting() -> str:
+    """The backend the next op call runs on, as named: context (``use_backend``) >
+    ``set_backend`` > ``FASTGRAD_BACKEND`` > ``"cpu"`` (validated by the registry)."""
+    return _BACKEND.get() or _backend_global or os.environ.get("FASTGRAD_BACKEND") or "cpu"
+
+
+def set_backend_setting(name: str | None) -> None:
+    """The process-wide backend name (None: back to ``FASTGRAD_BACKEND``); validated by the caller."""
+    global _backend_global
+    _backend_global = None if name is None else name.strip().lower()
+
+
+@contextlib.contextmanager
+def backend_context(name: str) -> Iterator[None]:
+    """The backend name for the block (validated by the caller, ``fastgrad.use_backend``)."""
+    token = _BACKEND.set(name.strip().lower())
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+# ----------------------------------------------------------------------------------------------
+# the CANN runtime's environment (fastgrad/backends/acl_runtime.py takes it from here)
+# ----------------------------------------------------------------------------------------------
+
+#: the variables of the CANN runtime's location and device
+ENV_ACL_LIB_DIR = "FASTGRAD_ACL_LIB_DIR"
+ENV_ACL_DEVICE = "FASTGRAD_ACL_DEVICE"
+
+
+def acl_library_dirs(defaults: tuple[str, ...] = ()) -> tuple[list[str], bool]:
+    """Directories searched for the CANN libraries, and whether ``FASTGRAD_ACL_LIB_DIR`` (the
+    override) is set: the override alone, else ``$ASCEND_HOME_PATH/lib64``,
+    ``$ASCEND_TOOLKIT_HOME/lib64``, ``defaults`` and ``LD_LIBRARY_PATH``'s entries (no repeats)."""
+    override = os.environ.get(ENV_ACL_LIB_DIR)
+    if override:
+        return [override], True
+    dirs = []
+    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
+        v = os.environ.get(var)
+        if v:
+            dirs.append(os.path.join(v, "lib64"))
+    dirs += list(defaults)
+    dirs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out, False
+
+
+def acl_device_id() -> int:
+    """The NPU the acl backend runs on: ``FASTGRAD_ACL_DEVICE`` (default 0).  Raises
+    ``AclnnParamError`` (161002) naming the variable for a value that is not an integer >= 0."""
+    v = os.environ.get(ENV_ACL_DEVICE, "").strip()
+    if not v:
+        return 0
+    if not (v.isdigit()):
+        from .errors import invalid
+
+        raise invalid(ENV_ACL_DEVICE, "a device id >= 0 (environment variable)", repr(os.environ[ENV_ACL_DEVICE]))
+    return int(v)
+
+
+# ----------------------------------------------------------------------------------------------
+# the Numba cache (fastgrad/_jit.py asks once, at import)
+# ----------------------------------------------------------------------------------------------
+
+
+def numba_cache_candidates() -> list[str] | None:
+    """Where compiled kernels may be cached, in order of preference (``fastgrad/_jit.py`` takes
+    the first writable one): ``NUMBA_CACHE_DIR``, ``""`` (the package's own ``__pycache__``,
+    Numba's default), ``$XDG_CACHE_HOME/fastgrad/numba`` (``~/.cache``), the temp dir.  None:
+    caching off (``FASTGRAD_NUMBA_CACHE=0``)."""
+    if os.environ.get("FASTGRAD_NUMBA_CACHE", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    out = []
+    env = os.environ.get("NUMBA_CACHE_DIR")
+    if env:
+        out.append(env)
+    out.append("")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    out += [os.path.join(base, "fastgrad", "numba"), os.path.join(tempfile.gettempdir(), f"fastgrad-numba-{uid}")]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# all of it at once: what the op layer reads per call
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting in force now, resolved (context > process > environment > default).
+
+    The op layer reads it once per call (:func:`settings`) and passes what the call needs down
+    as plain parameters and the plan; nothing below the op layer reads a setting."""
+
+    strict: bool
+    soc_version: str
+    backend: str
+    gemm: str  #: the GEMM setting: "auto" | "blas" | "onednn"
+    prefer_onednn: bool  #: inside fastgrad.torch's training loss ("auto" prefers oneDNN, bf16 logits native)
+    native_isa: str  #: "auto" | "avx512" | "avx2"
+    workspace_bytes: int
+    threads: int
+    progress: Callable[[int, int], object] | None
+
+
+def settings() -> Settings:
+    """The settings in force now (see the module doc); raises ``AclnnParamError`` (161002)
+    naming the environment variable when one holds an invalid value."""
+    return Settings(
+        strict=is_strict(),
+        soc_version=get_soc_version(),
+        backend=backend_setting(),
+        gemm=gemm_setting(),
+        prefer_onednn=_AUTO_ONEDNN.get(),
+        native_isa=_native_isa_setting(),
+        workspace_bytes=workspace_budget(),
+        threads=get_num_threads(),
+        progress=progress_callback(),
+    )

@@ -16,6 +16,8 @@ import tempfile
 import numba
 import numba.core.config as _nconfig
 
+from . import _config
+
 #: fastmath flags that keep NaN/Inf semantics and true division (no nnan/ninf/arcp).
 FASTMATH_SAFE = {"nsz", "contract", "afn", "reassoc"}  # a set: numba rejects frozenset
 
@@ -31,24 +33,15 @@ def _writable(d: str) -> bool:
 
 
 def _choose_cache() -> bool:
-    if os.environ.get("FASTGRAD_NUMBA_CACHE", "1").strip() in ("0", "false", "no", "off"):
+    """Point Numba at the first writable cache directory (``fastgrad._config.numba_cache_candidates``:
+    the environment is read there); False: caching off."""
+    cands = _config.numba_cache_candidates()
+    if cands is None:
         return False
-    env = os.environ.get("NUMBA_CACHE_DIR")
-    if env:
-        if _writable(env):
-            _nconfig.CACHE_DIR = env  # type: ignore[attr-defined]
-            return True
     pkg_cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
-    if _writable(pkg_cache):
-        _nconfig.CACHE_DIR = ""  # type: ignore[attr-defined]  # numba's default in-tree locator
-        return True
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for d in (
-        os.path.join(base, "fastgrad", "numba"),
-        os.path.join(tempfile.gettempdir(), f"fastgrad-numba-{os.getuid() if hasattr(os, 'getuid') else 0}"),
-    ):
-        if _writable(d):
-            _nconfig.CACHE_DIR = d  # type: ignore[attr-defined]
+    for d in cands:
+        if _writable(d or pkg_cache):
+            _nconfig.CACHE_DIR = d  # type: ignore[attr-defined]  # "": numba's default in-tree locator
             return True
     return False
 

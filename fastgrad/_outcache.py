@@ -46,7 +46,7 @@ import weakref
 
 import numpy as np
 
-from ._config import env_bytes
+from ._config import output_cache_env_limit
 
 __all__ = ["empty", "empty_cache", "output_cache_info", "output_cache_limit", "set_output_cache_limit", "output_cache"]
 
@@ -133,7 +133,7 @@ def output_cache_limit() -> int:
     """The cap on the cached blocks' total, in bytes (0: the cache is off)."""
     if _limit_override is not None:
         return _limit_override
-    return env_bytes("FASTGRAD_OUTPUT_CACHE_MB", _DEFAULT_MB, 0)
+    return output_cache_env_limit()
 
 
 def set_output_cache_limit(mb: float | None) -> None:

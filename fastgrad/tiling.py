@@ -12,14 +12,15 @@ memory stays under a budget that does not grow with BT×V.
 The plan depends only on the shapes and the budget — never on the thread count — so results are
 bitwise identical for every thread count.
 
-Budget: ``FASTGRAD_WORKSPACE_MB`` (default 256 MiB) or :func:`set_workspace_budget`.
+Budget: ``FASTGRAD_WORKSPACE_MB`` (default 256 MiB) or :func:`set_workspace_budget` (the setting
+lives in ``fastgrad._config``, with the others).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._config import env_bytes
+from . import _config
 
 #: The device's base block (ops-nn MemFriendlyTilingFunc: baseBT = 128, baseV = 256).
 BASE_BT = 128
@@ -28,19 +29,49 @@ BASE_V = 256
 MAX_BT_TILE = 4096
 MAX_V_TILE = 8192
 
-_budget_override: int | None = None
+#: the setting lives in the settings module (``fastgrad._config``); kept here under its old names
+set_workspace_budget = _config.set_workspace_budget
+workspace_budget = _config.workspace_budget
 
 
-def set_workspace_budget(nbytes: int | None) -> None:
-    """Set the scratch-memory budget (bytes) used by tile plans; None: back to the default."""
-    global _budget_override
-    _budget_override = None if nbytes is None else int(nbytes)
+@dataclass(frozen=True)
+class GemmChoice:
+    """Which GEMMs one LM-head call runs, chosen once by the op layer from the settings
+    (``fastgrad._config.settings()``: the GEMM setting, the native ISA, ``fastgrad.torch``'s
+    preference) and recorded in its plan; no kernel reads a setting.
+
+    Attributes
+    ----------
+    engine : {"blas", "onednn"}
+        The fp32 tiles: NumPy's BLAS or PyTorch's oneDNN matmul (``fastgrad.gemm_engine``).
+    exact : {"bf16", "f32"} or None
+        16-bit operands on the native exact-product kernel (``kernels/_bf16dot.py``): ``"bf16"``
+        (bf16 pairs) or ``"f32"`` (fp16 operands widened, the fp32 kernel); None: BLAS.
+    variant : str or None
+        The native kernel spec that runs them (``kernels/_native.py``: ``avx512_bf16dp``, …).
+    logits16 : bool
+        The training loss's logits GEMMs of bf16 operands on the native kernel (``"auto"`` inside
+        ``fastgrad.torch``).
+    isa : {"auto", "avx512", "avx2"}
+        The native ISA setting the choice was made under.
+    """
+
+    engine: str = "blas"
+    exact: str | None = None
+    variant: str | None = None
+    logits16: bool = False
+    isa: str = "auto"
+
+    def exact_for(self, a, b) -> str | None:
+        """The exact-product kernel for operands ``a`` and ``b`` (both 16-bit of one dtype), or None."""
+        if a.dtype != b.dtype or a.dtype.itemsize != 2:
+            return None
+        want = "bf16" if a.dtype.name == "bfloat16" else "f32" if a.dtype.name == "float16" else None
+        return self.exact if self.exact == want else None
 
 
-def workspace_budget() -> int:
-    if _budget_override is not None:
-        return _budget_override
-    return env_bytes("FASTGRAD_WORKSPACE_MB", 256, 1)
+#: BLAS for everything: what a plan made without the op layer's choice runs
+BLAS = GemmChoice()
 
 
 def _round_down(x: int, m: int) -> int:
@@ -73,6 +104,8 @@ class LinearCETiling:
         Output-sized fp32 buffers (``[BT, H]`` grad_input accumulator, fp32 input copy).
     tile_bytes : int
         Per-tile scratch (logits/g tile, fp32 weight tile, grad_weight tile, products).
+    gemm : GemmChoice
+        The GEMMs the kernel runs (chosen by the op layer from the settings).
     filter_eps, filter_rows, filter_cols : float or None, int, int
         Gradient filtering (memory-saving mode): blocks of ``filter_rows × filter_cols`` whose
         every ``|softmax - onehot|`` is below ``filter_eps`` are skipped in the gradient GEMMs.
@@ -96,6 +129,7 @@ class LinearCETiling:
     filter_cols: int = 0
     blocks_total: int = 0
     blocks_skipped: int = 0
+    gemm: GemmChoice = BLAS
 
     @property
     def n_bt_tiles(self) -> int:
@@ -165,6 +199,7 @@ def plan_linear_cross_entropy(
     widen: bool = True,
     budget_bytes: int | None = None,
     filter_eps: float | None = None,
+    gemm: GemmChoice = BLAS,
 ) -> LinearCETiling:
     """Choose the tile plan for the fused linear cross-entropy ops from shapes and a budget.
 
@@ -185,6 +220,8 @@ def plan_linear_cross_entropy(
         not fit.
     filter_eps : float, optional
         Gradient filtering threshold (memory-saving mode only); its buffers are counted.
+    gemm : GemmChoice
+        The GEMMs the kernel will run (the op layer's choice, recorded in the plan).
     """
     filtered = filter_eps is not None and mode == "memory_saving"
     budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
@@ -220,6 +257,7 @@ def plan_linear_cross_entropy(
         filter_eps=float(filter_eps) if filtered and filter_eps is not None else None,
         filter_rows=FILTER_ROWS if filtered else 0,
         filter_cols=FILTER_COLS if filtered else 0,
+        gemm=gemm,
     )
 
 

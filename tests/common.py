@@ -161,13 +161,22 @@ def native_isas() -> list[str]:
     return isas or ["auto"]
 
 
+def set_isa(name):
+    """The native ISA setting ``name`` (None: back to the default) for the ops (the settings) and
+    for direct calls of the kernel module (``_bf16dot.select_isa``: the op layer makes it the
+    kernel's at each LM-head call; a test calling ``_bf16dot`` itself makes it here)."""
+    from fastgrad import _config
+    from fastgrad.kernels import _bf16dot
+
+    _config.set_native_isa(name)
+    _bf16dot.select_isa(_config.native_isa())
+
+
 @pytest.fixture(params=native_isas())
 def native_isa(request):
     """Run the test under each ISA setting of :func:`native_isas` (restored afterwards)."""
-    from fastgrad import _config
-
-    _config.set_native_isa(request.param)
+    set_isa(request.param)
     try:
         yield request.param
     finally:
-        _config.set_native_isa(None)
+        set_isa(None)

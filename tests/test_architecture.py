@@ -120,3 +120,171 @@ def test_fused_loops_run_no_openmp_region():
     for mod in (lce, flce, online, lin):
         src = pathlib.Path(mod.__file__).read_text()
         assert "prange" not in src and "@pjit" not in src, mod.__name__
+
+
+# ----------------------------------------------------------------------------------------------
+# settings in one place; no import cycle (no whitelist for either)
+# ----------------------------------------------------------------------------------------------
+
+#: the layers above the ops (front ends: they may read their own environment, e.g. torchrun's)
+FRONT_ENDS = ("cli/", "torch/", "benchmarks/", "ascend/", "torch_npu.py")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _reads_settings_ambiently(path: pathlib.Path) -> list[str]:
+    """What in ``path`` reads the environment or a context variable (AST): ``os.environ``,
+    ``os.getenv``, ``environ`` imported from os, ``contextvars`` / ``ContextVar``."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            if node.attr in ("environ", "getenv", "environb", "putenv"):
+                found.append(f"os.{node.attr} (line {node.lineno})")
+        elif isinstance(node, ast.ImportFrom) and node.module in ("os", "contextvars"):
+            for a in node.names:
+                if node.module == "contextvars" or a.name in ("environ", "getenv", "environb"):
+                    found.append(f"from {node.module} import {a.name} (line {node.lineno})")
+        elif isinstance(node, ast.Import):
+            found += [f"import contextvars (line {node.lineno})" for a in node.names if a.name == "contextvars"]
+        elif isinstance(node, ast.Name) and node.id == "ContextVar":
+            found.append(f"ContextVar (line {node.lineno})")
+    return found
+
+
+def test_only_the_settings_module_reads_the_environment_or_a_context_variable():
+    """docs/architecture.md: every setting is read in ``fastgrad/_config.py``; the op layer reads
+    the settings once per call and passes plain values and the plan down — no module of the ops,
+    backends, kernels, goldens or their helpers reads the environment or a context variable."""
+    offenders = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if rel == "_config.py" or rel.startswith(FRONT_ENDS):
+            continue
+        found = _reads_settings_ambiently(path)
+        if found:
+            offenders[rel] = found
+    assert not offenders, offenders
+
+
+def test_kernels_and_goldens_read_no_setting():
+    """Kernels and goldens take the plan and plain parameters: they import neither the settings
+    module nor the op layer."""
+    for path in _files("kernels") + _files("reference"):
+        for mod, _names in _imports(path):
+            assert mod != "fastgrad._config", f"{path.parent.name}/{path.name} imports the settings"
+            assert not mod.startswith("fastgrad.ops"), f"{path.parent.name}/{path.name} imports the op layer ({mod})"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """fastgrad's modules and the fastgrad modules each imports (any import, at any depth of the
+    file: a function-level import is an edge too)."""
+    mods = {_module_name(p): p for p in PKG.rglob("*.py")}
+
+    def resolve(name: str) -> str:
+        while name and name not in mods:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for m, path in mods.items():
+        deps = set()
+        for mod, names in _imports(path):
+            if not mod.startswith("fastgrad"):
+                continue
+            targets = [f"{mod}.{n}" for n in names if f"{mod}.{n}" in mods] or [resolve(mod)]
+            deps.update(targets)
+        deps.discard(m)
+        deps.discard("")
+        graph[m] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in graph:
+                    continue
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on_stack.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycle():
+    """No two modules of fastgrad import each other, directly or through others — lazy
+    (function-level) imports included; no whitelist."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e2"}, "e2": set()}
+    assert _cycles(g) == [["a", "b", "c"]]
+
+
+def test_lm_head_plans_record_the_gemm_choice():
+    """The op layer chooses the GEMMs once, from the settings, and records them in the plan the
+    kernel takes (``tiling.GemmChoice``): a setting changes the plan, not the kernel's reading."""
+    import ml_dtypes
+    import numpy as np
+
+    import fastgrad as fg
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((40, 16)).astype(ml_dtypes.bfloat16)
+    t = rng.integers(0, 40, 8)
+    s = fg.fused_linear_online_max_sum(x, w, t, 0, 40)
+    grad = np.ones(8, np.float32)
+    with fg.gemm("blas"):
+        *_, plan = fg.fused_linear_cross_entropy_loss_grad(
+            grad, x, w, s.target_mask, s.masked_target, logits_max=s[0], sum_exp_logits=s[1], return_plan=True
+        )
+    assert plan.gemm.engine == "blas" and plan.gemm.exact is None
+    from fastgrad.ops import _engines
+
+    want = _engines.gemm_choice(ml_dtypes.bfloat16)
+    *_, plan = fg.fused_linear_cross_entropy_loss_grad(
+        grad, x, w, s.target_mask, s.masked_target, logits_max=s[0], sum_exp_logits=s[1], return_plan=True
+    )
+    assert plan.gemm == want and plan.gemm.exact in (None, "bf16")
+    assert (plan.gemm.variant is None) == (plan.gemm.exact is None)

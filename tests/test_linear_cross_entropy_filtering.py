@@ -182,7 +182,9 @@ def test_small_workspace_many_row_blocks_and_chunks(monkeypatch):
     x, w, t = _problem(rng, 130, 48, 3000, BF16, 8.0, vocab_used=400)
     dense = fg.linear_cross_entropy(x, w, t, return_grad=True)
     monkeypatch.setattr(op, "V_CHUNK", 1000)          # not a multiple of the 64-column block
-    old = tiling._budget_override
+    from fastgrad import _config
+
+    old = _config._budget_override
     tiling.set_workspace_budget(40 * 3000 * 4)        # 40-row blocks
     try:
         filt = fg.linear_cross_entropy(x, w, t, return_grad=True, filter_eps="auto")

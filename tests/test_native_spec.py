@@ -323,15 +323,20 @@ def test_isa_setting(monkeypatch):
         _config.native_isa()
     monkeypatch.setenv("FASTGRAD_NATIVE_ISA", "AVX2")
     try:
-        assert _config.native_isa() == "avx2" and B.selected_isa() == "avx2"
+        assert _config.native_isa() == "avx2"
+        # the op layer makes the setting the kernel module's at each LM-head call's GEMM choice
+        from fastgrad.ops import _engines
+
+        assert _engines.gemm_choice(np.float16).isa == "avx2" and B.selected_isa() == "avx2"
         if B.available():
             assert B.variant("bf16").isa == "avx2" and B.variant("f32").isa == "avx2"
         _config.set_native_isa("auto")  # the setter beats the environment
-        assert _config.native_isa() == "auto" and B.selected_isa() == "auto"
+        assert _config.native_isa() == "auto" and _engines.gemm_choice(np.float16).isa == "auto"
+        assert B.selected_isa() == "auto"
         with pytest.raises(ValueError, match="isa"):
             _config.set_native_isa("neon2")
     finally:
         _config.set_native_isa(None)
         monkeypatch.delenv("FASTGRAD_NATIVE_ISA")
-        _config.native_isa()
+        B.select_isa(_config.native_isa())
     assert B.selected_isa() == "auto"

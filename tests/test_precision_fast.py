@@ -24,7 +24,7 @@ from common import bf16_grad_errors, bf16_lm_inputs, grads_in, native_isa  # noq
 import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
 from fastgrad import tiling  # noqa: E402
-from fastgrad._config import bf16_kernel_available  # noqa: E402
+from fastgrad.ops._engines import bf16_kernel_available  # noqa: E402
 
 IGN = -100
 

@@ -20,12 +20,11 @@ goldens never import the registry, and nothing registers itself by being importe
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .. import _config
 from ..errors import runtime_error
 
 
@@ -64,8 +63,6 @@ class Backend:
 
 
 _BACKENDS: dict[str, Backend] = {}
-_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastgrad_backend", default=None)
-_selected: str | None = None
 
 
 def register_backend(name: str, module: str | None, probe: Callable[[], str | None] = lambda: None) -> Backend:
@@ -145,29 +142,24 @@ def set_backend(name: str | None) -> None:
 
     Raises AclnnError 361001 when the backend is unknown or unavailable.
     """
-    global _selected
     if name is None:
-        _selected = None
+        _config.set_backend_setting(None)
         return
     _resolve(name)
-    _selected = name.strip().lower()
+    _config.set_backend_setting(name)
 
 
 def get_backend() -> str:
     """Name of the backend the next op call will run on."""
-    name = _OVERRIDE.get() or _selected or os.environ.get("FASTGRAD_BACKEND") or "cpu"
-    return _resolve(name)
+    return _resolve(_config.backend_setting())
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
     """Context manager: run the ops inside on backend ``name`` (raises 361001 if unavailable)."""
     _resolve(name)
-    token = _OVERRIDE.set(name.strip().lower())
-    try:
+    with _config.backend_context(name):
         yield
-    finally:
-        _OVERRIDE.reset(token)
 
 
 def dispatch(op: str, backend: str | None = None) -> Callable:

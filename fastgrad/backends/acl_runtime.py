@@ -57,10 +57,11 @@ from ctypes import (
 import ml_dtypes
 import numpy as np
 
+from .. import _config
 from ..errors import ACLNN_ERR_RUNTIME_ERROR, AclnnError
 
-ENV_LIB_DIR = "FASTGRAD_ACL_LIB_DIR"
-ENV_DEVICE = "FASTGRAD_ACL_DEVICE"
+ENV_LIB_DIR = _config.ENV_ACL_LIB_DIR
+ENV_DEVICE = _config.ENV_ACL_DEVICE
 #: Default install locations, newest layout first: CANN >= 8.5 installs under
 #: /usr/local/Ascend/cann (set_env.sh there), older toolkits under ascend-toolkit/latest.
 DEFAULT_TOOLKIT_LIBS = ("/usr/local/Ascend/cann/lib64", "/usr/local/Ascend/ascend-toolkit/latest/lib64")
@@ -269,23 +270,9 @@ class Unavailable(Exception):
 
 
 def search_dirs() -> tuple[list[str], bool]:
-    """Directories searched for the libraries, and whether the override env var is set."""
-    override = os.environ.get(ENV_LIB_DIR)
-    if override:
-        return [override], True
-    dirs = []
-    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
-        v = os.environ.get(var)
-        if v:
-            dirs.append(os.path.join(v, "lib64"))
-    dirs += list(DEFAULT_TOOLKIT_LIBS)
-    dirs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
-    seen, out = set(), []
-    for d in dirs:
-        if d not in seen:
-            seen.add(d)
-            out.append(d)
-    return out, False
+    """Directories searched for the libraries, and whether the override env var is set (read by
+    the settings module: ``fastgrad._config.acl_library_dirs``)."""
+    return _config.acl_library_dirs(tuple(DEFAULT_TOOLKIT_LIBS))
 
 
 def find_library(name: str, dirs: list[str]) -> str | None:
@@ -437,7 +424,7 @@ class Runtime:
                     if self.finalized:
                         raise AclnnError(ACLNN_ERR_RUNTIME_ERROR, "the acl runtime was finalized")
                     self.init_acl()
-                    dev = int(os.environ.get(ENV_DEVICE, "0"))
+                    dev = _config.acl_device_id()
                     self.check(self.fn("aclrtSetDevice")(dev), "aclrtSetDevice")
                     self.device = dev
                     self._register_atexit()

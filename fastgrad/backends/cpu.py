@@ -20,3 +20,20 @@ IMPLS = {
     "embedding_dense_backward": _K + "embedding_dense_backward:embedding_dense_backward",
     "linear_cross_entropy": _K + "linear_cross_entropy:linear_cross_entropy_cpu",
 }
+
+
+def resolve_gemm(dtype, setting: str, isa: str, prefer_onednn: bool):
+    """The GEMM choice (``tiling.GemmChoice``) of an LM-head call on this backend: the kernels'
+    capability (``fastgrad/kernels/_engine.py``: ``resolve``) under the settings the op layer
+    passes (``fastgrad/ops/_engines.py``)."""
+    from ..kernels._engine import resolve
+
+    return resolve(dtype, setting, isa, prefer_onednn)
+
+
+def native_variant(kind: str, isa: str):
+    """The native kernel spec that runs operands of ``kind`` (``"bf16"`` / ``"f32"``) under the ISA
+    setting ``isa`` on this CPU, or None (``kernels/_bf16dot.variant``)."""
+    from ..kernels import _bf16dot
+
+    return _bf16dot.variant(kind, isa)

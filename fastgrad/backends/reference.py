@@ -17,4 +17,5 @@ IMPLS = {
     "scaled_masked_softmax_backward": _R + "scaled_masked_softmax_backward:scaled_masked_softmax_backward_reference",
     "smooth_l1_loss_backward": _R + "smooth_l1_loss_backward:smooth_l1_loss_backward",
     "embedding_dense_backward": _R + "embedding_dense_backward:embedding_dense_backward",
+    "linear_cross_entropy": _R + "linear_cross_entropy:linear_cross_entropy",
 }

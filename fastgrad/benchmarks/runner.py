@@ -122,10 +122,11 @@ def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> di
 def _gemm_engines(has_torch: bool) -> dict:
     """The GEMM engine of the NumPy-level ops and of fastgrad.torch's training loss here."""
     from .. import _config
+    from ..ops import _engines
 
-    bf16 = _config.bf16_kernel_in_use()
+    bf16 = _engines.bf16_kernel_in_use()
     kernels = ["bf16 operands: the exact-product bf16 kernel"] if bf16 else []
-    if _config.fp16_kernel_in_use():
+    if _engines.fp16_kernel_in_use():
         kernels.append("fp16 operands: the fp32 AVX-512 kernel")
     suffix = f" ({'; '.join(kernels)})" if kernels else ""
     out = {"ops": _config.gemm_engine() + suffix}

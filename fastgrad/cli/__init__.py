@@ -16,40 +16,20 @@ settings (``FASTGRAD_WORKSPACE_MB=abc``, ``FASTGRAD_GEMM=mkl``) are user errors 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
+from ._common import (  # noqa: F401 - the command's shared pieces, re-exported
+    EXIT_FAILED_CHECK,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    OneLineParser,
+)
+
 SUBCOMMANDS = ("bench", "compare", "golden", "run", "ttk-plugin")
-
-#: Exit statuses.
-EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-
-class CliError(Exception):
-    """A user error: bad flag, file, shape or value.  Printed as one line, exit status 2.
-
-    ``CliError(flag, expected, given)`` words the message ``flag: expected E, got G``;
-    ``CliError(message)`` takes it as is.
-    """
-
-    def __init__(self, flag: str, expected: str | None = None, given=None, *, hint: str = ""):
-        self.flag = flag
-        if expected is None:
-            msg = flag
-        else:
-            msg = f"{flag}: expected {expected}, got {given}"
-        if hint:
-            msg += f" ({hint})"
-        super().__init__(msg)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line on stderr and exits with status 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        message = " ".join(str(message).split())
-        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} -h`)\n")
 
 
 def _one_line(text: object) -> str:

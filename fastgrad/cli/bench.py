@@ -19,17 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import OneLineParser
-
-
-def write_markdown(path: str, text: str) -> None:
-    """Write a report's Markdown table to ``path`` (its folder made if missing) and say so."""
-    import os
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
-    print(f"wrote {path}")
+from ._common import OneLineParser, write_markdown
 
 
 def _csv(s):
@@ -65,7 +55,7 @@ def _load_report(path: str, flag: str) -> dict:
     import os
 
     from .. import benchmarks as B
-    from . import CliError
+    from ._common import CliError
 
     if os.path.isdir(path):
         raise CliError(flag, "a report .json file", repr(path), hint="a directory")
@@ -154,7 +144,7 @@ def main(argv: list[str]) -> int:
         import importlib.util
         import os
 
-        from . import CliError
+        from ._common import CliError
 
         if os.path.exists(args.plot) and not os.path.isdir(args.plot):
             raise CliError("--plot", "a directory (created when missing)", repr(args.plot), hint="an existing file")

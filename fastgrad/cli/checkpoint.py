@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from . import CliError
+from ._common import CliError
 
 ST_DTYPES = {
     "F64": np.dtype(np.float64),

@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 
-from . import CliError, OneLineParser
+from ._common import CliError, OneLineParser
 
 #: The output dtypes whose thresholds the standards define (``--dtype``), and what a raw golden
 #: or third-party dump may also be stored as (``--golden-dtype``, ``--reference-dtype``).

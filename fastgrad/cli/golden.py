@@ -41,7 +41,7 @@ import sys
 
 import numpy as np
 
-from . import OneLineParser
+from ._common import OneLineParser
 
 #: Output names of each public op, in the order it returns them.
 OUTPUT_NAMES = {
@@ -128,7 +128,7 @@ def golden(
         if p.default is inspect.Parameter.empty and n not in kwargs and n != "out"
     ]
     if missing:
-        from . import CliError
+        from ._common import CliError
 
         have = sorted(f for f in os.listdir(inputs_dir) if f.endswith((".npy", ".bin")))
         raise CliError(

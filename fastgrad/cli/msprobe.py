@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 
-from . import CliError, OneLineParser
+from ._common import CliError, OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from . import CliError
+from ._common import CliError
 
 
 def run(args) -> int:
@@ -54,7 +54,7 @@ def run(args) -> int:
         P.save(report, args.json)
         print(f"wrote {args.json}")
     if args.markdown:
-        from .bench import write_markdown
+        from ._common import write_markdown
 
         write_markdown(args.markdown, P.format_markdown(report))
     if args.plot:

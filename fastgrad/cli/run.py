@@ -37,8 +37,8 @@ import numpy as np
 
 from ..benchmarks.report import json_default
 from ..benchmarks.timing import current_rss, peak_rss
-from . import CliError, OneLineParser
 from . import checkpoint as ck
+from ._common import CliError, OneLineParser
 
 MiB = 2**20
 DEFAULT: dict[str, Any] = dict(bt=2048, hidden=896, vocab=151936, dtype="bfloat16")
@@ -589,12 +589,12 @@ def _plans(BT, Vs, H, mode, widen):
 def estimate_memory(job: Job, budget_bytes: int | None = None, shards: int | None = None) -> dict:
     """Peak RSS the job will reach, from the tile plans: inputs + outputs + the largest phase's
     scratch + the process's RSS now + the JIT allowance."""
-    from .. import tiling
+    from .. import _config, tiling
 
     BT, H, V, isz = job.BT, job.H, job.V, job.dtype.itemsize
     shards = shards or job.args.shards
     Vs = -(-V // shards)
-    old = tiling._budget_override
+    old = _config._budget_override
     try:
         if budget_bytes is not None:
             tiling.set_workspace_budget(budget_bytes)
@@ -1342,13 +1342,15 @@ def write_outputs(out_dir: str, fmt: str, tensors: dict, report: dict) -> list[s
 
 def gemm_kernel(dtype: np.dtype) -> str:
     """What the NumPy-level fused linear ops run their GEMMs on for ``dtype`` here."""
-    from .. import _config
     from ..dtypes import BFLOAT16, FLOAT16
+    from ..ops import _engines
 
-    if dtype == BFLOAT16 and _config.bf16_kernel_in_use():
-        return "bf16 exact-product kernel (AVX-512 BF16)"
-    if dtype == FLOAT16 and _config.fp16_kernel_in_use():
-        return "fp32 AVX-512 kernel (fp16 operands)"
+    if dtype == BFLOAT16 and _engines.bf16_kernel_in_use():
+        v = _engines.gemm_choice(BFLOAT16).variant
+        return f"bf16 exact-product kernel ({v})"
+    if dtype == FLOAT16 and _engines.fp16_kernel_in_use():
+        v = _engines.gemm_choice(FLOAT16).variant
+        return f"fp32 kernel ({v}, fp16 operands)"
     return "BLAS sgemm"
 
 
@@ -1507,13 +1509,13 @@ def _main(job: Job) -> int:
 def _job(job: Job) -> int:
     import fastgrad as fg
 
-    from .. import tiling
+    from .. import _config, tiling
     from .._config import max_threads
 
     args = job.args
     say = Say(sys.stderr if args.json else sys.stdout)
     threads = args.threads or max_threads()
-    old_threads, old_budget = fg.get_num_threads(), tiling._budget_override
+    old_threads, old_budget = fg.get_num_threads(), _config._budget_override
     fg.set_num_threads(threads)
     if args.workspace_mb is not None:
         tiling.set_workspace_budget(int(args.workspace_mb * MiB))

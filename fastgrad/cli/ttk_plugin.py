@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pathlib
 
-from . import CliError, OneLineParser
+from ._common import CliError, OneLineParser
 
 
 def build_parser() -> OneLineParser:

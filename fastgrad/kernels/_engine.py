@@ -18,10 +18,12 @@ Implementations (:func:`engines`):
   ``g``): bf16 on any variant (AVX-512 BF16, AVX-512F, AVX2 + FMA), fp16 on the fp32 variants.
 
 Capability by dtype and CPU: :func:`engines` lists the engines that can run a dtype here;
-:func:`choose` picks one from a GEMM setting (``"auto"``: native where it runs, else BLAS).  The
-op layer chooses once, from the settings, and passes the engine down; no engine reads a
-setting, the environment or a context variable.  Call the products inside
-``_gemm.single_threaded_blas()`` (BLAS single-threaded per tile, oneDNN's math mode).
+:func:`choose` picks one from a GEMM setting (``"auto"``: native where it runs, else BLAS), and
+:func:`resolve` makes the whole choice of one LM-head call (``tiling.GemmChoice``: the fp32
+engine, the native kernel and its variant) from the settings the op layer passes
+(``fastgrad/ops/_engines.py``); the choice is recorded in the call's plan and no kernel or
+engine reads a setting, the environment or a context variable.  Call the products inside
+``_gemm.single_threaded_blas(engine)`` (BLAS single-threaded per tile, oneDNN's math mode).
 
 The bits: an engine computes exactly the calls the LM-head kernels make today for the same
 operands (``tests/test_gemm_engine.py`` pins each against those calls and float64).
@@ -31,11 +33,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _onednn
 from .. import dtypes as D
+from ..tiling import GemmChoice
 from . import _bf16dot, _gemm
 from ._linear import fp32_block
 
-__all__ = ["GemmEngine", "BlasEngine", "NativeEngine", "engines", "choose", "make"]
+__all__ = ["GemmEngine", "BlasEngine", "NativeEngine", "engines", "choose", "make", "resolve"]
 
 
 class GemmEngine:
@@ -170,3 +174,31 @@ def make(name: str, X: np.ndarray, W: np.ndarray, vc: int) -> GemmEngine:
     if name == "native":
         return NativeEngine(X, W, vc)
     return BlasEngine(X, W, name)
+
+
+def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool = False) -> GemmChoice:
+    """The GEMMs of one LM-head call of operands ``dtype`` under the settings ``setting`` (the
+    GEMM setting), ``isa`` (the native ISA setting; made the kernel module's from now on) and
+    ``prefer_onednn`` (inside ``fastgrad.torch``'s training loss).
+
+    * ``engine``: ``"onednn"`` for the setting ``"onednn"`` (where usable), or ``"auto"`` with
+      ``prefer_onednn`` on a CPU with a bf16 dot product (``fastgrad._onednn.resolve_engine``);
+      else ``"blas"``.
+    * ``exact``: on ``"auto"``, bf16 operands on the bf16 kernel and fp16 operands on the fp32
+      kernel wherever :func:`_bf16dot.auto_variant` takes them (not an AVX2-only CPU under the
+      ISA setting ``"auto"``: BLAS was faster there); None otherwise.
+    * ``logits16``: ``exact == "bf16"`` inside the training loss (``prefer_onednn``).
+    """
+    _bf16dot.select_isa(isa)
+    engine = _onednn.resolve_engine(setting, prefer_onednn)
+    dt = np.dtype(dtype)
+    kind = "bf16" if dt == D.BFLOAT16 else "f32" if dt == D.FLOAT16 else None
+    spec = _bf16dot.auto_variant(kind) if (kind is not None and setting == "auto") else None
+    exact = kind if spec is not None else None
+    return GemmChoice(
+        engine=engine,
+        exact=exact,
+        variant=None if spec is None else spec.name,
+        logits16=exact == "bf16" and prefer_onednn,
+        isa=isa,
+    )

@@ -48,47 +48,6 @@ COL_BLOCK = 512
 _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
 _controller = None
-_tls = threading.local()
-
-
-def _engine() -> str:
-    e = getattr(_tls, "engine", None)
-    return e if e is not None else "blas"
-
-
-def bf16_logits() -> bool:
-    """The logits GEMM of bf16 operands may run on the exact-product bf16 kernel
-    (``_bf16dot``): ``"auto"`` inside ``fastgrad.torch``'s training loss, on a CPU where a variant
-    runs (AVX2 + FMA or AVX-512; set for the duration of :func:`single_threaded_blas`)."""
-    from .._config import _AUTO_ONEDNN
-
-    return bf16_auto() and _AUTO_ONEDNN.get()
-
-
-def bf16_auto() -> bool:
-    """GEMMs whose operands are bf16 values may run on the exact-product bf16 kernel
-    (``_bf16dot``): the setting ``"auto"``, on a CPU where a variant runs (AVX2 + FMA or AVX-512;
-    set for the duration of :func:`single_threaded_blas`).  The NumPy-level FLCE grad, whose ``g`` is rounded to bf16 by
-    its contract, runs its three GEMMs there."""
-    return bool(getattr(_tls, "bf16_auto", False))
-
-
-def fp16_auto() -> bool:
-    """GEMMs whose operands are fp16 values may run on the fp32 kernel (``_bf16dot``, kind
-    ``"f32"``): the setting ``"auto"`` on a CPU with AVX-512F or AVX2 + FMA (set for the duration
-    of :func:`single_threaded_blas`).  The NumPy-level FLCE grad (``g`` rounded to fp16 by its
-    contract) and online max-sum of fp16 operands run their GEMMs there."""
-    return bool(getattr(_tls, "fp16_auto", False))
-
-
-def exact_kernel(a: np.ndarray, b: np.ndarray) -> str | None:
-    """The exact-product kernel the GEMMs of these 16-bit operands run on now: ``"bf16"`` (both
-    bf16, :func:`bf16_auto`), ``"f32"`` (both fp16, :func:`fp16_auto`), else None (BLAS)."""
-    if a.dtype != b.dtype or a.dtype.itemsize != 2:
-        return None
-    if a.dtype.name == "bfloat16":
-        return "bf16" if bf16_auto() else None
-    return "f32" if a.dtype == np.float16 and fp16_auto() else None
 
 
 def mm(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "blas") -> None:
@@ -133,37 +92,30 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 
 @contextlib.contextmanager
-def single_threaded_blas():
-    """For the duration: the BLAS on one thread, the GEMM engine resolved
-    (``fastgrad.gemm_engine``) and, for ``"onednn"``, PyTorch's bf16 math mode for fp32
-    matmuls (all restored afterwards)."""
+def single_threaded_blas(engine: str = "blas"):
+    """For the duration: the BLAS on one thread and, for ``engine == "onednn"``, PyTorch's bf16
+    math mode for fp32 matmuls (all restored afterwards).  ``engine`` is the call's choice
+    (``tiling.GemmChoice.engine``, made by the op layer); nothing here reads a setting."""
     global _controller
+    if engine not in ("blas", "onednn"):
+        raise ValueError(f"engine must be 'blas' or 'onednn', got {engine!r}")
     if _controller is None:
         from threadpoolctl import ThreadpoolController
 
         _controller = ThreadpoolController()
-    from .._config import bf16_kernel_in_use, fp16_kernel_in_use, gemm_engine
-
-    engine = gemm_engine()
-    auto16 = bf16_kernel_in_use(), fp16_kernel_in_use()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_controller.limit(limits=1, user_api="blas"))
         if engine == "onednn":
             stack.enter_context(_onednn.fp32_precision_bf16())
-        old = getattr(_tls, "engine", None), getattr(_tls, "bf16_auto", False), getattr(_tls, "fp16_auto", False)
-        _tls.engine, (_tls.bf16_auto, _tls.fp16_auto) = engine, auto16
-        try:
-            yield
-        finally:
-            _tls.engine, _tls.bf16_auto, _tls.fp16_auto = old
+        yield
 
 
-def _run(tasks):
+def _run(tasks, engine: str = "blas"):
     """Run ``tasks`` (callables of no argument) on the pool (inline for one thread or task)."""
     n = numba.get_num_threads()
     if n <= 1 or len(tasks) <= 1:
         # the calling thread's OpenMP (PyTorch's): one thread, as on the pool
-        with _onednn.one_omp_thread() if _engine() == "onednn" else contextlib.nullcontext():
+        with _onednn.one_omp_thread() if engine == "onednn" else contextlib.nullcontext():
             for t in tasks:
                 t()
         return
@@ -194,44 +146,47 @@ def _part(t: np.ndarray | None, a: int, b: int, c: int | None = None, d: int | N
 
 
 def matmul_nt(
-    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str | None = None
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
 ) -> None:
     """out[M, N] = A[M, K] · B[N, K]ᵀ (with ``tmp``, scratch of out's shape: out += A · Bᵀ), tiles
     of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
-    e = _engine() if engine is None else engine
+    e = engine
     _run(
         [
             (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[c:d].T, out[a:b, c:d], _part(tmp, a, b, c, d), e))
             for a, b in _spans(A.shape[0], ROW_BLOCK)
             for c, d in _spans(B.shape[0], COL_BLOCK)
-        ]
+        ],
+        e,
     )
 
 
 def matmul_nn(
-    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str | None = None
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
 ) -> None:
     """out[M, N] = A[M, K] · B[K, N] (with ``tmp``, scratch of out's shape: out += A · B), tiles
     of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
-    e = _engine() if engine is None else engine
+    e = engine
     _run(
         [
             (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[:, c:d], out[a:b, c:d], _part(tmp, a, b, c, d), e))
             for a, b in _spans(A.shape[0], ROW_BLOCK)
             for c, d in _spans(B.shape[1], COL_BLOCK)
-        ]
+        ],
+        e,
     )
 
 
 def matmul_tn(
-    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str | None = None
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
 ) -> None:
     """out[M, N] = A[K, M]ᵀ · B[K, N] (with ``tmp``, scratch of out's shape: out += Aᵀ · B),
     blocks of ≤ COL_BLOCK rows of out (columns of A)."""
-    e = _engine() if engine is None else engine
+    e = engine
     _run(
         [
             (lambda a=a, b=b: _mm_into(A[:, a:b].T, B, out[a:b], _part(tmp, a, b), e))
             for a, b in _spans(A.shape[1], COL_BLOCK)
-        ]
+        ],
+        e,
     )

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import get_num_threads, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._config import get_num_threads
 from .._jit import njit, pjit, prange
 from ..dtypes import BFLOAT16, FLOAT32, code_of, from_f32, from_float32, storage_view, to_f32, to_float32
 from ._strided import strided_base as _base

@@ -54,7 +54,7 @@ from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
 from . import _bf16dot
-from ._gemm import exact_kernel, matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
+from ._gemm import matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
 from ._linear import fp32_block, kept_blocks, narrow
 from ._vmath import exp_f32
 
@@ -129,7 +129,7 @@ def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flag
             flags[i, t // fb] = True  # the target column is never filtered
 
 
-def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None) -> None:
+def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, engine="blas") -> None:
     """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc).
 
     ``b16``: None (fp32 operands ``Xb``, ``W32`` on BLAS) or ``(xinter, W16, w16_buf, wi_buf)``
@@ -156,9 +156,9 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None) -
             H = W32.shape[1]
             Wc = w_c[: nk * H].reshape(nk, H)
             np.take(W32, cols, axis=0, out=Wc)
-            matmul_nn(Gc, Wc, gi_rows[r0:r1], tmp=p_c[: nr * H].reshape(nr, H))
+            matmul_nn(Gc, Wc, gi_rows[r0:r1], tmp=p_c[: nr * H].reshape(nr, H), engine=engine)
             Q = q_c[: nk * H].reshape(nk, H)
-            matmul_tn(Gc, Xb[r0:r1], Q)
+            matmul_tn(Gc, Xb[r0:r1], Q, engine=engine)
         gwt[cols] += Q
 
 
@@ -178,7 +178,6 @@ def _epilogue_high_performance(lo, hi, S, G, row0, col0, grad, tcol, code, smoot
             G[i, t] = D.round_f32((S[r, col0 + t] - one_minus_s - s_over_k) * g, code)
 
 
-@single_threaded_blas()
 def fused_linear_cross_entropy_loss_grad(
     *,
     grad,
@@ -196,12 +195,45 @@ def fused_linear_cross_entropy_loss_grad(
     stats=None,
 ):
     """The ``"cpu"`` entry point (arguments validated by the op): the op over its tile plan, BLAS
-    single-threaded (the tile grid is the parallelism).  ``out = (grad_input, grad_weight)``,
-    C-contiguous.
+    single-threaded (the tile grid is the parallelism), on the GEMMs the plan names
+    (``plan.gemm``, the op layer's choice).  ``out = (grad_input, grad_weight)``, C-contiguous.
 
     ``progress``: optional callable(done, total) invoked after each tile (the CLI's bar).
     ``stats``: optional dict receiving ``blocks_total`` / ``blocks_skipped`` (filtering).
     """
+    with single_threaded_blas(plan.gemm.engine):
+        return _run(
+            grad,
+            input,
+            weight,
+            target_mask,
+            masked_target,
+            label_smoothing,
+            logits_max,
+            sum_exp_logits,
+            softmax,
+            out,
+            plan,
+            progress,
+            stats,
+        )
+
+
+def _run(
+    grad,
+    input,
+    weight,
+    target_mask,
+    masked_target,
+    label_smoothing,
+    logits_max,
+    sum_exp_logits,
+    softmax,
+    out,
+    plan: LinearCrossEntropyPlan,
+    progress,
+    stats,
+):
     stats = {} if stats is None else stats
     stats.setdefault("blocks_total", 0)
     stats.setdefault("blocks_skipped", 0)
@@ -226,7 +258,8 @@ def fused_linear_cross_entropy_loss_grad(
         eps = None  # the uniform smoothing term alone is not negligible
     # 16-bit operands: the three GEMMs on an exact-product kernel where it may run (bf16: the
     # bf16 kernel; fp16: the fp32 kernel over widened operands padded to its 64-column B)
-    kind = exact_kernel(input, weight)
+    kind = plan.gemm.exact_for(input, weight)
+    eng = plan.gemm.engine
     b16, f16k = kind == "bf16", kind == "f32"
     Hp = _bf16dot.npad(H) if f16k else H
     Xp = None if b16 else fp32_block(input, 0, BT, width=Hp if f16k else None)  # exact fp32
@@ -290,7 +323,7 @@ def fused_linear_cross_entropy_loss_grad(
                     lg.logits(b0, b1, G)
                 else:
                     assert Xb is not None and W32 is not None
-                    matmul_nt(Xb, W32, G)
+                    matmul_nt(Xb, W32, G, engine=eng)
                 if eps is not None:
                     nblk = -(-nv // fb)
                     F = flags[: nb * nblk].reshape(nb, nblk)
@@ -313,7 +346,7 @@ def fused_linear_cross_entropy_loss_grad(
                     gwt[...] = 0
                     first = False
                 b16_ops = None if fb16 is None else (xinter[b0], *fb16)
-                _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs, b16_ops)
+                _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs, b16_ops, eng)
             elif b16:
                 # gᵀ paired per task (thread scratch), then g paired in place over itself
                 _bf16dot.matmul_tn(G, xinter[b0], H, gwt, acc=not first)
@@ -330,12 +363,12 @@ def fused_linear_cross_entropy_loss_grad(
                 _bf16dot.matmul(G, W32p, H, gi32[b0:b1], acc=True)
             else:
                 assert Xb is not None and W32 is not None
-                matmul_nn(G, W32, gi32[b0:b1], tmp=prod[: nb * H].reshape(nb, H))
+                matmul_nn(G, W32, gi32[b0:b1], tmp=prod[: nb * H].reshape(nb, H), engine=eng)
                 if first:
-                    matmul_tn(G, Xb, gwt)
+                    matmul_tn(G, Xb, gwt, engine=eng)
                     first = False
                 else:
-                    matmul_tn(G, Xb, gwt, tmp=gw_tmp[: nv * H].reshape(nv, H))
+                    matmul_tn(G, Xb, gwt, tmp=gw_tmp[: nv * H].reshape(nv, H), engine=eng)
             done += 1
             if progress is not None:
                 progress(done, plan.n_tiles)

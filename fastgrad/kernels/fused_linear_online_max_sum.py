@@ -25,7 +25,7 @@ from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
 from . import _bf16dot
-from ._gemm import exact_kernel, matmul_nt, run_rows, single_threaded_blas
+from ._gemm import matmul_nt, run_rows, single_threaded_blas
 from ._linear import fp32_block, narrow
 from ._vmath import exp_f32, row_max, row_nan_count, row_sum_exp
 
@@ -97,7 +97,7 @@ def run(
         code = D.code_of(logits_dtype)
         # 16-bit operands: the logits on an exact-product kernel where it may run (bf16: the
         # bf16 kernel; fp16: the fp32 kernel over widened operands)
-        b16 = exact_kernel(input, weight) is not None
+        b16 = plan.gemm.exact_for(input, weight) is not None
         bt, vt = plan.bt_tile, plan.v_tile
         l_buf = scratch(bt * vt, np.float32)  # recycled memory (fastgrad._outcache)
         W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
@@ -119,7 +119,7 @@ def run(
                 if b16:
                     lg.logits(b0, b1, Lt)
                 else:
-                    matmul_nt(X32[b0:b1], W32, Lt)
+                    matmul_nt(X32[b0:b1], W32, Lt, engine=plan.gemm.engine)
                 run_rows(_online_tile, Lt.shape[0], Lt, b0, v0, code, lmax, sexp, tcol, picked)
                 if logits is not None:
                     narrow(Lt, logits[b0:b1, v0:v1])  # on the pool: no OpenMP region (fork-safe)
@@ -140,5 +140,5 @@ def fused_linear_online_max_sum(
 ):
     """The ``"cpu"`` entry point (arguments validated by the op; ``return_logits`` is implied
     by ``out[5]``)."""
-    with single_threaded_blas():
+    with single_threaded_blas(plan.gemm.engine):
         run(input, weight, target, vocab_start_index, vocab_end_index, np.dtype(logits_dtype), out, plan, progress)

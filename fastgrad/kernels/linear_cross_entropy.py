@@ -46,9 +46,10 @@ import numpy as np
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
 from .._outcache import empty as scratch
+from ..tiling import BLAS, GemmChoice
 from . import _bf16dot
-from ._gemm import _engine, _spans, bf16_logits, matmul_nn, matmul_nt, matmul_tn, mm, run_rows, single_threaded_blas
 from ._gemm import _run as _run_tasks
+from ._gemm import _spans, matmul_nn, matmul_nt, matmul_tn, mm, run_rows, single_threaded_blas
 from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
 
@@ -441,11 +442,12 @@ _FILTER_H_BLOCK = 128
 _FILTER_Q_BLOCK = 512
 
 
-def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode, X, gi_rows, gw, bufs, gw_code) -> None:
+def _filtered_products(
+    Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode, X, gi_rows, gw, bufs, gw_code, eng="blas"
+) -> None:
     """``gi_rows += G·W`` and ``gw += Gᵀ·X`` over the kept blocks only (module docstring)."""
     g_buf, w_buf, p_buf, q_buf = bufs
     H = X.shape[1]
-    eng = _engine()
     # per vocabulary column: its offset in the block's flat storage at row 0, its chunk's width
     chunk_w = np.repeat(widths, widths)
     coff = np.repeat(offs, widths) + np.arange(K) - np.repeat(offs // nb, widths)
@@ -471,7 +473,7 @@ def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode,
                 Q = q_buf[: nq * H].reshape(nq, H)
                 for a, b in _spans(nq, _FILTER_Q_BLOCK):
                     tasks.append(functools.partial(mm, Gc[:, a:b].T, X[r0:r1], Q[a:b], eng))
-            _run_tasks(tasks)
+            _run_tasks(tasks, eng)
             if gi_rows is not None and q0 > 0:
                 run_rows(_add_into, nr, gi_rows[r0:r1], P)
             if gw is not None:
@@ -488,9 +490,10 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
     return fp32_block(a, r0, r1, buf)
 
 
-def _bf16_logits(input, W, cdt, vc):
-    """A :class:`_bf16dot.Logits` when both operands are bf16 and the kernel may run, else None."""
-    if cdt != np.float32 or input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16 or not bf16_logits():
+def _bf16_logits(input, W, cdt, vc, logits16: bool):
+    """A :class:`_bf16dot.Logits` when both operands are bf16 and the plan's GEMM choice runs
+    the logits on the kernel (``GemmChoice.logits16``), else None."""
+    if cdt != np.float32 or input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16 or not logits16:
         return None
     return _bf16dot.Logits(input, W, vc)
 
@@ -499,7 +502,7 @@ def _bf16_logits(input, W, cdt, vc):
 VM_CHUNK = 2048
 
 
-def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=False):
+def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=False, gemm=BLAS):
     """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk.
 
     For each chunk of ``vc`` columns: the weight's rows widened once; for each row block (all
@@ -528,7 +531,8 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
     nblocks = -(-BT // nr)
     nr = -(-BT // nblocks)  # equal blocks
     blocks = [((k * BT) // nblocks, ((k + 1) * BT) // nblocks) for k in range(nblocks)]
-    bfl = _bf16_logits(input, W, cdt, vc)
+    bfl = _bf16_logits(input, W, cdt, vc, gemm.logits16)
+    eng = gemm.engine
     # precision="fast": the gradient GEMMs on the kernel too, g rounded and compensated
     b16 = bfl is not None and round_grad
     widen_x = input.dtype != cdt and not b16
@@ -578,7 +582,7 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
             if bfl is not None:
                 bfl.logits(b0, b1, G)
             else:
-                matmul_nt(X, Wc, G)
+                matmul_nt(X, Wc, G, engine=eng)
             run_rows(
                 _grad_pass,
                 nb,
@@ -619,16 +623,15 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
                     _bf16dot.matmul(_bf16dot.pairs_in_place(G), Wc, H, gi[b0:b1], acc=v0 > 0)
                 continue
             if gi is not None:
-                matmul_nn(G, Wc, gi[b0:b1], tmp=None if v0 == 0 else th[: nb * H].reshape(nb, H))
+                matmul_nn(G, Wc, gi[b0:b1], tmp=None if v0 == 0 else th[: nb * H].reshape(nb, H), engine=eng)
             if acc is not None:
-                matmul_tn(G, X, acc, tmp=None if k == 0 else tw2[: w * H].reshape(w, H))
+                matmul_tn(G, X, acc, tmp=None if k == 0 else tw2[: w * H].reshape(w, H), engine=eng)
         if tw is not None:
             run_rows(_round_rows, w, gw_acc[v0:v1], tw[: w * H].reshape(w, H), gw_code)
     if b16 and gi is not None:
-        matmul_nn(e_row, w_bar, gi, tmp=scratch(BT * H, cdt).reshape(BT, H))
+        matmul_nn(e_row, w_bar, gi, tmp=scratch(BT * H, cdt).reshape(BT, H), engine=eng)
 
 
-@single_threaded_blas()
 def linear_cross_entropy_cpu(
     *,
     input,
@@ -650,7 +653,9 @@ def linear_cross_entropy_cpu(
     workspace=256 * 2**20,
 ):
     """The ``cpu`` backend's implementation of ``fastgrad.linear_cross_entropy``: the block loop
-    (module docstring), BLAS single-threaded.  Arrays are validated by the op.
+    (module docstring), BLAS single-threaded, on the GEMMs ``params["gemm"]`` names (a
+    ``tiling.GemmChoice``: the op layer's choice from the settings; default BLAS).  Arrays are
+    validated by the op.
 
     ``params``: dict with softcap, temperature, eps, eps_over_V, eps_wsum_over_V, z_scale2,
     need_zsum, vocab_start_index (and optionally filter_eps, filter_rows, filter_cols).
@@ -662,6 +667,52 @@ def linear_cross_entropy_cpu(
     ``blocks_skipped``.  With ``z_mean`` or ``entropy`` (or ``coef_h`` in the forward) the
     statistics include ``Σ exp(z - max)·(z - max)`` and ``combine`` takes and returns it as a sixth value.
     """
+    gemm = params.get("gemm", BLAS)
+    with single_threaded_blas(gemm.engine):
+        _lce_body(
+            input,
+            weight,
+            target_cols,
+            bias,
+            class_weight,
+            target_weight,
+            coef_ce,
+            coef_z,
+            params,
+            block_rows,
+            coef_h,
+            z_mean,
+            v_chunk,
+            lse,
+            combine,
+            out,
+            workspace,
+            gemm,
+        )
+
+
+def _lce_body(
+    input,
+    weight,
+    target_cols,
+    bias,
+    class_weight,
+    target_weight,
+    coef_ce,
+    coef_z,
+    params,
+    block_rows,
+    coef_h,
+    z_mean,
+    v_chunk,
+    lse,
+    combine,
+    out,
+    workspace,
+    gemm: GemmChoice,
+):
+    """:func:`linear_cross_entropy_cpu`'s body (under its BLAS settings)."""
+    eng = gemm.engine
     BT, H = input.shape
     K = weight.shape[0]
     cdt = np.float64 if input.dtype == np.float64 else np.float32
@@ -755,11 +806,12 @@ def linear_cross_entropy_cpu(
             min(vc, VM_CHUNK),
             workspace,
             bool(params.get("round_grad")),
+            gemm,
         )
         return
     # the logits of bf16 operands on the exact-product bf16 kernel where it may run; the weight
     # then needs no widening for the forward alone
-    bfl = _bf16_logits(input, W, cdt, vc)
+    bfl = _bf16_logits(input, W, cdt, vc, gemm.logits16)
     # keep the whole weight in the compute dtype when it is small, else widen per chunk
     wfull = _block(W, 0, K, cdt, None) if (widen and K * H * 4 <= workspace // 4 and not (bfl and fwd_only)) else None
     # scratch on recycled memory (fastgrad._outcache): a training loop's next step takes no
@@ -815,13 +867,13 @@ def linear_cross_entropy_cpu(
         Gc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
         if gi is not None:
             Wc = wchunk(v0, v1)
-            matmul_nn(Gc, Wc, gi[b0:b1], tmp=None if v0 == 0 else tmp_h[: nb * H].reshape(nb, H))
+            matmul_nn(Gc, Wc, gi[b0:b1], tmp=None if v0 == 0 else tmp_h[: nb * H].reshape(nb, H), engine=eng)
         if gw is not None:
             tw = tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
             if gw_code is None:
-                matmul_tn(Gc, X, gw[v0:v1], tmp=None if first else tw)
+                matmul_tn(Gc, X, gw[v0:v1], tmp=None if first else tw, engine=eng)
             else:  # accum_dtype: accumulated (rounded) in the 16-bit output itself (zeroed)
-                matmul_tn(Gc, X, tw)
+                matmul_tn(Gc, X, tw, engine=eng)
                 run_rows(_scatter_add_rounded, v1 - v0, gw_acc, all_rows[v0:v1], tw, gw_code)
 
     def grad(b0, b1, offs, widths):
@@ -872,7 +924,7 @@ def linear_cross_entropy_cpu(
                 bfl.chunk(v0, v1)
                 bfl.logits(b0, b1, Lc)
             else:
-                matmul_nt(X, wchunk(v0, v1), Lc)
+                matmul_nt(X, wchunk(v0, v1), Lc, engine=eng)
             if not recompute:
                 run_rows(
                     _stats_chunk,
@@ -957,6 +1009,7 @@ def linear_cross_entropy_cpu(
                 gw_acc,
                 fbufs,
                 gw_code,
+                eng,
             )
         else:
             for (v0, v1), off in zip(chunks, offs):

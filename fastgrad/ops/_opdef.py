@@ -94,6 +94,7 @@ class Call:
     skip_compute: bool = False  # the device returns without launching
     soc: SocProfile = field(default_factory=lambda: get_profile(_config.get_soc_version()))
     inner: list = field(default_factory=list)  # (status, param, message): a failure past the op_api checks
+    settings: _config.Settings | None = None  # the settings in force, read once per call (execute)
 
     def bad(self, param: str, expected: str, got: Any) -> None:
         """Record that ``param`` is out of range (161002)."""
@@ -365,7 +366,8 @@ def _allocate(call: Call, users: list, checked: list) -> list[arrays.Out | None]
 
 def execute(op: OpDef, args: dict, out: Any = None) -> Any:
     """Run ``op`` on ``args`` (its inputs and attributes by name): check, plan, compute, wrap."""
-    call = Call(op, _config.is_strict(), args, soc=current_profile())
+    s = _config.settings()  # every setting, read once for this call
+    call = Call(op, s.strict, args, soc=current_profile(), settings=s)
     _adapt_inputs(op, call)
     for d in op.attrs:
         call.attrs[d.name] = parse_attr(d, args.get(d.name), call)
@@ -409,7 +411,7 @@ def execute(op: OpDef, args: dict, out: Any = None) -> Any:
         backend = get_backend()
         if op.plan is not None and backend_takes_plan(backend):
             kw["plan"] = call.info["plan"] = op.plan(call)
-            kw["progress"] = _config.progress_callback()
+            kw["progress"] = s.progress
             if call.info.get("want_stats"):
                 kw["stats"] = call.info["stats"] = {}
         dispatch(op.name, backend)(**kw)

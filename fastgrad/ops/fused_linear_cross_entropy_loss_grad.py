@@ -12,6 +12,7 @@ from .. import dtypes as D
 from ..arrays import ArrayLike
 from ..errors import ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_RUNTIME_ERROR
 from ..tiling import plan_linear_cross_entropy
+from ._engines import gemm_choice
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "fused_linear_cross_entropy_loss_grad"
@@ -172,6 +173,7 @@ def _plan(c: Call):
         mode=mode,
         widen=c.a["input"].dtype != D.FLOAT32,
         filter_eps=c.info.get("filter_eps"),
+        gemm=gemm_choice(c.a["input"].dtype, c.settings),
     )
 
 

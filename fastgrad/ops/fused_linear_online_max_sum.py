@@ -10,6 +10,7 @@ from .. import dtypes as D
 from ..arrays import ArrayLike
 from ..errors import ACLNN_ERR_INNER_NULLPTR
 from ..tiling import plan_linear_cross_entropy
+from ._engines import gemm_choice
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "fused_linear_online_max_sum"
@@ -90,7 +91,12 @@ def _device_limits(c: Call) -> None:
 def _plan(c: Call):
     BT, H = c.shape_of("input")
     return plan_linear_cross_entropy(
-        BT, c.a["weight"].shape[0], H, mode="forward", widen=c.a["input"].dtype != D.FLOAT32
+        BT,
+        c.a["weight"].shape[0],
+        H,
+        mode="forward",
+        widen=c.a["input"].dtype != D.FLOAT32,
+        gemm=gemm_choice(c.a["input"].dtype, c.settings),
     )
 
 

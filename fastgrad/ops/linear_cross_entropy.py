@@ -20,6 +20,7 @@ from .. import dtypes as D
 from .._config import is_strict
 from ..arrays import ArrayLike
 from ..errors import AclnnError, invalid
+from ._engines import gemm_choice
 
 OP = "linear_cross_entropy"
 
@@ -75,13 +76,27 @@ class LinearCrossEntropyResult(NamedTuple):
 
 
 def _impl() -> Callable:
-    """The selected backend's implementation; a backend without one (reference, acl: this is
-    a training tool, not a device op) runs the cpu kernel."""
-    from ..backends import dispatch
+    """The selected backend's implementation: ``"cpu"`` the Numba kernel, ``"reference"`` the
+    float64 golden (``fastgrad/reference/linear_cross_entropy.py``).  A backend without one (the
+    ``"acl"`` device backend: this is a training tool, not an aclnn op) runs the cpu kernel and
+    says so with a ``RuntimeWarning``, once per process and backend.  An unknown or unavailable
+    backend raises ``AclnnError`` 361001, as for every op."""
+    import warnings
 
+    from ..backends import dispatch, get_backend
+
+    name = get_backend()
     try:
-        return dispatch(OP)
+        return dispatch(OP, name)
     except AclnnError:
+        warned = _impl.__dict__.setdefault("_warned", set())
+        if name not in warned:
+            warned.add(name)
+            warnings.warn(
+                f"{OP} has no {name!r} implementation (not an aclnn op): ran the 'cpu' kernel",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return dispatch(OP, "cpu")
 
 
@@ -397,6 +412,8 @@ def linear_cross_entropy(
         "round_grad": precision == "fast",
         "filter_rows": tiling.FILTER_ROWS,
         "filter_cols": tiling.FILTER_COLS,
+        # the GEMMs, chosen once from the settings (the kernel reads none): ops/_engines.py
+        "gemm": gemm_choice(x.dtype),
     }
     fstats: dict | None = {} if (feps is not None and want_grad) else None
     out: dict = {

@@ -38,8 +38,9 @@ from typing import NamedTuple
 
 import torch
 
-from .._config import bf16_kernel_in_use, gemm, is_strict, prefer_onednn
+from .._config import gemm, is_strict, prefer_onednn
 from ..errors import invalid
+from ..ops._engines import bf16_kernel_in_use
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce_op
 from . import distributed as _vp
 from ._autograd import differentiable_once

@@ -7,7 +7,9 @@ commit the pins were taken from (6464144):
     PYTHONPATH=/tmp/base python tests/pins/make_pins.py --merge
 
 ``--merge`` adds this machine's keys to the file (other machines' keys are kept): the native
-kernels' keys hold on every CPU with the ISA, the BLAS keys only with the same OpenBLAS kernel.
+kernels' keys hold on every CPU of the host class (``pin_cases.host_class``) with the ISA, the
+BLAS keys only with the same OpenBLAS kernel and host class.  ``--only blas-`` pins the BLAS keys
+alone (6464144 had no native kernel for an AVX2-only CPU: its "auto" ran BLAS there).
 """
 
 from __future__ import annotations
@@ -29,13 +31,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--merge", action="store_true", help="keep the keys already in the file")
     ap.add_argument("--source", default="6464144", help="the commit whose results these are")
+    ap.add_argument("--isa", default="", help="the native kernel's ISA setting (fastgrad._config.set_native_isa)")
+    ap.add_argument("--only", default="", help="pin only the keys starting with this (e.g. 'blas-')")
     a = ap.parse_args()
     import fastgrad
 
+    if a.isa:  # e.g. "avx2": on an AVX2-only CPU "auto" keeps BLAS, the native keys need the kernel
+        from fastgrad import _config
+
+        _config.set_native_isa(a.isa)
     data = json.loads(OUT.read_text()) if a.merge and OUT.exists() else {"pins": {}}
     data["source"] = a.source
     data["fastgrad_path"] = "(see --source)"
     for key, cases in pin_cases.machine_keys().items():
+        if not key.startswith(a.only):
+            continue
         entry = data["pins"].setdefault(key, {})
         for name in cases:
             entry[name] = pin_cases.digest(name, key)

@@ -39,17 +39,42 @@ def _openblas_key() -> str | None:
     return None
 
 
-def machine_keys() -> dict[str, list[str]]:
-    """The keys this machine can check, each with its case names."""
-    from fastgrad import _cpu
+def host_class() -> str:
+    """The vector ISA Numba compiles this process's kernels for (LLVM's host features): the
+    element-wise passes' ``reassoc`` reductions (``kernels/_vmath.py``: ``row_sum_exp``, the
+    training op's row sums) are vectorized at the host's width, so their fp32 sums — and every
+    bit that follows from them — are per host class: ``"avx512"`` or ``"avx2"``."""
+    from llvmlite import binding as llvm
 
+    feats = llvm.get_host_cpu_features()
+    return "avx512" if feats.get("avx512f", False) else "avx2"
+
+
+def _has(*flags: str) -> bool:
+    """The CPU has every flag (``/proc/cpuinfo``; read here, not through fastgrad, so the pins
+    can be made with an older fastgrad on the path)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    have = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            break
+    return all(f in have for f in flags)
+
+
+def machine_keys() -> dict[str, list[str]]:
+    """The keys this machine can check, each with its case names (``KEY@host-<class>``)."""
     keys: dict[str, list[str]] = {}
-    if _cpu.has("avx2", "fma") or _cpu.has("avx512f"):
-        keys["native-bf16dot"] = [n for n in CASES if n.endswith("/bf16")]
-        keys["native-f32fma"] = [n for n in CASES if n.endswith("/fp16")]
+    host = f"@host-{host_class()}"
+    if _has("avx2", "fma") or _has("avx512f"):
+        keys["native-bf16dot" + host] = [n for n in CASES if n.endswith("/bf16")]
+        keys["native-f32fma" + host] = [n for n in CASES if n.endswith("/fp16")]
     blas = _openblas_key()
     if blas is not None:
-        keys[blas] = list(CASES) + list(TRAINING_CASES)
+        keys[blas + host] = list(CASES) + list(TRAINING_CASES)
     return keys
 
 

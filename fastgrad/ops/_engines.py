@@ -1,0 +1,62 @@
+"""op layer: the GEMM choice of the LM-head ops, made once per call from the settings.
+
+``gemm_choice(dtype)`` reads the settings (``fastgrad._config.settings()``: the GEMM setting, the
+native kernel's ISA, ``fastgrad.torch``'s preference) and returns a
+:class:`fastgrad.tiling.GemmChoice` — the fp32 engine, whether 16-bit operands run on the native
+exact-product kernel and which variant — that the op records in its plan
+(``LinearCETiling.gemm``) or passes to the kernel (``linear_cross_entropy``).  The kernels take
+it and read no setting (``tests/test_architecture.py``).  The capability is the kernel module's
+(``fastgrad/kernels/_engine.py``: ``resolve``), reached here through the cpu backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _config
+from .. import dtypes as D
+from ..tiling import BLAS, GemmChoice
+
+__all__ = ["gemm_choice", "bf16_kernel_available", "bf16_kernel_in_use", "fp16_kernel_in_use"]
+
+
+def gemm_choice(dtype, s: _config.Settings | None = None) -> GemmChoice:
+    """The GEMMs an LM-head call of operands ``dtype`` runs under the settings ``s`` (default:
+    those in force now).  float64 operands always run BLAS's dgemm (``tiling.BLAS``)."""
+    if np.dtype(dtype) == np.float64:
+        return BLAS
+    s = _config.settings() if s is None else s
+    from ..backends.cpu import resolve_gemm
+
+    return resolve_gemm(dtype, s.gemm, s.native_isa, s.prefer_onednn)
+
+
+def bf16_kernel_available() -> bool:
+    """The exact-product bf16 GEMM kernel (``fastgrad/kernels/_bf16dot.py``) runs on this CPU
+    under the ISA setting (:func:`fastgrad._config.native_isa`): AVX-512 BF16, AVX-512F or
+    AVX2 + FMA; compiled once per process (a build failure warns once and leaves the GEMMs on
+    BLAS)."""
+    from ..backends.cpu import native_variant
+
+    return native_variant("bf16", _config.native_isa()) is not None
+
+
+def bf16_kernel_in_use() -> bool:
+    """GEMMs of bf16 values go to the exact-product bf16 kernel: the GEMM setting ``"auto"`` on a
+    CPU where the kernel runs (:func:`bf16_kernel_available`) — except an AVX2-only CPU under
+    the ISA setting ``"auto"``: there ``"auto"`` keeps BLAS, which was faster (the AVX2 code
+    on a Zen 4 EPYC, one thread, against OpenBLAS's Haswell sgemm path: FLCE grad 1.18x, online
+    max-sum 1.12x, training loss 0.97x its CPU time; on a Zen 3 EPYC, 2 threads, FLCE grad bf16
+    at (1024, 896, 32000): native 1.60x, BLAS 1.21x the three sgemms; ``_bf16dot.AUTO_AVX2``).
+    An explicit ``set_native_isa("avx2")`` / ``FASTGRAD_NATIVE_ISA=avx2`` runs the AVX2 kernel
+    anyway."""
+    return gemm_choice(D.BFLOAT16).exact == "bf16"
+
+
+def fp16_kernel_in_use() -> bool:
+    """GEMMs of fp16 values in the NumPy-level fused linear ops go to the fp32 kernel
+    (``fastgrad/kernels/_bf16dot.py``, kind ``"f32"``: the products of fp16 values are exact in
+    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on a CPU with AVX-512F,
+    or with AVX2 + FMA only under an explicit ISA setting ``"avx2"`` (on ``"auto"`` an AVX2-only
+    CPU keeps BLAS: ``_bf16dot.AUTO_AVX2``)."""
+    return gemm_choice(D.FLOAT16).exact == "f32"
