@@ -110,6 +110,22 @@ def single_threaded_blas(engine: str = "blas"):
         yield
 
 
+def blas_for(engine_of):
+    """Decorator of a keyword-only kernel entry point: its body runs inside
+    :func:`single_threaded_blas` of the engine ``engine_of(kwargs)`` names — taken from the
+    call's own arguments (its plan), never from a setting."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(**kwargs):
+            with single_threaded_blas(engine_of(kwargs)):
+                return fn(**kwargs)
+
+        return wrapper
+
+    return deco
+
+
 def _run(tasks, engine: str = "blas"):
     """Run ``tasks`` (callables of no argument) on the pool (inline for one thread or task)."""
     n = numba.get_num_threads()

@@ -54,7 +54,7 @@ from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
 from . import _bf16dot
-from ._gemm import matmul_nn, matmul_nt, matmul_tn, run_rows, single_threaded_blas
+from ._gemm import blas_for, matmul_nn, matmul_nt, matmul_tn, run_rows
 from ._linear import fp32_block, kept_blocks, narrow
 from ._vmath import exp_f32
 
@@ -178,6 +178,7 @@ def _epilogue_high_performance(lo, hi, S, G, row0, col0, grad, tcol, code, smoot
             G[i, t] = D.round_f32((S[r, col0 + t] - one_minus_s - s_over_k) * g, code)
 
 
+@blas_for(lambda kw: kw["plan"].gemm.engine)
 def fused_linear_cross_entropy_loss_grad(
     *,
     grad,
@@ -201,39 +202,6 @@ def fused_linear_cross_entropy_loss_grad(
     ``progress``: optional callable(done, total) invoked after each tile (the CLI's bar).
     ``stats``: optional dict receiving ``blocks_total`` / ``blocks_skipped`` (filtering).
     """
-    with single_threaded_blas(plan.gemm.engine):
-        return _run(
-            grad,
-            input,
-            weight,
-            target_mask,
-            masked_target,
-            label_smoothing,
-            logits_max,
-            sum_exp_logits,
-            softmax,
-            out,
-            plan,
-            progress,
-            stats,
-        )
-
-
-def _run(
-    grad,
-    input,
-    weight,
-    target_mask,
-    masked_target,
-    label_smoothing,
-    logits_max,
-    sum_exp_logits,
-    softmax,
-    out,
-    plan: LinearCrossEntropyPlan,
-    progress,
-    stats,
-):
     stats = {} if stats is None else stats
     stats.setdefault("blocks_total", 0)
     stats.setdefault("blocks_skipped", 0)

@@ -46,10 +46,10 @@ import numpy as np
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
 from .._outcache import empty as scratch
-from ..tiling import BLAS, GemmChoice
+from ..tiling import BLAS
 from . import _bf16dot
 from ._gemm import _run as _run_tasks
-from ._gemm import _spans, matmul_nn, matmul_nt, matmul_tn, mm, run_rows, single_threaded_blas
+from ._gemm import _spans, blas_for, matmul_nn, matmul_nt, matmul_tn, mm, run_rows
 from ._linear import fp32_block, kept_blocks
 from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
 
@@ -632,6 +632,7 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
         matmul_nn(e_row, w_bar, gi, tmp=scratch(BT * H, cdt).reshape(BT, H), engine=eng)
 
 
+@blas_for(lambda kw: kw["params"].get("gemm", BLAS).engine)
 def linear_cross_entropy_cpu(
     *,
     input,
@@ -668,50 +669,6 @@ def linear_cross_entropy_cpu(
     statistics include ``Σ exp(z - max)·(z - max)`` and ``combine`` takes and returns it as a sixth value.
     """
     gemm = params.get("gemm", BLAS)
-    with single_threaded_blas(gemm.engine):
-        _lce_body(
-            input,
-            weight,
-            target_cols,
-            bias,
-            class_weight,
-            target_weight,
-            coef_ce,
-            coef_z,
-            params,
-            block_rows,
-            coef_h,
-            z_mean,
-            v_chunk,
-            lse,
-            combine,
-            out,
-            workspace,
-            gemm,
-        )
-
-
-def _lce_body(
-    input,
-    weight,
-    target_cols,
-    bias,
-    class_weight,
-    target_weight,
-    coef_ce,
-    coef_z,
-    params,
-    block_rows,
-    coef_h,
-    z_mean,
-    v_chunk,
-    lse,
-    combine,
-    out,
-    workspace,
-    gemm: GemmChoice,
-):
-    """:func:`linear_cross_entropy_cpu`'s body (under its BLAS settings)."""
     eng = gemm.engine
     BT, H = input.shape
     K = weight.shape[0]
