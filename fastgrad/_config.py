@@ -251,7 +251,7 @@ def gemm_engine() -> str:
       probe passes; ``"blas"`` everywhere else — the NumPy-level ops (golden data) give the same
       bits whatever else the process imported.  Also on ``"auto"`` inside the training loss, on a
       CPU with AVX-512 (AVX2 + FMA only under the ISA setting ``"avx2"``: on ``"auto"`` an
-      AVX2-only CPU keeps BLAS, :func:`bf16_kernel_in_use`), the logits GEMMs of bf16 ``hidden``
+      AVX2-only CPU keeps BLAS, :func:`fastgrad.ops._engines.bf16_kernel_in_use`), the logits GEMMs of bf16 ``hidden``
       and ``weight`` run on an exact-product bf16 kernel (``fastgrad/kernels/_bf16dot.py``: the
       products of bf16 values are exact in fp32, summed in fp32 in a fixed order, the same bits on every ISA
       (:func:`native_isa`); ~2.2× sgemm per core on a Zen 4 EPYC with AVX-512 BF16; bf16
@@ -326,7 +326,7 @@ def native_isa() -> str:
     * ``"auto"``: the best variant this CPU runs — bf16 operands on ``vdpbf16ps`` (AVX-512 BF16),
       else AVX-512F FMAs, else AVX2 + FMA; fp16 operands on AVX-512F, else AVX2 + FMA.  Where
       that is an AVX2 variant, the GEMM setting ``"auto"`` keeps BLAS (measured faster there:
-      :func:`bf16_kernel_in_use`); the variant runs when called for explicitly.
+      :func:`fastgrad.ops._engines.bf16_kernel_in_use`); the variant runs when called for explicitly.
     * ``"avx512"``: only the AVX-512 variants (none on an AVX2-only CPU: BLAS).
     * ``"avx2"``: only the AVX2 + FMA variants, compiled with the AVX-512 features off — on an
       AVX-512 machine, the code an AVX2-only CPU runs (``FASTGRAD_NATIVE_ISA=avx2`` in CI); the

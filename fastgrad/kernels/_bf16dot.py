@@ -48,8 +48,9 @@ _COLS = 64  #: the packed ``B``'s column granule: a multiple of every variant's 
 #: pairs of ``k`` per pass over a tile: a 64-column strip of ``B`` (KC × 256 bytes) stays in L2;
 #: the next pass sums onto the stored fp32 values, the same additions in the same order
 _KC = 256
-#: the native ISA setting (``fastgrad.set_native_isa``, pushed here by ``fastgrad._config``):
-#: ``"auto"`` (the best variant the CPU runs), ``"avx512"`` or ``"avx2"`` (only that ISA's)
+#: the native ISA setting (``fastgrad._config.set_native_isa``; the op layer makes it this module's at
+#: each LM-head call's GEMM choice, ``kernels/_engine.resolve``): ``"auto"`` (the best variant the
+#: CPU runs), ``"avx512"`` or ``"avx2"`` (only that ISA's)
 ISAS = ("auto", "avx512", "avx2")
 _isa = "auto"
 
