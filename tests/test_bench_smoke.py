@@ -100,6 +100,21 @@ def test_bench_usage_errors(tmp_path, capsys):
     assert "memory-saving" in out and "high-performance" in out
 
 
+def test_rows_selects_the_runners(tmp_path, capsys):
+    """``--rows``: only the named runners run (an AVX2-only CPU skips PyTorch's emulated bf16 rows);
+    a name no selected case has is one line, exit 2, before any work."""
+    path = tmp_path / "rows.json"
+    rc = cli_main(["bench", "--quick", "--ops", "linear_cross_entropy[train-step]/", "--rows", "fastgrad,bound",
+                   "--no-subprocess", "--repeat", "1", "--budget", "1", "--json", str(path), "-q"])
+    assert rc == 0
+    rep = B.load(str(path))
+    assert rep["rows"] and {r["runner"] for r in rep["rows"]} == {"fastgrad", "bound"}
+    capsys.readouterr()
+    assert cli_main(["bench", "--quick", "--ops", "smooth_l1", "--rows", "torch-bf16x"]) == 2
+    err = capsys.readouterr().err
+    assert "--rows" in err and "torch-bf16x" in err and len(err.strip().splitlines()) == 1
+
+
 def test_full_cases_cover_the_issues():
     ids = [c.id for c in B.all_cases(quick=False)]
     want = ["fused_linear_cross_entropy_loss_grad[memory-saving]/bf16/BT=2048,H=896,V=151936",

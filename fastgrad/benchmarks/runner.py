@@ -230,8 +230,13 @@ def run(
     memory=True,
     progress=None,
     copy_bytes=None,
+    only_rows=None,
 ) -> dict:
     """Run ``cases`` and return the report dict (see ``docs/benchmarks.md`` for the schema).
+
+    ``only_rows``: runner names to run (e.g. ``{"fastgrad", "bound", "torch-fp32"}``); None: all.  A
+    case's other runners are left out of the report (on an AVX2-only CPU PyTorch's bf16 eager
+    rows take minutes per step).
 
     ``backends``: fastgrad backends, one row each per fastgrad runner; ``thread_counts``: the
     thread settings (None: the default); ``memory=False`` runs memory cases in-process
@@ -263,6 +268,8 @@ def run(
             for case in cases:
                 specs, skipped = [], []
                 for ri, r in enumerate(case.runners):
+                    if only_rows is not None and r.name not in only_rows:
+                        continue
                     if (r.needs_torch or case.needs_torch) and not has_torch:
                         for b in backends if r.kind == "fastgrad" else [r.name]:
                             sk = _row_base(case, r, b, nthr, note=f"skipped: {torch_note}")

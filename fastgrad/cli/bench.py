@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._common import OneLineParser, write_markdown
+from ._common import CliError, OneLineParser, write_markdown
 
 
 def _csv(s):
@@ -55,7 +55,6 @@ def _load_report(path: str, flag: str) -> dict:
     import os
 
     from .. import benchmarks as B
-    from ._common import CliError
 
     if os.path.isdir(path):
         raise CliError(flag, "a report .json file", repr(path), hint="a directory")
@@ -112,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="OTHER_JSON", help="show a saved report beside this one")
     p.add_argument("--from-json", metavar="PATH", help="render a saved report instead of running")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
+    p.add_argument(
+        "--rows",
+        type=_csv,
+        default=None,
+        help="comma-separated row names to run, e.g. fastgrad,bound,torch-fp32 (default: all; "
+        "--list shows each case's rows)",
+    )
     p.add_argument("--no-subprocess", action="store_true", help="run memory cases in-process (no peak RSS)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument(
@@ -144,8 +150,6 @@ def main(argv: list[str]) -> int:
         import importlib.util
         import os
 
-        from ._common import CliError
-
         if os.path.exists(args.plot) and not os.path.isdir(args.plot):
             raise CliError("--plot", "a directory (created when missing)", repr(args.plot), hint="an existing file")
         _check_dir_writable(os.path.abspath(args.plot), "--plot", repr(args.plot))
@@ -164,7 +168,13 @@ def main(argv: list[str]) -> int:
         if args.list:
             for c in cases:
                 print(c.id + (f"    ({c.note})" if c.note else ""))
+                print("    rows: " + ", ".join(r.name for r in c.runners))
             return 0
+        if args.rows is not None:
+            names = sorted({r.name for c in cases for r in c.runners})
+            unknown = [r for r in args.rows if r not in names]
+            if unknown or not args.rows:
+                raise CliError("--rows", f"row names of the selected cases ({', '.join(names)})", ",".join(unknown))
         avail = available_backends()
         backends = _csv(args.backend) or (["cpu"] + (["acl"] if "acl" in avail else []))
         bad = [b for b in backends if b not in avail]
@@ -215,6 +225,7 @@ def main(argv: list[str]) -> int:
             use_torch=not args.no_torch,
             memory=not args.no_subprocess,
             progress=progress,
+            only_rows=None if args.rows is None else set(args.rows),
         )
     print(B.format_table(report))
     if args.quick or (report.get("settings") or {}).get("quick"):
