@@ -10,7 +10,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "fastgrad"
 KERNEL_ALLOWED = {"fastgrad.dtypes", "fastgrad._jit", "fastgrad.tiling", "fastgrad.vocab_parallel",
                   "fastgrad.enums", "fastgrad._config", "fastgrad._outcache", "fastgrad._onednn",
                   "fastgrad._cpu"}
-SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided", "_bf16dot", "_native", "_engine"}
+SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided", "_bf16dot", "_native", "_engine", "_lm_head"}
 
 
 def _imports(path: pathlib.Path):

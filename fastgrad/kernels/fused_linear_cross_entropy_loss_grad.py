@@ -14,6 +14,10 @@ exponential and never writes to it.
 
 All scratch is tile-sized or ``[BT, H]``-sized: nothing grows with BT×V.
 
+The tile loop and the logits GEMM are the LM-head loop's (``kernels/_lm_head.py``, shared with
+the online max-sum); this module holds the op's epilogue (:class:`FlceGrad`: steps 2–4 and the
+rounding of ``grad_weight``) and its entry point.
+
 bf16 ``input`` and ``weight`` on the GEMM setting ``"auto"``, on a CPU with AVX-512 BF16: the
 three GEMMs run on the exact-product bf16 kernel (``_bf16dot``), at about twice sgemm's rate.
 Every operand of steps 1, 3 and 4 is a bf16 value (``g`` is rounded to bf16 by step 2, as on the
@@ -54,8 +58,10 @@ from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
 from . import _bf16dot
-from ._gemm import blas_for, matmul_nn, matmul_nt, matmul_tn, run_rows
-from ._linear import fp32_block, kept_blocks, narrow
+from ._gemm import blas_for, matmul_nn, matmul_tn, run_rows
+from ._linear import kept_blocks, narrow
+from ._lm_head import Operands
+from ._lm_head import run as run_tiles
 from ._vmath import exp_f32
 
 OP = "fused_linear_cross_entropy_loss_grad"
@@ -178,6 +184,129 @@ def _epilogue_high_performance(lo, hi, S, G, row0, col0, grad, tcol, code, smoot
             G[i, t] = D.round_f32((S[r, col0 + t] - one_minus_s - s_over_k) * g, code)
 
 
+class FlceGrad:
+    """The FLCE grad's epilogue of the LM-head loop (``kernels/_lm_head.py``), per tile: the
+    device's vector epilogue with its rounding (memory-saving: from the logits and the saved
+    statistics; high-performance: from ``softmax``), gradient filtering, then
+    ``gi32[b] += g·W[v]`` and ``gw32[v] (+)= gᵀ·X[b]`` on the plan's GEMMs; per vocabulary tile
+    the finished ``grad_weight`` rows rounded into ``gw_out``.  ``stat``: ``(logits_max,
+    sum_exp)`` (memory-saving) or the fp32 softmax (high-performance)."""
+
+    def __init__(
+        self, input, plan, ops: Operands, stat, grad32, tcol, code, smooth, inv_k, eps, s_over_k, gw_out, stats
+    ):
+        BT, H = input.shape
+        bt, vt = plan.bt_tile, plan.v_tile
+        self.ops, self.plan, self.H = ops, plan, H
+        self.hp = not isinstance(stat, tuple)
+        self.stat = stat
+        self.grad32, self.tcol, self.code, self.smooth, self.inv_k = grad32, tcol, code, smooth, inv_k
+        self.eps, self.gw_out, self.stats = eps, gw_out, stats
+        self.gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
+        # scratch on recycled memory (fastgrad._outcache): no fresh pages on the next call
+        self.g_buf = scratch(bt * vt, np.float32)  # logits / g tile
+        self.gw32 = scratch(vt * H, np.float32)  # grad_weight tile accumulator
+        self.prod = scratch(bt * H, np.float32)  # g·W product of one tile
+        self.gw_tmp = scratch(vt * H if plan.n_bt_tiles > 1 or plan.filter_eps is not None else 0, np.float32)
+        b16 = ops.b16
+        if b16:
+            # X's row tiles as the grad_weight GEMM's B, once
+            self.xinter = {b0: _bf16dot.interleave(input[b0:b1]) for b0, b1 in plan.bt_ranges()}
+            self.wt_inter = scratch(_bf16dot.b_size(vt, H), np.uint32)  # the W tile as grad_input's B
+        self.fb16_bufs = None
+        self.fb, self.rb = plan.filter_cols, plan.filter_rows
+        self.no_keep = np.zeros((1, 0), np.bool_)  # the epilogue's "every block"
+        if eps is not None:
+            fb, rb = self.fb, self.rb
+            # |p - s/K| < eps  <=>  p < eps + s/K (p >= 0; no block is negligible when s/K >= eps),
+            # tested on the logits with a 1e-3 relative margin against the rounding of exp and log
+            self.lim = (eps + s_over_k) * np.exp(-1e-3)
+            self.flags = np.empty(bt * (-(-vt // fb)), np.bool_)
+            self.fbufs = (
+                scratch(min(rb, bt) * vt, np.float32),
+                None if b16 else scratch(vt * H, np.float32),
+                scratch(vt * H, np.float32),
+                None if b16 else scratch(min(rb, bt) * H, np.float32),
+            )
+            # the kept blocks on the bf16 kernel: the weight rows gathered as bits, then interleaved
+            self.fb16_bufs = (scratch(vt * H, np.uint16), scratch(_bf16dot.b_size(vt, H), np.uint32)) if b16 else None
+            if b16 and rb % 2:  # the bf16 pair layout starts a row block on a pair
+                raise ValueError(f"plan row block must be even for bf16 operands, got {rb}")
+
+    def begin(self, v0: int, v1: int) -> None:
+        ops = self.ops
+        # the kept blocks on the bf16 kernel: the tile's weight rows as bits, the gather buffers
+        self.fb16 = None if self.fb16_bufs is None else (ops.W[v0:v1].view(np.uint16), *self.fb16_bufs)
+        self.bp_i: np.ndarray | None = None  # the W tile as grad_input's B (bf16), made when a dense tile needs it
+        self.gwt = self.gw32[: (v1 - v0) * self.H].reshape(v1 - v0, self.H)
+        self.first = True
+
+    def tile(self, b0: int, b1: int, v0: int, v1: int) -> None:
+        ops, H, eng = self.ops, self.H, self.ops.engine
+        nb, nv = b1 - b0, v1 - v0
+        G = self.g_buf[: nb * nv].reshape(nb, nv)
+        Xb = ops.X32[b0:b1] if ops.X32 is not None else None
+        W32 = ops.W32
+        keep = None
+        tcol, code, smooth, inv_k, grad32 = self.tcol, self.code, self.smooth, self.inv_k, self.grad32
+        fb, rb = self.fb, self.rb
+        if not self.hp:
+            lmax, sexp = self.stat
+            ops.logits(b0, b1, G)
+            if self.eps is not None:
+                nblk = -(-nv // fb)
+                F = self.flags[: nb * nblk].reshape(nb, nblk)
+                run_rows(_block_flags, G.shape[0], G, b0, v0, lmax, sexp, tcol, self.lim, fb, F)
+                keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
+                n_keep = int(keep.sum())
+                self.stats["blocks_total"] += keep.size
+                self.stats["blocks_skipped"] += keep.size - n_keep
+                if n_keep == keep.size:
+                    keep = None  # nothing negligible: the dense path
+            # g of the kept blocks only (every block on the dense path)
+            kp = self.no_keep if keep is None else keep
+            epi = (lmax, sexp, grad32, tcol, code, smooth, inv_k, kp, fb, rb)
+            run_rows(_epilogue_memory_saving, nb, G, b0, v0, *epi)
+        else:
+            # the tile's rows (S.shape[0] ran past G and S beyond the first row tile)
+            run_rows(_epilogue_high_performance, nb, self.stat, G, b0, v0, grad32, tcol, code, smooth, inv_k)
+        gwt, gi_rows = self.gwt, self.gi32[b0:b1]
+        if keep is not None:
+            if self.first:
+                gwt[...] = 0
+                self.first = False
+            b16_ops = None if self.fb16 is None else (self.xinter[b0], *self.fb16)
+            _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, b16_ops, eng)
+        elif ops.b16:
+            # gᵀ paired per task (thread scratch), then g paired in place over itself
+            _bf16dot.matmul_tn(G, self.xinter[b0], H, gwt, acc=not self.first)
+            self.first = False
+            gp = _bf16dot.pairs_in_place(G)
+            if self.bp_i is None:
+                self.bp_i = _bf16dot.interleave(ops.W[v0:v1], self.wt_inter)
+            bp_i = self.bp_i
+            _bf16dot.matmul(gp, bp_i, H, gi_rows, acc=True)
+        elif ops.f16k:
+            # the fp32 kernel: gᵀ read in place (strided A), B the padded rows of X and W
+            if ops.Xp is None or ops.W32p is None:
+                raise ValueError("the fp32 kernel's operands are missing")
+            _bf16dot.matmul(G.T, ops.Xp[b0:b1], H, gwt, acc=not self.first)
+            self.first = False
+            _bf16dot.matmul(G, ops.W32p, H, gi_rows, acc=True)
+        else:
+            if Xb is None or W32 is None:
+                raise ValueError("the BLAS path's fp32 operands are missing")
+            matmul_nn(G, W32, gi_rows, tmp=self.prod[: nb * H].reshape(nb, H), engine=eng)
+            if self.first:
+                matmul_tn(G, Xb, gwt, engine=eng)
+                self.first = False
+            else:
+                matmul_tn(G, Xb, gwt, tmp=self.gw_tmp[: nv * H].reshape(nv, H), engine=eng)
+
+    def end(self, v0: int, v1: int) -> None:
+        narrow(self.gwt, self.gw_out[v0:v1])  # on the pool: no OpenMP region (fork-safe)
+
+
 @blas_for(lambda kw: kw["plan"].gemm.engine)
 def fused_linear_cross_entropy_loss_grad(
     *,
@@ -208,7 +337,6 @@ def fused_linear_cross_entropy_loss_grad(
     gi_out, gw_out = out
     BT, H = input.shape
     V = weight.shape[0]
-    widen = input.dtype != D.FLOAT32
     if BT == 0 or V == 0 or H == 0:
         gi_out[...] = 0
         gw_out[...] = 0
@@ -220,126 +348,21 @@ def fused_linear_cross_entropy_loss_grad(
     s_, s_over_k = megatron_smoothing(float(label_smoothing), V)
     smooth, inv_k = np.float32(s_), np.float32(1.0 / V if s_ else 0.0)
 
-    bt, vt = plan.bt_tile, plan.v_tile
     eps = plan.filter_eps if softmax is None else None
     if eps is not None and s_over_k >= eps:
         eps = None  # the uniform smoothing term alone is not negligible
     # 16-bit operands: the three GEMMs on an exact-product kernel where it may run (bf16: the
     # bf16 kernel; fp16: the fp32 kernel over widened operands padded to its 64-column B)
-    kind = plan.gemm.exact_for(input, weight)
-    eng = plan.gemm.engine
-    b16, f16k = kind == "bf16", kind == "f32"
-    Hp = _bf16dot.npad(H) if f16k else H
-    Xp = None if b16 else fp32_block(input, 0, BT, width=Hp if f16k else None)  # exact fp32
-    X32 = None if Xp is None else Xp[:, :H]
-    gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
-    # scratch on recycled memory (fastgrad._outcache): no fresh pages on the next call
-    g_buf = scratch(bt * vt, np.float32)  # logits / g tile
-    w_buf = scratch(vt * Hp, np.float32) if widen else None
-    gw32 = scratch(vt * H, np.float32)  # grad_weight tile accumulator
-    prod = scratch(bt * H, np.float32)  # g·W product of one tile
-    gw_tmp = scratch(vt * H if plan.n_bt_tiles > 1 or plan.filter_eps is not None else 0, np.float32)
+    ops = Operands(input, weight, plan, logits=softmax is None, weight_tiles="all")
+    stat: tuple | np.ndarray
     if softmax is None:
-        lmax = np.ascontiguousarray(logits_max, dtype=np.float32)
-        sexp = np.ascontiguousarray(sum_exp_logits, dtype=np.float32)
-    else:
-        S = np.ascontiguousarray(softmax, dtype=np.float32)  # a view when already contiguous
-    W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
-    lg = _bf16dot.Logits(input, W, vt, Xp) if (kind and softmax is None) else None  # the logits on the kernel
-    if b16:
-        # X's row tiles as the grad_weight GEMM's B, once
-        xinter = {b0: _bf16dot.interleave(input[b0:b1]) for b0, b1 in plan.bt_ranges()}
-        wt_inter = scratch(_bf16dot.b_size(vt, H), np.uint32)  # the W tile as grad_input's B
-    fb16_bufs = None
-    fb, rb = plan.filter_cols, plan.filter_rows
-    no_keep = np.zeros((1, 0), np.bool_)  # the epilogue's "every block"
-    if eps is not None:
-        # |p - s/K| < eps  <=>  p < eps + s/K (p >= 0; no block is negligible when s/K >= eps),
-        # tested on the logits with a 1e-3 relative margin against the rounding of exp and log
-        lim = (eps + float(s_over_k)) * np.exp(-1e-3)
-        flags = np.empty(bt * (-(-vt // fb)), np.bool_)
-        fbufs = (
-            scratch(min(rb, bt) * vt, np.float32),
-            None if b16 else scratch(vt * H, np.float32),
-            scratch(vt * H, np.float32),
-            None if b16 else scratch(min(rb, bt) * H, np.float32),
+        stat = (
+            np.ascontiguousarray(logits_max, dtype=np.float32),
+            np.ascontiguousarray(sum_exp_logits, dtype=np.float32),
         )
-        # the kept blocks on the bf16 kernel: the weight rows gathered as bits, then interleaved
-        fb16_bufs = (scratch(vt * H, np.uint16), scratch(_bf16dot.b_size(vt, H), np.uint32)) if b16 else None
-        if b16 and rb % 2:  # the bf16 pair layout starts a row block on a pair
-            raise ValueError(f"plan row block must be even for bf16 operands, got {rb}")
-    done = 0
-    for v0, v1 in plan.v_ranges():
-        nv = v1 - v0
-        W32p = None if b16 else fp32_block(W, v0, v1, w_buf, width=Hp if f16k else None)
-        W32 = None if W32p is None else W32p[:, :H]
-        # the kept blocks on the bf16 kernel: the tile's weight rows as bits, the gather buffers
-        fb16 = None if fb16_bufs is None else (W[v0:v1].view(np.uint16), *fb16_bufs)
-        if lg is not None:
-            lg.chunk(v0, v1)
-        if b16:
-            bp_i = None  # the W tile as grad_input's B, interleaved when a dense row tile needs it
-        gwt = gw32[: nv * H].reshape(nv, H)
-        first = True
-        for b0, b1 in plan.bt_ranges():
-            nb = b1 - b0
-            G = g_buf[: nb * nv].reshape(nb, nv)
-            Xb = X32[b0:b1] if X32 is not None else None
-            keep = None
-            if softmax is None:
-                if lg is not None:
-                    lg.logits(b0, b1, G)
-                else:
-                    assert Xb is not None and W32 is not None
-                    matmul_nt(Xb, W32, G, engine=eng)
-                if eps is not None:
-                    nblk = -(-nv // fb)
-                    F = flags[: nb * nblk].reshape(nb, nblk)
-                    run_rows(_block_flags, G.shape[0], G, b0, v0, lmax, sexp, tcol, lim, fb, F)
-                    keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
-                    n_keep = int(keep.sum())
-                    stats["blocks_total"] += keep.size
-                    stats["blocks_skipped"] += keep.size - n_keep
-                    if n_keep == keep.size:
-                        keep = None  # nothing negligible: the dense path
-                # g of the kept blocks only (every block on the dense path)
-                kp = no_keep if keep is None else keep
-                epi = (lmax, sexp, grad32, tcol, code, smooth, inv_k, kp, fb, rb)
-                run_rows(_epilogue_memory_saving, nb, G, b0, v0, *epi)
-            else:
-                # the tile's rows (S.shape[0] ran past G and S beyond the first row tile)
-                run_rows(_epilogue_high_performance, nb, S, G, b0, v0, grad32, tcol, code, smooth, inv_k)
-            if keep is not None:
-                if first:
-                    gwt[...] = 0
-                    first = False
-                b16_ops = None if fb16 is None else (xinter[b0], *fb16)
-                _filtered_products(G, Xb, W32, keep, fb, rb, gi32[b0:b1], gwt, fbufs, b16_ops, eng)
-            elif b16:
-                # gᵀ paired per task (thread scratch), then g paired in place over itself
-                _bf16dot.matmul_tn(G, xinter[b0], H, gwt, acc=not first)
-                first = False
-                gp = _bf16dot.pairs_in_place(G)
-                if bp_i is None:
-                    bp_i = _bf16dot.interleave(W[v0:v1], wt_inter)
-                _bf16dot.matmul(gp, bp_i, H, gi32[b0:b1], acc=True)
-            elif f16k:
-                # the fp32 kernel: gᵀ read in place (strided A), B the padded rows of X and W
-                assert Xp is not None and W32p is not None
-                _bf16dot.matmul(G.T, Xp[b0:b1], H, gwt, acc=not first)
-                first = False
-                _bf16dot.matmul(G, W32p, H, gi32[b0:b1], acc=True)
-            else:
-                assert Xb is not None and W32 is not None
-                matmul_nn(G, W32, gi32[b0:b1], tmp=prod[: nb * H].reshape(nb, H), engine=eng)
-                if first:
-                    matmul_tn(G, Xb, gwt, engine=eng)
-                    first = False
-                else:
-                    matmul_tn(G, Xb, gwt, tmp=gw_tmp[: nv * H].reshape(nv, H), engine=eng)
-            done += 1
-            if progress is not None:
-                progress(done, plan.n_tiles)
-        narrow(gwt, gw_out[v0:v1])  # on the pool: no OpenMP region (fork-safe)
-    narrow(gi32, gi_out)
+    else:
+        stat = np.ascontiguousarray(softmax, dtype=np.float32)  # a view when already contiguous
+    epi = FlceGrad(input, plan, ops, stat, grad32, tcol, code, smooth, inv_k, eps, float(s_over_k), gw_out, stats)
+    run_tiles(plan, ops, epi, progress)
+    narrow(epi.gi32, gi_out)
     return plan

@@ -13,6 +13,9 @@ bf16 subnormals read as zero.  fp16 ``input`` and ``weight`` on ``"auto"``, on a
 AVX-512F: the logits GEMM runs on the fp32 kernel of the same module over the widened values
 (products of fp16 values exact in fp32; summed in another fixed order), ~1.8× OpenBLAS's sgemm
 on a Zen 5 EPYC.
+
+The tile loop and the logits GEMM are the LM-head loop's (``kernels/_lm_head.py``, shared with
+the FLCE grad); this module holds the op's epilogue (:class:`OnlineStats`) and its entry point.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from .._jit import njit, tjit
 from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
-from . import _bf16dot
-from ._gemm import matmul_nt, run_rows, single_threaded_blas
-from ._linear import fp32_block, narrow
+from ._gemm import run_rows, single_threaded_blas
+from ._linear import narrow
+from ._lm_head import Operands
+from ._lm_head import run as run_tiles
 from ._vmath import exp_f32, row_max, row_nan_count, row_sum_exp
 
 OP = "fused_linear_online_max_sum"
@@ -67,6 +71,39 @@ def _online_tile(lo, hi, L, row0, col0, code, m_run, s_run, tcol, picked):
             picked[r] = L[i, t]
 
 
+class OnlineStats:
+    """The online max-sum's epilogue of the LM-head loop (``kernels/_lm_head.py``), per tile: the
+    logits (rounded to ``logits_dtype`` first, as the kernel's matmul output), the running max
+    and sum of exponentials per row, the target's logit, and the logits themselves when asked
+    (``vocab_parallel_logits``)."""
+
+    def __init__(self, ops: Operands, plan, code, lmax, sexp, tcol, picked, logits):
+        self.ops, self.code, self.lmax, self.sexp, self.tcol, self.picked, self.out = (
+            ops,
+            code,
+            lmax,
+            sexp,
+            tcol,
+            picked,
+            logits,
+        )
+        self.l_buf = scratch(plan.bt_tile * plan.v_tile, np.float32)  # recycled memory (fastgrad._outcache)
+
+    def begin(self, v0: int, v1: int) -> None:
+        pass
+
+    def tile(self, b0: int, b1: int, v0: int, v1: int) -> None:
+        nb, nv = b1 - b0, v1 - v0
+        Lt = self.l_buf[: nb * nv].reshape(nb, nv)
+        self.ops.logits(b0, b1, Lt)
+        run_rows(_online_tile, nb, Lt, b0, v0, self.code, self.lmax, self.sexp, self.tcol, self.picked)
+        if self.out is not None:
+            narrow(Lt, self.out[b0:b1, v0:v1])  # on the pool: no OpenMP region (fork-safe)
+
+    def end(self, v0: int, v1: int) -> None:
+        pass
+
+
 def run(
     input,
     weight,
@@ -82,7 +119,6 @@ def run(
     lmax, sexp, pred, tmask, mtarget, logits = out
     BT, H = input.shape
     V = weight.shape[0]
-    widen = input.dtype != D.FLOAT32
     t = np.asarray(target).astype(np.int64, copy=False)
     masked = shard_target_mask(t, vocab_start_index, vocab_end_index)
     local = np.where(masked, 0, t - vocab_start_index)
@@ -94,38 +130,11 @@ def run(
     sexp[...] = 0.0
     picked = np.zeros(BT, np.float32)
     if BT and V:
-        code = D.code_of(logits_dtype)
         # 16-bit operands: the logits on an exact-product kernel where it may run (bf16: the
-        # bf16 kernel; fp16: the fp32 kernel over widened operands)
-        b16 = plan.gemm.exact_for(input, weight) is not None
-        bt, vt = plan.bt_tile, plan.v_tile
-        l_buf = scratch(bt * vt, np.float32)  # recycled memory (fastgrad._outcache)
-        W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
-        if b16:
-            lg = _bf16dot.Logits(input, W, vt)
-        else:
-            X32 = fp32_block(input, 0, BT)
-            w_buf = scratch(vt * H, np.float32) if widen else None
-        done = 0
-        for v0, v1 in plan.v_ranges():
-            nv = v1 - v0
-            if b16:
-                lg.chunk(v0, v1)
-            else:
-                W32 = fp32_block(W, v0, v1, w_buf)
-            for b0, b1 in plan.bt_ranges():
-                nb = b1 - b0
-                Lt = l_buf[: nb * nv].reshape(nb, nv)
-                if b16:
-                    lg.logits(b0, b1, Lt)
-                else:
-                    matmul_nt(X32[b0:b1], W32, Lt, engine=plan.gemm.engine)
-                run_rows(_online_tile, Lt.shape[0], Lt, b0, v0, code, lmax, sexp, tcol, picked)
-                if logits is not None:
-                    narrow(Lt, logits[b0:b1, v0:v1])  # on the pool: no OpenMP region (fork-safe)
-                done += 1
-                if progress is not None:
-                    progress(done, plan.n_tiles)
+        # bf16 kernel; fp16: the fp32 kernel over widened operands); BLAS otherwise (plan.gemm)
+        ops = Operands(input, weight, plan, logits=True, weight_tiles="logits")
+        epi = OnlineStats(ops, plan, D.code_of(logits_dtype), lmax, sexp, tcol, picked, logits)
+        run_tiles(plan, ops, epi, progress)
     elif logits is not None:
         logits[...] = 0
     # unmasked rows: picked - max, picked 0 where no tile holds the column (masked_target >= V:

@@ -1,0 +1,126 @@
+"""The LM-head loop of the aclnn ops: one tile order, one logits source, named epilogues.
+
+``FusedLinearOnlineMaxSum`` and ``FusedLinearCrossEntropyLossGrad`` walk the same tile plan
+(``tiling.LinearCETiling``: vocabulary tiles outer, row tiles inner) over the same logits
+``L = X[b] · W[v]ᵀ``; they differ only in what they do with each tile.  This module holds what
+they share:
+
+* :class:`Operands` — ``X`` and the weight's vocabulary tiles in the forms the plan's GEMMs take
+  (``plan.gemm``, the op layer's choice): the native exact-product kernel's packed operands
+  (``_bf16dot.Logits``) or fp32 rows for BLAS (16-bit tiles widened exactly, padded to the fp32
+  kernel's ``B`` width for fp16), and the logits GEMM of a tile;
+* :func:`run` — the loop: per vocabulary tile ``operands.chunk`` then ``epilogue.begin``, per
+  row tile ``epilogue.tile``, then ``epilogue.end``; the progress hook after each tile.
+
+An epilogue is an object with ``begin(v0, v1)``, ``tile(b0, b1, v0, v1)`` and ``end(v0, v1)``
+(:class:`Epilogue`); the ops' epilogues are ``fused_linear_online_max_sum.OnlineStats`` (the
+online max/sum and the target's logit) and ``fused_linear_cross_entropy_loss_grad.FlceGrad`` (the
+device's epilogue with its roundings, gradient filtering, the two gradient GEMMs).  A new
+LM-head feature of these ops is a new epilogue in its op's kernel file; the loop, the operands
+and the GEMM choice do not change.  (The training loss, ``kernels/linear_cross_entropy.py``, keeps
+its own row-block loop for now: its blocks are planned from the global vocabulary for the
+vocabulary-parallel all-reduce.)
+
+Nothing here reads a setting: the GEMMs are the plan's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .. import dtypes as D
+from .._outcache import empty as scratch
+from ..tiling import LinearCrossEntropyPlan
+from . import _bf16dot
+from ._gemm import matmul_nt
+from ._linear import fp32_block
+
+__all__ = ["Operands", "Epilogue", "run"]
+
+
+class Epilogue(Protocol):
+    """What the loop calls (see the module doc)."""
+
+    def begin(self, v0: int, v1: int) -> None: ...
+
+    def tile(self, b0: int, b1: int, v0: int, v1: int) -> None: ...
+
+    def end(self, v0: int, v1: int) -> None: ...
+
+
+class Operands:
+    """``X`` and ``W``'s vocabulary tiles for the plan's GEMMs, and the logits of a tile.
+
+    ``logits``: the logits GEMM is needed (False: high-performance mode, ``softmax`` given).
+    ``weight_tiles``: ``"logits"`` — fp32 tiles of ``W`` only where the logits run on BLAS (the
+    online max-sum); ``"all"`` — fp32 tiles for every non-bf16 path (the FLCE grad's gradient
+    GEMMs take them as ``B``; padded to ``_bf16dot.npad(H)`` columns on the fp32 kernel).
+
+    Attributes after :meth:`chunk`: ``W32p`` (the padded fp32 tile or None) and ``W32`` (its
+    first ``H`` columns); ``Xp`` / ``X32`` likewise for ``X`` (None on the bf16 kernel)."""
+
+    def __init__(
+        self,
+        input: np.ndarray,
+        weight: np.ndarray,
+        plan: LinearCrossEntropyPlan,
+        *,
+        logits: bool = True,
+        weight_tiles: str = "logits",
+    ):
+        if weight_tiles not in ("logits", "all"):
+            raise ValueError(f"weight_tiles must be 'logits' or 'all', got {weight_tiles!r}")
+        BT, H = input.shape
+        self.H = H
+        self.kind = plan.gemm.exact_for(input, weight)  # "bf16", "f32" (fp16 operands) or None (BLAS)
+        self.engine = plan.gemm.engine
+        self.b16, self.f16k = self.kind == "bf16", self.kind == "f32"
+        self.Hp = _bf16dot.npad(H) if self.f16k else H
+        self.W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
+        width = self.Hp if self.f16k else None
+        self._width = width
+        # fp32 operands where a GEMM of this call runs on BLAS or the fp32 kernel takes them
+        all_tiles = weight_tiles == "all"
+        need_x = (all_tiles and not self.b16) or self.kind is None
+        self.Xp = fp32_block(input, 0, BT, width=width) if need_x else None  # exact fp32
+        self.X32 = None if self.Xp is None else self.Xp[:, :H]
+        self._tiles = (all_tiles and not self.b16) or self.kind is None
+        widen = input.dtype != D.FLOAT32
+        self._w_buf = scratch(plan.v_tile * self.Hp, np.float32) if (self._tiles and widen) else None
+        # the logits on the exact-product kernel (its packed W tile, X in its A form)
+        self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp) if (self.kind and logits) else None
+        self.W32p: np.ndarray | None = None
+        self.W32: np.ndarray | None = None
+
+    def chunk(self, v0: int, v1: int) -> None:
+        """Prepare vocabulary tile ``[v0, v1)``: its fp32 rows and/or its packed form."""
+        if self._tiles:
+            self.W32p = fp32_block(self.W, v0, v1, self._w_buf, width=self._width)
+            self.W32 = self.W32p[:, : self.H]
+        if self.lg is not None:
+            self.lg.chunk(v0, v1)
+
+    def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
+        """``out[b1-b0, v1-v0] = X[b0:b1] · W[v0:v1]ᵀ`` in fp32 for the current tile."""
+        if self.lg is not None:
+            self.lg.logits(b0, b1, out)
+            return
+        if self.X32 is None or self.W32 is None:
+            raise ValueError("logits: no fp32 operands (Operands made with logits=False, or no chunk yet)")
+        matmul_nt(self.X32[b0:b1], self.W32, out, engine=self.engine)
+
+
+def run(plan: LinearCrossEntropyPlan, operands: Operands, epilogue: Epilogue, progress=None) -> None:
+    """The loop (module doc): the plan's tiles in its order, ``progress(done, total)`` after each."""
+    done = 0
+    for v0, v1 in plan.v_ranges():
+        operands.chunk(v0, v1)
+        epilogue.begin(v0, v1)
+        for b0, b1 in plan.bt_ranges():
+            epilogue.tile(b0, b1, v0, v1)
+            done += 1
+            if progress is not None:
+                progress(done, plan.n_tiles)
+        epilogue.end(v0, v1)
