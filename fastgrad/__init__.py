@@ -15,10 +15,12 @@ Backends: ``available_backends``, ``set_backend``, ``use_backend``; strict devic
 ``soc_version``, ``set_soc_version``, ``get_soc_version`` (fastgrad/soc.py); errors:
 :class:`AclnnError` with ``.status``; large fresh outputs on recycled memory:
 ``output_cache``, ``set_output_cache_limit``, ``empty_cache``, ``output_cache_info``; the GEMM
-engine of the fused linear kernels: ``gemm_engine``, ``set_gemm_engine``, ``gemm``.
+engine of the fused linear kernels: ``gemm_engine``, ``set_gemm_engine``, ``gemm``; every
+setting in force at once: ``settings()`` (a frozen :class:`Settings`, fastgrad/_config.py).
 """
 
 from ._config import (
+    Settings,
     gemm,
     gemm_engine,
     get_num_threads,
@@ -30,6 +32,7 @@ from ._config import (
     set_num_threads,
     set_soc_version,
     set_strict,
+    settings,
     soc_version,
     strict,
 )
@@ -78,6 +81,8 @@ __all__ = [
     "gemm",
     "gemm_engine",
     "set_gemm_engine",
+    "settings",
+    "Settings",
     "empty_cache",
     "output_cache",
     "output_cache_info",

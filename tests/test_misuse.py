@@ -489,3 +489,39 @@ def test_process_group_of_the_wrong_type_is_a_type_error():
     for kw in ({}, {"vocab_start_index": 0, "vocab_size": 16}):
         with pytest.raises(TypeError, match="process_group: expected None or a torch.distributed.ProcessGroup, got object"):
             linear_cross_entropy(h, w, t, process_group=object(), **kw)
+
+
+def test_settings_resolve_every_setting_in_one_object(monkeypatch):
+    """``fg.settings()``: context > process > environment > default, one frozen object; an invalid
+    environment value is refused naming the variable (161002), never read as the default."""
+    import dataclasses
+
+    from fastgrad import _config
+
+    for var in ("FASTGRAD_STRICT", "FASTGRAD_GEMM", "FASTGRAD_SOC_VERSION", "FASTGRAD_WORKSPACE_MB",
+                "FASTGRAD_BACKEND", "FASTGRAD_NATIVE_ISA"):
+        monkeypatch.delenv(var, raising=False)
+    s = fg.settings()
+    assert isinstance(s, fg.Settings) and dataclasses.is_dataclass(s)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.strict = True  # type: ignore[misc]
+    assert (s.strict, s.gemm, s.backend, s.native_isa, s.workspace_bytes) == (False, "auto", "cpu", "auto", 256 * 2**20)
+    assert s.soc_version == "Ascend910B" and not s.prefer_onednn and s.progress is None
+    monkeypatch.setenv("FASTGRAD_WORKSPACE_MB", "64")
+    monkeypatch.setenv("FASTGRAD_GEMM", "blas")
+    monkeypatch.setenv("FASTGRAD_SOC_VERSION", "Ascend950")
+    s = fg.settings()
+    assert (s.workspace_bytes, s.gemm, s.soc_version) == (64 * 2**20, "blas", "Ascend950")
+    cb = lambda done, total: None  # noqa: E731
+    with fg.strict(), fg.gemm("auto"), fg.soc_version("Ascend910_93"), fg.use_backend("reference"), fg.progress(cb):
+        s = fg.settings()
+        assert (s.strict, s.gemm, s.soc_version, s.backend, s.progress) == (True, "auto", "Ascend910_93", "reference", cb)
+    with _config.prefer_onednn():
+        assert fg.settings().prefer_onednn
+    monkeypatch.setenv("FASTGRAD_NATIVE_ISA", "avx-3")
+    with pytest.raises(ValueError, match="FASTGRAD_NATIVE_ISA"):
+        fg.settings()
+    monkeypatch.setenv("FASTGRAD_NATIVE_ISA", "avx2")
+    monkeypatch.setenv("FASTGRAD_ACL_DEVICE", "npu0")
+    with pytest.raises(ValueError, match="FASTGRAD_ACL_DEVICE"):
+        _config.acl_device_id()
