@@ -430,6 +430,12 @@ def set_workspace_budget(nbytes: int | None) -> None:
     _budget_override = None if nbytes is None else int(nbytes)
 
 
+def workspace_budget_override() -> int | None:
+    """The process's :func:`set_workspace_budget` (None: the environment's or the default), to
+    restore it after a temporary change."""
+    return _budget_override
+
+
 def workspace_budget() -> int:
     """The scratch-memory budget of the tile plans in bytes: :func:`set_workspace_budget` >
     ``FASTGRAD_WORKSPACE_MB`` > 256 MiB (161002 for an invalid variable)."""
@@ -438,10 +444,15 @@ def workspace_budget() -> int:
     return env_bytes("FASTGRAD_WORKSPACE_MB", 256, 1)
 
 
+#: the output cache's cap without a setting, MiB
+OUTPUT_CACHE_DEFAULT_MB = 2048
+
+
 def output_cache_env_limit() -> int:
-    """The output cache's cap from ``FASTGRAD_OUTPUT_CACHE_MB`` (default 2048 MiB; 0: off) in
-    bytes; ``fastgrad._outcache`` asks this when no cap was set in the process."""
-    return env_bytes("FASTGRAD_OUTPUT_CACHE_MB", 2048, 0)
+    """The output cache's cap from ``FASTGRAD_OUTPUT_CACHE_MB`` (default
+    :data:`OUTPUT_CACHE_DEFAULT_MB`; 0: off) in bytes; ``fastgrad._outcache`` asks this when no
+    cap was set in the process."""
+    return env_bytes("FASTGRAD_OUTPUT_CACHE_MB", OUTPUT_CACHE_DEFAULT_MB, 0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,7 +52,6 @@ __all__ = ["empty", "empty_cache", "output_cache_info", "output_cache_limit", "s
 
 MIN_BYTES = 16 * 2**20  #: smaller outputs come from malloc's own free lists, no fresh pages
 GRANULE = 2 * 2**20  #: block sizes are rounded up to this (nearby sizes share blocks)
-_DEFAULT_MB = 2048
 
 _lock = threading.Lock()
 

@@ -576,12 +576,17 @@ def check_out_space(job: Job) -> None:
 # ------------------------------------------------------------------ memory estimate (from the plan)
 
 
-def _plans(BT, Vs, H, mode, widen):
+def _plans(BT, Vs, H, mode, widen, budget_bytes=None):
     from ..tiling import plan_linear_cross_entropy
 
-    fwd = plan_linear_cross_entropy(BT, Vs, H, mode="forward", widen=widen)
+    fwd = plan_linear_cross_entropy(BT, Vs, H, mode="forward", widen=widen, budget_bytes=budget_bytes)
     bwd = plan_linear_cross_entropy(
-        BT, Vs, H, mode="memory_saving" if mode == "memory-saving" else "high_performance", widen=widen
+        BT,
+        Vs,
+        H,
+        mode="memory_saving" if mode == "memory-saving" else "high_performance",
+        widen=widen,
+        budget_bytes=budget_bytes,
     )
     return fwd, bwd
 
@@ -589,18 +594,10 @@ def _plans(BT, Vs, H, mode, widen):
 def estimate_memory(job: Job, budget_bytes: int | None = None, shards: int | None = None) -> dict:
     """Peak RSS the job will reach, from the tile plans: inputs + outputs + the largest phase's
     scratch + the process's RSS now + the JIT allowance."""
-    from .. import _config, tiling
-
     BT, H, V, isz = job.BT, job.H, job.V, job.dtype.itemsize
     shards = shards or job.args.shards
     Vs = -(-V // shards)
-    old = _config._budget_override
-    try:
-        if budget_bytes is not None:
-            tiling.set_workspace_budget(budget_bytes)
-        fwd, bwd = _plans(BT, Vs, H, job.args.mode, job.dtype.itemsize != 4)
-    finally:
-        tiling.set_workspace_budget(old)
+    fwd, bwd = _plans(BT, Vs, H, job.args.mode, job.dtype.itemsize != 4, budget_bytes)
     hp = job.args.mode == "high-performance"
     inputs = BT * H * isz + V * H * isz + BT * 8 + BT * 4
     for src in (job.w_src, job.x_src):  # a cast reads the whole file through the mapping
@@ -1345,13 +1342,14 @@ def gemm_kernel(dtype: np.dtype) -> str:
     from ..dtypes import BFLOAT16, FLOAT16
     from ..ops import _engines
 
-    if dtype == BFLOAT16 and _engines.bf16_kernel_in_use():
-        v = _engines.gemm_choice(BFLOAT16).variant
-        return f"bf16 exact-product kernel ({v})"
-    if dtype == FLOAT16 and _engines.fp16_kernel_in_use():
-        v = _engines.gemm_choice(FLOAT16).variant
-        return f"fp32 kernel ({v}, fp16 operands)"
-    return "BLAS sgemm"
+    if dtype not in (BFLOAT16, FLOAT16):
+        return "BLAS sgemm"
+    c = _engines.gemm_choice(dtype)
+    if c.exact is None:
+        return "BLAS sgemm"
+    return (
+        f"bf16 exact-product kernel ({c.variant})" if c.exact == "bf16" else f"fp32 kernel ({c.variant}, fp16 operands)"
+    )
 
 
 def _pct_of_blas(f: float, kernel: str = "BLAS sgemm") -> str:
@@ -1515,7 +1513,7 @@ def _job(job: Job) -> int:
     args = job.args
     say = Say(sys.stderr if args.json else sys.stdout)
     threads = args.threads or max_threads()
-    old_threads, old_budget = fg.get_num_threads(), _config._budget_override
+    old_threads, old_budget = fg.get_num_threads(), _config.workspace_budget_override()
     fg.set_num_threads(threads)
     if args.workspace_mb is not None:
         tiling.set_workspace_budget(int(args.workspace_mb * MiB))

@@ -162,11 +162,17 @@ def choose(dtype, setting: str = "auto") -> str:
         return setting
     if setting != "auto":
         raise ValueError(f"setting must be 'auto', 'blas' or 'onednn', got {setting!r}")
+    # no variant, or an AVX2 one where BLAS is faster (_bf16dot.AUTO_AVX2): BLAS
+    return "blas" if _auto_spec(dtype)[1] is None else "native"
+
+
+def _auto_spec(dtype):
+    """``(kind, spec)``: the native kernel's operand kind for ``dtype`` (``"bf16"``, ``"f32"`` for
+    fp16, None) and the variant the GEMM setting ``"auto"`` runs it on (None: BLAS) — the one rule
+    :func:`choose` and :func:`resolve` share."""
     dt = np.dtype(dtype)
     kind = "bf16" if dt == D.BFLOAT16 else "f32" if dt == D.FLOAT16 else None
-    if kind is not None and _bf16dot.auto_variant(kind) is None:
-        return "blas"  # no variant, or an AVX2 one where BLAS is faster (_bf16dot.AUTO_AVX2)
-    return engines(dtype)[0]
+    return kind, (None if kind is None else _bf16dot.auto_variant(kind))
 
 
 def make(name: str, X: np.ndarray, W: np.ndarray, vc: int) -> GemmEngine:
@@ -191,9 +197,7 @@ def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool
     """
     _bf16dot.select_isa(isa)
     engine = _onednn.resolve_engine(setting, prefer_onednn)
-    dt = np.dtype(dtype)
-    kind = "bf16" if dt == D.BFLOAT16 else "f32" if dt == D.FLOAT16 else None
-    spec = _bf16dot.auto_variant(kind) if (kind is not None and setting == "auto") else None
+    kind, spec = _auto_spec(dtype) if setting == "auto" else (None, None)
     exact = kind if spec is not None else None
     return GemmChoice(
         engine=engine,

@@ -166,14 +166,13 @@ def matmul_nt(
 ) -> None:
     """out[M, N] = A[M, K] · B[N, K]ᵀ (with ``tmp``, scratch of out's shape: out += A · Bᵀ), tiles
     of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
-    e = engine
     _run(
         [
-            (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[c:d].T, out[a:b, c:d], _part(tmp, a, b, c, d), e))
+            (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[c:d].T, out[a:b, c:d], _part(tmp, a, b, c, d), engine))
             for a, b in _spans(A.shape[0], ROW_BLOCK)
             for c, d in _spans(B.shape[0], COL_BLOCK)
         ],
-        e,
+        engine,
     )
 
 
@@ -182,14 +181,13 @@ def matmul_nn(
 ) -> None:
     """out[M, N] = A[M, K] · B[K, N] (with ``tmp``, scratch of out's shape: out += A · B), tiles
     of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
-    e = engine
     _run(
         [
-            (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[:, c:d], out[a:b, c:d], _part(tmp, a, b, c, d), e))
+            (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[:, c:d], out[a:b, c:d], _part(tmp, a, b, c, d), engine))
             for a, b in _spans(A.shape[0], ROW_BLOCK)
             for c, d in _spans(B.shape[1], COL_BLOCK)
         ],
-        e,
+        engine,
     )
 
 
@@ -198,11 +196,10 @@ def matmul_tn(
 ) -> None:
     """out[M, N] = A[K, M]ᵀ · B[K, N] (with ``tmp``, scratch of out's shape: out += Aᵀ · B),
     blocks of ≤ COL_BLOCK rows of out (columns of A)."""
-    e = engine
     _run(
         [
-            (lambda a=a, b=b: _mm_into(A[:, a:b].T, B, out[a:b], _part(tmp, a, b), e))
+            (lambda a=a, b=b: _mm_into(A[:, a:b].T, B, out[a:b], _part(tmp, a, b), engine))
             for a, b in _spans(A.shape[1], COL_BLOCK)
         ],
-        e,
+        engine,
     )

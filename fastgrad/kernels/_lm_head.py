@@ -79,16 +79,13 @@ class Operands:
         self.b16, self.f16k = self.kind == "bf16", self.kind == "f32"
         self.Hp = _bf16dot.npad(H) if self.f16k else H
         self.W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
-        width = self.Hp if self.f16k else None
-        self._width = width
-        # fp32 operands where a GEMM of this call runs on BLAS or the fp32 kernel takes them
-        all_tiles = weight_tiles == "all"
-        need_x = (all_tiles and not self.b16) or self.kind is None
-        self.Xp = fp32_block(input, 0, BT, width=width) if need_x else None  # exact fp32
+        self._width = self.Hp if self.f16k else None
+        # fp32 X and W tiles where a GEMM of this call runs on BLAS or the fp32 kernel takes them
+        self._fp32 = (weight_tiles == "all" and not self.b16) or self.kind is None
+        self.Xp = fp32_block(input, 0, BT, width=self._width) if self._fp32 else None  # exact fp32
         self.X32 = None if self.Xp is None else self.Xp[:, :H]
-        self._tiles = (all_tiles and not self.b16) or self.kind is None
         widen = input.dtype != D.FLOAT32
-        self._w_buf = scratch(plan.v_tile * self.Hp, np.float32) if (self._tiles and widen) else None
+        self._w_buf = scratch(plan.v_tile * self.Hp, np.float32) if (self._fp32 and widen) else None
         # the logits on the exact-product kernel (its packed W tile, X in its A form)
         self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp) if (self.kind and logits) else None
         self.W32p: np.ndarray | None = None
@@ -96,7 +93,7 @@ class Operands:
 
     def chunk(self, v0: int, v1: int) -> None:
         """Prepare vocabulary tile ``[v0, v1)``: its fp32 rows and/or its packed form."""
-        if self._tiles:
+        if self._fp32:
             self.W32p = fp32_block(self.W, v0, v1, self._w_buf, width=self._width)
             self.W32 = self.W32p[:, : self.H]
         if self.lg is not None:

@@ -197,7 +197,7 @@ class FlceGrad:
     ):
         BT, H = input.shape
         bt, vt = plan.bt_tile, plan.v_tile
-        self.ops, self.plan, self.H = ops, plan, H
+        self.ops, self.H = ops, H
         self.hp = not isinstance(stat, tuple)
         self.stat = stat
         self.grad32, self.tcol, self.code, self.smooth, self.inv_k = grad32, tcol, code, smooth, inv_k

@@ -27,7 +27,7 @@ from .._jit import njit, tjit
 from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
-from ._gemm import run_rows, single_threaded_blas
+from ._gemm import blas_for, run_rows
 from ._linear import narrow
 from ._lm_head import Operands
 from ._lm_head import run as run_tiles
@@ -78,15 +78,8 @@ class OnlineStats:
     (``vocab_parallel_logits``)."""
 
     def __init__(self, ops: Operands, plan, code, lmax, sexp, tcol, picked, logits):
-        self.ops, self.code, self.lmax, self.sexp, self.tcol, self.picked, self.out = (
-            ops,
-            code,
-            lmax,
-            sexp,
-            tcol,
-            picked,
-            logits,
-        )
+        self.ops, self.code, self.tcol, self.out = ops, code, tcol, logits
+        self.lmax, self.sexp, self.picked = lmax, sexp, picked  # the running statistics
         self.l_buf = scratch(plan.bt_tile * plan.v_tile, np.float32)  # recycled memory (fastgrad._outcache)
 
     def begin(self, v0: int, v1: int) -> None:
@@ -144,10 +137,10 @@ def run(
     return plan
 
 
+@blas_for(lambda kw: kw["plan"].gemm.engine)
 def fused_linear_online_max_sum(
     *, input, weight, target, vocab_start_index, vocab_end_index, return_logits, logits_dtype, out, plan, progress=None
 ):
     """The ``"cpu"`` entry point (arguments validated by the op; ``return_logits`` is implied
     by ``out[5]``)."""
-    with single_threaded_blas(plan.gemm.engine):
-        run(input, weight, target, vocab_start_index, vocab_end_index, np.dtype(logits_dtype), out, plan, progress)
+    run(input, weight, target, vocab_start_index, vocab_end_index, np.dtype(logits_dtype), out, plan, progress)

@@ -218,9 +218,10 @@ def parse_attr(d: AttrDef, value: Any, call: Call) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-def current_profile() -> SocProfile:
+def current_profile(soc_version: str | None = None) -> SocProfile:
     """The SoC profile the ops follow now: on the ``"acl"`` backend the device's own
-    (``aclrtGetSocName``), elsewhere :func:`fastgrad._config.get_soc_version`'s."""
+    (``aclrtGetSocName``), elsewhere the setting's (``soc_version``, default
+    :func:`fastgrad._config.get_soc_version`)."""
     if get_backend() == "acl":
         from ..backends import acl_runtime
 
@@ -230,7 +231,7 @@ def current_profile() -> SocProfile:
                 return get_profile(name)
             except ValueError:  # a SoC without a profile: the setting's checks
                 pass
-    return get_profile(_config.get_soc_version())
+    return get_profile(_config.get_soc_version() if soc_version is None else soc_version)
 
 
 def _is_number(x) -> bool:
@@ -367,7 +368,7 @@ def _allocate(call: Call, users: list, checked: list) -> list[arrays.Out | None]
 def execute(op: OpDef, args: dict, out: Any = None) -> Any:
     """Run ``op`` on ``args`` (its inputs and attributes by name): check, plan, compute, wrap."""
     s = _config.settings()  # every setting, read once for this call
-    call = Call(op, s.strict, args, soc=current_profile(), settings=s)
+    call = Call(op, s.strict, args, soc=current_profile(s.soc_version), settings=s)
     _adapt_inputs(op, call)
     for d in op.attrs:
         call.attrs[d.name] = parse_attr(d, args.get(d.name), call)

@@ -172,6 +172,7 @@ def _plan(c: Call):
         H,
         mode=mode,
         widen=c.a["input"].dtype != D.FLOAT32,
+        budget_bytes=c.settings.workspace_bytes if c.settings else None,
         filter_eps=c.info.get("filter_eps"),
         gemm=gemm_choice(c.a["input"].dtype, c.settings),
     )

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _outcache, arrays, tiling
+from .. import _config, _outcache, arrays, tiling
 from .. import dtypes as D
 from .._config import is_strict
 from ..arrays import ArrayLike
@@ -75,6 +75,10 @@ class LinearCrossEntropyResult(NamedTuple):
     z_mean: Any = None  #: with ``return_entropy``: [BT] ``μ = Σ_v p_v·z_v`` (compute dtype; for the recompute)
 
 
+#: the backends whose missing implementation was reported (once per process each)
+_FALLBACK_WARNED: set[str] = set()
+
+
 def _impl() -> Callable:
     """The selected backend's implementation: ``"cpu"`` the Numba kernel, ``"reference"`` the
     float64 golden (``fastgrad/reference/linear_cross_entropy.py``).  A backend without one (the
@@ -89,9 +93,8 @@ def _impl() -> Callable:
     try:
         return dispatch(OP, name)
     except AclnnError:
-        warned = _impl.__dict__.setdefault("_warned", set())
-        if name not in warned:
-            warned.add(name)
+        if name not in _FALLBACK_WARNED:
+            _FALLBACK_WARNED.add(name)
             warnings.warn(
                 f"{OP} has no {name!r} implementation (not an aclnn op): ran the 'cpu' kernel",
                 RuntimeWarning,
@@ -265,6 +268,7 @@ def linear_cross_entropy(
     ``filter_eps`` not None/"auto"/(0, 1], or given in strict mode; ``precision`` not
     "accurate"/"fast", or "fast" in strict mode).
     """
+    st = _config.settings()  # every setting, read once for this call
     kind = arrays.kind_of(input, weight, target)
     x = arrays.as_numpy(input, "input", op=OP)
     w = arrays.as_numpy(weight, "weight", op=OP)
@@ -321,7 +325,7 @@ def linear_cross_entropy(
     feps = parse_filter_eps(filter_eps, x.dtype)
     if precision not in ("accurate", "fast"):
         raise invalid("precision", "'accurate' or 'fast'", repr(precision), OP)
-    if precision == "fast" and is_strict():
+    if precision == "fast" and st.strict:
         raise invalid("precision", "'accurate' (the device rounds no gradient this way; strict mode)", "'fast'", OP)
     if not isinstance(return_entropy, (bool, np.bool_)):
         raise invalid("return_entropy", "a bool", repr(return_entropy), OP)
@@ -413,7 +417,7 @@ def linear_cross_entropy(
         "filter_rows": tiling.FILTER_ROWS,
         "filter_cols": tiling.FILTER_COLS,
         # the GEMMs, chosen once from the settings (the kernel reads none): ops/_engines.py
-        "gemm": gemm_choice(x.dtype),
+        "gemm": gemm_choice(x.dtype, st),
     }
     fstats: dict | None = {} if (feps is not None and want_grad) else None
     out: dict = {
@@ -431,7 +435,7 @@ def linear_cross_entropy(
         "filter_stats": fstats,
     }
     itemsize = np.dtype(cdt).itemsize
-    budget = tiling.workspace_budget()
+    budget = st.workspace_bytes
     _impl()(
         input=x,
         weight=w,
