@@ -122,12 +122,14 @@ def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> di
 def _gemm_engines(has_torch: bool) -> dict:
     """The GEMM engine of the NumPy-level ops and of fastgrad.torch's training loss here."""
     from .. import _config
+    from ..dtypes import BFLOAT16, FLOAT16
     from ..ops import _engines
 
-    bf16 = _engines.bf16_kernel_in_use()
-    kernels = ["bf16 operands: the exact-product bf16 kernel"] if bf16 else []
-    if _engines.fp16_kernel_in_use():
-        kernels.append("fp16 operands: the fp32 AVX-512 kernel")
+    b, f = _engines.gemm_choice(BFLOAT16), _engines.gemm_choice(FLOAT16)
+    bf16 = b.exact is not None
+    kernels = [f"bf16 operands: the exact-product bf16 kernel ({b.variant})"] if bf16 else []
+    if f.exact is not None:
+        kernels.append(f"fp16 operands: the fp32 kernel ({f.variant})")
     suffix = f" ({'; '.join(kernels)})" if kernels else ""
     out = {"ops": _config.gemm_engine() + suffix}
     if has_torch:
