@@ -146,12 +146,26 @@ def _spans(M: int, step: int) -> list[tuple[int, int]]:
     return [((i * M) // k, ((i + 1) * M) // k) for i in range(k)]
 
 
+def row_tasks(kernel, n: int, *args, parts: int = 16) -> list:
+    """The tasks of :func:`run_rows` (``kernel(lo, hi, *args)`` over at most ``parts`` equal spans
+    of ``[0, n)``), to run with other independent tasks in one :func:`run_tasks`."""
+    return [functools.partial(kernel, a, b, *args) for a, b in _spans(n, -(-n // parts))] if n > 0 else []
+
+
 def run_rows(kernel, n: int, *args, parts: int = 16) -> None:
     """``kernel(lo, hi, *args)`` over ``[0, n)`` cut into at most ``parts`` equal spans, on the
     pool: the element-wise passes of the fused loops run on the same threads as their GEMMs
     (no OpenMP workers spinning beside the BLAS calls).  The spans come from ``n`` only."""
     if n > 0:
-        _run([functools.partial(kernel, a, b, *args) for a, b in _spans(n, -(-n // parts))])
+        _run(row_tasks(kernel, n, *args, parts=parts))
+
+
+def run_tasks(tasks: list, engine: str = "blas") -> None:
+    """Run independent tasks (from :func:`row_tasks`, :func:`nt_tasks`, :func:`nn_tasks`,
+    :func:`tn_tasks`) on the pool together, one barrier for all: a pipelined loop puts one
+    stage's GEMM tiles beside the next stage's element-wise passes.  Each task is the same call
+    on the same operands as when run alone, so the bits do not depend on the grouping."""
+    _run(tasks, engine)
 
 
 def _part(t: np.ndarray | None, a: int, b: int, c: int | None = None, d: int | None = None):
@@ -161,19 +175,44 @@ def _part(t: np.ndarray | None, a: int, b: int, c: int | None = None, d: int | N
     return t[a:b] if c is None else t[a:b, c:d]
 
 
+def nt_tasks(
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
+) -> list:
+    """The tiles of :func:`matmul_nt` as tasks."""
+    return [
+        (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[c:d].T, out[a:b, c:d], _part(tmp, a, b, c, d), engine))
+        for a, b in _spans(A.shape[0], ROW_BLOCK)
+        for c, d in _spans(B.shape[0], COL_BLOCK)
+    ]
+
+
+def nn_tasks(
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
+) -> list:
+    """The tiles of :func:`matmul_nn` as tasks."""
+    return [
+        (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[:, c:d], out[a:b, c:d], _part(tmp, a, b, c, d), engine))
+        for a, b in _spans(A.shape[0], ROW_BLOCK)
+        for c, d in _spans(B.shape[1], COL_BLOCK)
+    ]
+
+
+def tn_tasks(
+    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
+) -> list:
+    """The blocks of :func:`matmul_tn` as tasks."""
+    return [
+        (lambda a=a, b=b: _mm_into(A[:, a:b].T, B, out[a:b], _part(tmp, a, b), engine))
+        for a, b in _spans(A.shape[1], COL_BLOCK)
+    ]
+
+
 def matmul_nt(
     A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
 ) -> None:
     """out[M, N] = A[M, K] · B[N, K]ᵀ (with ``tmp``, scratch of out's shape: out += A · Bᵀ), tiles
     of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
-    _run(
-        [
-            (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[c:d].T, out[a:b, c:d], _part(tmp, a, b, c, d), engine))
-            for a, b in _spans(A.shape[0], ROW_BLOCK)
-            for c, d in _spans(B.shape[0], COL_BLOCK)
-        ],
-        engine,
-    )
+    _run(nt_tasks(A, B, out, tmp, engine), engine)
 
 
 def matmul_nn(
@@ -181,14 +220,7 @@ def matmul_nn(
 ) -> None:
     """out[M, N] = A[M, K] · B[K, N] (with ``tmp``, scratch of out's shape: out += A · B), tiles
     of ≤ ROW_BLOCK rows × ≤ COL_BLOCK columns of out."""
-    _run(
-        [
-            (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[:, c:d], out[a:b, c:d], _part(tmp, a, b, c, d), engine))
-            for a, b in _spans(A.shape[0], ROW_BLOCK)
-            for c, d in _spans(B.shape[1], COL_BLOCK)
-        ],
-        engine,
-    )
+    _run(nn_tasks(A, B, out, tmp, engine), engine)
 
 
 def matmul_tn(
@@ -196,10 +228,4 @@ def matmul_tn(
 ) -> None:
     """out[M, N] = A[K, M]ᵀ · B[K, N] (with ``tmp``, scratch of out's shape: out += Aᵀ · B),
     blocks of ≤ COL_BLOCK rows of out (columns of A)."""
-    _run(
-        [
-            (lambda a=a, b=b: _mm_into(A[:, a:b].T, B, out[a:b], _part(tmp, a, b), engine))
-            for a, b in _spans(A.shape[1], COL_BLOCK)
-        ],
-        engine,
-    )
+    _run(tn_tasks(A, B, out, tmp, engine), engine)

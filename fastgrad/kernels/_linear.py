@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
-from ._gemm import run_rows
+from ._gemm import row_tasks, run_rows
 
 
 @tjit
@@ -41,6 +41,20 @@ def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None, w
     if n and h:
         run_rows(_widen_rows, n, np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
     return out
+
+
+def fp32_block_tasks(a: np.ndarray, r0: int, r1: int, buf: np.ndarray) -> tuple[np.ndarray, list]:
+    """:func:`fp32_block` in two steps: the fp32 rows ``r0:r1`` (in ``buf`` for 16-bit ``a``, a
+    view for fp32) and the tasks that fill them (none for fp32), to run beside other work
+    (``_gemm.run_tasks``).  The widening is exact: the same values as :func:`fp32_block`."""
+    blk = a[r0:r1]
+    if a.dtype == D.FLOAT32:
+        return np.ascontiguousarray(blk), []
+    n, h = blk.shape
+    out = buf[: n * h].reshape(n, h)
+    if not (n and h):
+        return out, []
+    return out, row_tasks(_widen_rows, n, np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
 
 
 def kept_blocks(keep: np.ndarray, fb: int, rb: int, nrows: int, ncols: int):
