@@ -54,6 +54,10 @@ class GemmChoice:
         ``fastgrad.torch``).
     isa : {"auto", "avx512", "avx2"}
         The native ISA setting the choice was made under.
+    a_form : {"pairs", "f32"} or None
+        The form of ``A`` the native variant takes (``KernelSpec.a_forms[0]``): bf16 pairs
+        (``vdpbf16ps``) or fp32 values (the FMA variants); it decides which copies of ``X`` the
+        loop holds (:func:`lm_head_buffers`).
     """
 
     engine: str = "blas"
@@ -61,6 +65,7 @@ class GemmChoice:
     variant: str | None = None
     logits16: bool = False
     isa: str = "auto"
+    a_form: str | None = None
 
     def exact_for(self, a, b) -> str | None:
         """The exact-product kernel for operands ``a`` and ``b`` (both 16-bit of one dtype), or None."""
@@ -76,6 +81,143 @@ BLAS = GemmChoice()
 
 def _round_down(x: int, m: int) -> int:
     return (x // m) * m
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One buffer the LM-head loop allocates (``kernels/_lm_head.Workspace`` hands it out by name).
+
+    ``shape``: its largest extent (a tile at the edge of the matrix uses a prefix); ``dtype``: a
+    NumPy dtype name; ``scope``: ``"call"`` (sized by the call: ``[BT, H]`` accumulators and
+    copies of ``X``) or ``"tile"`` (sized by the tile plan, the part the budget bounds)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    scope: str
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        import numpy as np
+
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+# The native kernel's packed ``B`` layout (``kernels/_bf16dot.py`` packs into it; the plan sizes it)
+NATIVE_COLS = 64  #: the packed ``B``'s column granule: a multiple of every variant's register tile
+
+
+def npad(n: int) -> int:
+    """Columns of the native kernels' ``B`` for ``n`` output columns: ``64·⌈n/64⌉``."""
+    return -(-n // NATIVE_COLS) * NATIVE_COLS
+
+
+def b_cols(n: int) -> int:
+    """The row length of the native kernel's packed ``B`` for ``n`` columns: :func:`npad` ``(n)``,
+    plus 64 where that is a multiple of 256 — rows 1 KiB · 2ʲ apart share a few L1/L2 sets, and a
+    column tile of ``B`` is read down its rows (AVX2 at a 32 KiB row stride: fp32 ``B`` 59 → 82
+    GF/s per core on a Zen 4 EPYC).  Columns past ``n`` are zero and never read into an output."""
+    w = npad(n)
+    return w + NATIVE_COLS if w % 256 == 0 else w
+
+
+def b_size(k: int, n: int) -> int:
+    """uint32 elements of the native kernel's ``B`` for a ``[K, N]`` bf16 product: ``ceil(K/2)``
+    rows of :func:`b_cols` ``(N)``."""
+    return ((k + 1) // 2) * b_cols(n)
+
+
+def lm_head_buffers(
+    mode: str,
+    BT: int,
+    H: int,
+    bt: int,
+    vt: int,
+    *,
+    dtype: str = "float32",
+    gemm: GemmChoice | None = None,
+    filtered: bool = False,
+) -> tuple[Buffer, ...]:
+    """Every buffer the LM-head loop (``kernels/_lm_head.py``: its operands and the op's epilogue)
+    allocates for a plan of ``bt × vt`` tiles over ``[BT, V]`` with hidden size ``H``, input
+    ``dtype`` and the GEMMs ``gemm`` — the list the kernels take their buffers from, so the memory
+    estimate is what the call holds (tests/test_lm_head_buffers.py measures it).
+
+    Not listed: ``[BT]`` row vectors of the entry points (statistics, target columns), the
+    gradient filter's per-block index arrays (a few KiB), and the GEMM engines' own per-thread
+    buffers (OpenBLAS's packing; the native kernel's copies of ``A`` rows, ≤ 512 × 2048 words per
+    pool thread, kept between calls)."""
+    gemm = BLAS if gemm is None else gemm
+    bt, vt = max(int(bt), 0), max(int(vt), 0)
+    want = {"bfloat16": "bf16", "float16": "f32"}.get(dtype)
+    kind = gemm.exact if (want is not None and gemm.exact == want) else None
+    b16, f16k = kind == "bf16", kind == "f32"
+    wide = dtype != "float32"  # 16-bit operands: fp32 copies for BLAS
+    grad = mode != "forward"
+    logits = mode != "high_performance"
+    hp = npad(H) if f16k else H
+    out: list[Buffer] = []
+
+    def add(name, shape, dt, scope):
+        out.append(Buffer(name, tuple(int(d) for d in shape), dt, scope))
+
+    # the operands (``_lm_head.Operands``): fp32 X and W tiles where BLAS or the fp32 kernel takes them
+    fp32_ops = (grad and not b16) or kind is None
+    if fp32_ops and wide:
+        add("x32", (BT, hp), "float32", "call")
+        add("w32_tile", (vt, hp), "float32", "tile")
+    if kind is not None and logits:  # the logits on the native kernel (``_bf16dot.Logits``)
+        if f16k:
+            if not fp32_ops:
+                add("x32", (BT, npad(H)), "float32", "call")
+            add("w_packed", (H, b_cols(vt)), "float32", "tile")
+        else:
+            if gemm.a_form == "f32":
+                add("x32", (BT, H), "float32", "call")
+            elif H % 2:
+                add("x_pairs_padded", (BT, H + 1), "uint16", "call")
+            add("w_packed", ((H + 1) // 2, b_cols(vt)), "uint32", "tile")
+            if H % 2:
+                add("w_pairs_padded", (vt, H + 1), "uint16", "tile")
+    if not grad:  # the online max-sum's epilogue
+        add("logits_tile", (bt, vt), "float32", "tile")
+        return tuple(out)
+    # the FLCE grad's epilogue (``FlceGrad``)
+    n_bt = -(-BT // bt) if bt else 0
+    add("grad_input_acc", (BT, H), "float32", "call")
+    add("g_tile", (bt, vt), "float32", "tile")
+    add("grad_weight_tile", (vt, H), "float32", "tile")
+    if b16:
+        rows = sum(b_size(min(bt, BT - b0), H) for b0 in range(0, BT, bt)) if bt else 0
+        add("x_pairs_tiles", (rows,), "uint32", "call")
+        add("w_pairs_tile", (b_size(vt, H),), "uint32", "tile")
+    elif not f16k:  # BLAS: each product into scratch, then summed
+        add("product", (bt, H), "float32", "tile")
+        if n_bt > 1:
+            add("grad_weight_product", (vt, H), "float32", "tile")
+    if filtered and logits:
+        fb, rb = FILTER_COLS, min(FILTER_ROWS, bt)
+        add("filter_flags", (bt, -(-vt // fb)), "bool", "tile")
+        add("kept_g", (rb, vt), "float32", "tile")
+        if b16:
+            add("kept_w16", (vt, H), "uint16", "tile")
+            add("kept_w_pairs", (b_size(vt, H),), "uint32", "tile")
+        else:
+            add("kept_w", (vt, H), "float32", "tile")
+            add("kept_product", (rb, H), "float32", "tile")
+        add("kept_grad_weight", (vt, H), "float32", "tile")
+    return tuple(out)
+
+
+def _scope_bytes(buffers, scope: str) -> int:
+    return sum(b.nbytes for b in buffers if b.scope == scope)
 
 
 @dataclass(frozen=True)
@@ -96,16 +238,20 @@ class LinearCETiling:
         ``"memory_saving"`` (logits recomputed per tile), ``"high_performance"`` (softmax given)
         or ``"forward"`` (the online max/sum companion op).
     workspace_bytes : int
-        Peak scratch memory fastgrad allocates for the op: ``fixed_bytes + tile_bytes``,
-        independent of BT×V.
+        The memory the loop allocates (bytes): ``fixed_bytes + tile_bytes``, the sum of
+        :attr:`buffers`; independent of V beyond one tile.
     budget_bytes : int
         The budget the plan was made for (it bounds ``tile_bytes``).
     fixed_bytes : int
-        Output-sized fp32 buffers (``[BT, H]`` grad_input accumulator, fp32 input copy).
+        The ``"call"`` buffers (``[BT, H]``-sized: grad_input accumulator, copies of ``X``).
     tile_bytes : int
-        Per-tile scratch (logits/g tile, fp32 weight tile, grad_weight tile, products).
+        The ``"tile"`` buffers (logits/g tile, weight tile forms, grad_weight tile, products).
     gemm : GemmChoice
         The GEMMs the kernel runs (chosen by the op layer from the settings).
+    buffers : tuple of Buffer
+        Every buffer the loop allocates (:func:`lm_head_buffers`); ``fixed_bytes`` is the sum of
+        its ``"call"`` buffers, ``tile_bytes`` of its ``"tile"`` buffers, ``workspace_bytes``
+        of all: the memory estimate is this list.
     filter_eps, filter_rows, filter_cols : float or None, int, int
         Gradient filtering (memory-saving mode): blocks of ``filter_rows × filter_cols`` whose
         every ``|softmax - onehot|`` is below ``filter_eps`` are skipped in the gradient GEMMs.
@@ -130,6 +276,14 @@ class LinearCETiling:
     blocks_total: int = 0
     blocks_skipped: int = 0
     gemm: GemmChoice = BLAS
+    buffers: tuple[Buffer, ...] = ()
+
+    def buffer(self, name: str) -> Buffer:
+        """The buffer ``name`` of :attr:`buffers` (``KeyError`` naming the list when absent)."""
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(f"the plan lists no buffer {name!r} (it lists {[b.name for b in self.buffers]})")
 
     @property
     def n_bt_tiles(self) -> int:
@@ -163,31 +317,9 @@ class LinearCETiling:
                 yield b0, b1, v0, v1
 
 
-def _fixed_bytes(mode: str, BT: int, H: int, widen: bool) -> int:
-    """Output-sized fp32 buffers: the grad_input accumulator and the fp32 copy of input."""
-    return 4 * BT * H * ((mode != "forward") + bool(widen))
-
-
 #: Gradient-filtering block: rows × vocabulary columns (two and a quarter of the device's base block).
 FILTER_ROWS = 256
 FILTER_COLS = 64
-
-
-def _tile_bytes(mode: str, BT: int, H: int, bt: int, vt: int, widen: bool, filtered: bool = False) -> int:
-    """Scratch of one tile — the one formula both the tile search and the report use."""
-    per_col = 4 * bt  # logits / g tile
-    if widen:
-        per_col += 4 * H  # fp32 weight tile
-    extra = 0
-    if mode != "forward":
-        per_col += 4 * H  # grad_weight tile accumulator
-        extra += 4 * bt * H  # g·W product of one tile
-        if bt < BT or filtered:
-            per_col += 4 * H  # gᵀ·X product of one row tile
-        if filtered:
-            per_col += 8 * H + 4 * min(FILTER_ROWS, bt) + bt // FILTER_COLS + 1  # gathered W, gᵀX, g; flags
-            extra += 4 * min(FILTER_ROWS, bt) * H
-    return per_col * vt + extra
 
 
 def plan_linear_cross_entropy(
@@ -200,6 +332,7 @@ def plan_linear_cross_entropy(
     budget_bytes: int | None = None,
     filter_eps: float | None = None,
     gemm: GemmChoice = BLAS,
+    dtype: str | None = None,
 ) -> LinearCETiling:
     """Choose the tile plan for the fused linear cross-entropy ops from shapes and a budget.
 
@@ -211,7 +344,7 @@ def plan_linear_cross_entropy(
         Shapes: input ``[BT, H]``, weight ``[V, H]``.
     mode : {"memory_saving", "high_performance", "forward"}
     widen : bool
-        True when the inputs are 16-bit and need fp32 copies for BLAS (counted in the workspace).
+        True when the inputs are 16-bit (ignored when ``dtype`` is given).
     budget_bytes : int, optional
         Budget for the per-tile scratch (``tile_bytes``); default :func:`workspace_budget`.  The
         fixed ``[BT, H]`` fp32 buffers (grad_input accumulator, fp32 input copy) are
@@ -222,17 +355,30 @@ def plan_linear_cross_entropy(
         Gradient filtering threshold (memory-saving mode only); its buffers are counted.
     gemm : GemmChoice
         The GEMMs the kernel will run (the op layer's choice, recorded in the plan).
+    dtype : str, optional
+        The inputs' dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``); default from
+        ``widen`` (``"bfloat16"`` / ``"float32"``).  With ``gemm`` it decides the buffers.
+
+    The tiles are sized from :func:`lm_head_buffers` — the buffers the loop will allocate — so
+    ``tile_bytes`` (the ``"tile"`` buffers) is what the budget bounds and ``workspace_bytes`` what
+    the call holds.
     """
     filtered = filter_eps is not None and mode == "memory_saving"
     budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
     BT, V, H = int(BT), int(V), int(H)
+    dt = dtype if dtype is not None else ("bfloat16" if widen else "float32")
+
+    def tile_bytes(bt: int, vt: int) -> int:
+        return _scope_bytes(lm_head_buffers(mode, BT, H, bt, vt, dtype=dt, gemm=gemm, filtered=filtered), "tile")
+
     bt = max(1, min(BT, MAX_BT_TILE))
     if bt < BT:
         bt = _round_down(bt, BASE_BT)
     while True:
-        fixed_part = _tile_bytes(mode, BT, H, bt, 0, widen, filtered)
-        per_col = _tile_bytes(mode, BT, H, bt, 1, widen, filtered) - fixed_part
-        vt = (budget - fixed_part) // per_col if per_col else V
+        # tile bytes are affine in vt for a fixed bt (up to the packed B's 64-column granule)
+        fixed_part = tile_bytes(bt, 0)
+        per_col = max(1, -(-(tile_bytes(bt, BASE_V) - fixed_part) // BASE_V))
+        vt = (budget - fixed_part) // per_col
         if vt >= min(BASE_V, max(V, 1)) or bt <= BASE_BT:
             break
         bt = max(BASE_BT, _round_down(bt // 2, BASE_BT))
@@ -241,8 +387,10 @@ def plan_linear_cross_entropy(
     else:
         vt = max(BASE_V, _round_down(vt, BASE_V))
     vt = max(1, min(vt, MAX_V_TILE, max(V, 1)))
-    fixed = _fixed_bytes(mode, BT, H, widen)
-    tile = _tile_bytes(mode, BT, H, bt, vt, widen, filtered)
+    while vt > BASE_V and tile_bytes(bt, vt) > budget:  # the granule's rounding
+        vt -= BASE_V
+    buffers = lm_head_buffers(mode, BT, H, bt, vt, dtype=dt, gemm=gemm, filtered=filtered)
+    fixed, tile = _scope_bytes(buffers, "call"), _scope_bytes(buffers, "tile")
     return LinearCETiling(
         BT=BT,
         V=V,
@@ -258,6 +406,7 @@ def plan_linear_cross_entropy(
         filter_rows=FILTER_ROWS if filtered else 0,
         filter_cols=FILTER_COLS if filtered else 0,
         gemm=gemm,
+        buffers=buffers,
     )
 
 

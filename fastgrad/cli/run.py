@@ -576,17 +576,17 @@ def check_out_space(job: Job) -> None:
 # ------------------------------------------------------------------ memory estimate (from the plan)
 
 
-def _plans(BT, Vs, H, mode, widen, budget_bytes=None):
+def _plans(BT, Vs, H, mode, dtype, budget_bytes=None):
+    """The two ops' tile plans for the job, with the GEMMs the ops will choose (their buffer
+    lists are the scratch estimate: ``tiling.lm_head_buffers``)."""
+    from ..ops._engines import gemm_choice
     from ..tiling import plan_linear_cross_entropy
 
-    fwd = plan_linear_cross_entropy(BT, Vs, H, mode="forward", widen=widen, budget_bytes=budget_bytes)
+    dt = np.dtype(dtype)
+    kw = dict(widen=dt.itemsize != 4, dtype=dt.name, budget_bytes=budget_bytes, gemm=gemm_choice(dt))
+    fwd = plan_linear_cross_entropy(BT, Vs, H, mode="forward", **kw)
     bwd = plan_linear_cross_entropy(
-        BT,
-        Vs,
-        H,
-        mode="memory_saving" if mode == "memory-saving" else "high_performance",
-        widen=widen,
-        budget_bytes=budget_bytes,
+        BT, Vs, H, mode="memory_saving" if mode == "memory-saving" else "high_performance", **kw
     )
     return fwd, bwd
 
@@ -597,7 +597,7 @@ def estimate_memory(job: Job, budget_bytes: int | None = None, shards: int | Non
     BT, H, V, isz = job.BT, job.H, job.V, job.dtype.itemsize
     shards = shards or job.args.shards
     Vs = -(-V // shards)
-    fwd, bwd = _plans(BT, Vs, H, job.args.mode, job.dtype.itemsize != 4, budget_bytes)
+    fwd, bwd = _plans(BT, Vs, H, job.args.mode, job.dtype, budget_bytes)
     hp = job.args.mode == "high-performance"
     inputs = BT * H * isz + V * H * isz + BT * 8 + BT * 4
     for src in (job.w_src, job.x_src):  # a cast reads the whole file through the mapping

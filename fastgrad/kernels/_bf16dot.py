@@ -42,9 +42,10 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
+from ..tiling import NATIVE_COLS, b_cols, b_size, npad
 from . import _native
 
-_COLS = 64  #: the packed ``B``'s column granule: a multiple of every variant's register tile
+_COLS = NATIVE_COLS  #: the packed ``B``'s column granule (``tiling``: the plan sizes the layout)
 #: pairs of ``k`` per pass over a tile: a 64-column strip of ``B`` (KC × 256 bytes) stays in L2;
 #: the next pass sums onto the stored fp32 values, the same additions in the same order
 _KC = 256
@@ -170,27 +171,6 @@ def _transpose_widen_rows(lo, hi, src, code, dst):
     for k in range(lo, hi):
         for j in range(n, dst.shape[1]):
             dst[k, j] = 0
-
-
-def b_size(k: int, n: int) -> int:
-    """uint32 elements of the kernel's ``B`` for a ``[K, N]`` product: ``ceil(K/2)`` rows of
-    :func:`b_cols` ``(N)`` (the ``out`` that :func:`pack` and :func:`interleave` need)."""
-    return ((k + 1) // 2) * b_cols(n)
-
-
-def b_cols(n: int) -> int:
-    """The row length of the ``B`` that :func:`pack` and :func:`interleave` write for ``n``
-    columns: :func:`npad` ``(n)``, plus 64 where that is a multiple of 256 — rows 1 KiB · 2ʲ
-    apart share a few L1/L2 sets, and a column tile of ``B`` is read down its rows (AVX2 at a
-    32 KiB row stride: fp32 ``B`` 59 → 82 GF/s per core on a Zen 4 EPYC).  Columns past ``n``
-    are zero and never read into an output."""
-    w = npad(n)
-    return w + _COLS if w % 256 == 0 else w
-
-
-def npad(n: int) -> int:
-    """Columns of the kernels' ``B`` for ``n`` output columns: ``64·⌈n/64⌉``."""
-    return -(-n // _COLS) * _COLS
 
 
 def _col_spans(n: int) -> list[tuple[int, int]]:
@@ -548,26 +528,33 @@ class Logits:
     64·⌈H/64⌉]`` (columns past H zero: also the grad_weight GEMM's ``B``; the caller's when
     given), ``W``'s chunk widened and transposed."""
 
-    def __init__(self, input: np.ndarray, W: np.ndarray, vc: int, x32: np.ndarray | None = None):
+    def __init__(self, input: np.ndarray, W: np.ndarray, vc: int, x32: np.ndarray | None = None, take=None):
+        """``take(name, size, dtype)``: where the buffers come from (the LM-head loop's
+        ``Workspace.take``: the plan's list, ``tiling.lm_head_buffers``); default recycled
+        scratch of that size."""
         from .._outcache import empty as scratch
         from ._linear import fp32_block
 
-        H = input.shape[1]
+        if take is None:
+            take = lambda name, size, dt: scratch(size, dt)  # noqa: E731
+        H, BT = input.shape[1], input.shape[0]
         self.W = W
         self.H = H
         self.f16 = input.dtype == np.float16
         if self.f16:
-            self.x32 = x32 if x32 is not None else fp32_block(input, 0, input.shape[0], width=npad(H))
+            if x32 is None:
+                x32 = fp32_block(input, 0, BT, buf=take("x32", BT * npad(H), np.float32), width=npad(H))
+            self.x32 = x32
             self.xp = self.x32[:, :H]
-            self.pbuf = scratch(H * b_cols(vc), np.float32)
+            self.pbuf = take("w_packed", H * b_cols(vc), np.float32)
             self.code = D.code_of(input.dtype)
         else:
             if a_form("bf16") == "f32":  # the FMA variants: X widened once (exact)
-                self.xp = fp32_block(input, 0, input.shape[0], buf=scratch(input.shape[0] * H, np.float32))
+                self.xp = fp32_block(input, 0, BT, buf=take("x32", BT * H, np.float32))
             else:
-                self.xp = pairs(input)
-            self.pbuf = scratch(b_size(H, vc), np.uint32)
-            self.wbuf = scratch(vc * (H + 1), np.uint16) if H % 2 else None
+                self.xp = pairs(input, take("x_pairs_padded", BT * (H + 1), np.uint16) if H % 2 else None)
+            self.pbuf = take("w_packed", b_size(H, vc), np.uint32)
+            self.wbuf = take("w_pairs_padded", vc * (H + 1), np.uint16) if H % 2 else None
         self.bp = np.empty((0, 0), np.uint32)
         self.n = 0
 

@@ -205,4 +205,5 @@ def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool
         variant=None if spec is None else spec.name,
         logits16=exact == "bf16" and prefer_onednn,
         isa=isa,
+        a_form=None if spec is None else spec.a_forms[0],
     )

@@ -37,7 +37,33 @@ from . import _bf16dot
 from ._gemm import matmul_nt
 from ._linear import fp32_block
 
-__all__ = ["Operands", "Epilogue", "run"]
+__all__ = ["Workspace", "Operands", "Epilogue", "run"]
+
+
+class Workspace:
+    """The plan's buffers (``plan.buffers``: ``tiling.lm_head_buffers``), handed out by name —
+    the only memory the loop allocates, so the plan's ``workspace_bytes`` is what a call holds.
+
+    :meth:`take` returns a flat array of the listed size (recycled scratch, ``fastgrad._outcache``)
+    and records the name; a name the plan does not list, or a larger size, is a ``ValueError``
+    (a plan made for other operands or another GEMM choice)."""
+
+    def __init__(self, plan: LinearCrossEntropyPlan):
+        self._listed = {b.name: b for b in plan.buffers}
+        self.taken: list[str] = []
+
+    def take(self, name: str, size: int, dtype) -> np.ndarray:
+        b = self._listed.get(name)
+        if b is None:
+            raise ValueError(
+                f"the plan lists no buffer {name!r} (it lists {sorted(self._listed)}): made for other operands?"
+            )
+        if int(size) > b.size or np.dtype(dtype) != np.dtype(b.dtype):
+            raise ValueError(
+                f"buffer {name!r}: the plan lists {b.size} x {b.dtype}, the loop asks {size} x {np.dtype(dtype)}"
+            )
+        self.taken.append(name)
+        return scratch(b.size, b.dtype)
 
 
 class Epilogue(Protocol):
@@ -80,14 +106,16 @@ class Operands:
         self.Hp = _bf16dot.npad(H) if self.f16k else H
         self.W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
         self._width = self.Hp if self.f16k else None
+        self.ws = ws = Workspace(plan)
         # fp32 X and W tiles where a GEMM of this call runs on BLAS or the fp32 kernel takes them
         self._fp32 = (weight_tiles == "all" and not self.b16) or self.kind is None
-        self.Xp = fp32_block(input, 0, BT, width=self._width) if self._fp32 else None  # exact fp32
-        self.X32 = None if self.Xp is None else self.Xp[:, :H]
         widen = input.dtype != D.FLOAT32
-        self._w_buf = scratch(plan.v_tile * self.Hp, np.float32) if (self._fp32 and widen) else None
+        x_buf = ws.take("x32", BT * self.Hp, np.float32) if (self._fp32 and widen) else None
+        self.Xp = fp32_block(input, 0, BT, x_buf, width=self._width) if self._fp32 else None  # exact fp32
+        self.X32 = None if self.Xp is None else self.Xp[:, :H]
+        self._w_buf = ws.take("w32_tile", plan.v_tile * self.Hp, np.float32) if (self._fp32 and widen) else None
         # the logits on the exact-product kernel (its packed W tile, X in its A form)
-        self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp) if (self.kind and logits) else None
+        self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp, take=ws.take) if (self.kind and logits) else None
         self.W32p: np.ndarray | None = None
         self.W32: np.ndarray | None = None
 

@@ -54,7 +54,6 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
-from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
 from . import _bf16dot
@@ -202,17 +201,24 @@ class FlceGrad:
         self.stat = stat
         self.grad32, self.tcol, self.code, self.smooth, self.inv_k = grad32, tcol, code, smooth, inv_k
         self.eps, self.gw_out, self.stats = eps, gw_out, stats
-        self.gi32 = np.zeros((BT, H), np.float32)  # grad_input accumulator
-        # scratch on recycled memory (fastgrad._outcache): no fresh pages on the next call
-        self.g_buf = scratch(bt * vt, np.float32)  # logits / g tile
-        self.gw32 = scratch(vt * H, np.float32)  # grad_weight tile accumulator
-        self.prod = scratch(bt * H, np.float32)  # g·W product of one tile
-        self.gw_tmp = scratch(vt * H if plan.n_bt_tiles > 1 or plan.filter_eps is not None else 0, np.float32)
+        # the plan's buffers (tiling.lm_head_buffers), on recycled memory (fastgrad._outcache):
+        # no fresh pages on the next call
+        take = ops.ws.take
+        self.gi32 = take("grad_input_acc", BT * H, np.float32)[: BT * H].reshape(BT, H)
+        self.gi32[...] = 0  # grad_input accumulator
+        self.g_buf = take("g_tile", bt * vt, np.float32)  # logits / g tile
+        self.gw32 = take("grad_weight_tile", vt * H, np.float32)  # grad_weight tile accumulator
         b16 = ops.b16
+        blas = not b16 and not ops.f16k
+        self.prod = take("product", bt * H, np.float32) if blas else None  # g·W product of one tile
+        self.gw_tmp = take("grad_weight_product", vt * H, np.float32) if blas and plan.n_bt_tiles > 1 else None
         if b16:
-            # X's row tiles as the grad_weight GEMM's B, once
-            self.xinter = {b0: _bf16dot.interleave(input[b0:b1]) for b0, b1 in plan.bt_ranges()}
-            self.wt_inter = scratch(_bf16dot.b_size(vt, H), np.uint32)  # the W tile as grad_input's B
+            # X's row tiles as the grad_weight GEMM's B, once, in one buffer
+            rows = [(b0, b1, _bf16dot.b_size(b1 - b0, H)) for b0, b1 in plan.bt_ranges()]
+            xi = take("x_pairs_tiles", sum(n for _, _, n in rows), np.uint32)
+            offs = np.cumsum([0] + [n for _, _, n in rows])
+            self.xinter = {b0: _bf16dot.interleave(input[b0:b1], xi[o : o + n]) for (b0, b1, n), o in zip(rows, offs)}
+            self.wt_inter = take("w_pairs_tile", _bf16dot.b_size(vt, H), np.uint32)  # the W tile as grad_input's B
         self.fb16_bufs = None
         self.fb, self.rb = plan.filter_cols, plan.filter_rows
         self.no_keep = np.zeros((1, 0), np.bool_)  # the epilogue's "every block"
@@ -221,15 +227,19 @@ class FlceGrad:
             # |p - s/K| < eps  <=>  p < eps + s/K (p >= 0; no block is negligible when s/K >= eps),
             # tested on the logits with a 1e-3 relative margin against the rounding of exp and log
             self.lim = (eps + s_over_k) * np.exp(-1e-3)
-            self.flags = np.empty(bt * (-(-vt // fb)), np.bool_)
+            self.flags = take("filter_flags", bt * (-(-vt // fb)), np.bool_)
             self.fbufs = (
-                scratch(min(rb, bt) * vt, np.float32),
-                None if b16 else scratch(vt * H, np.float32),
-                scratch(vt * H, np.float32),
-                None if b16 else scratch(min(rb, bt) * H, np.float32),
+                take("kept_g", min(rb, bt) * vt, np.float32),
+                None if b16 else take("kept_w", vt * H, np.float32),
+                take("kept_grad_weight", vt * H, np.float32),
+                None if b16 else take("kept_product", min(rb, bt) * H, np.float32),
             )
             # the kept blocks on the bf16 kernel: the weight rows gathered as bits, then interleaved
-            self.fb16_bufs = (scratch(vt * H, np.uint16), scratch(_bf16dot.b_size(vt, H), np.uint32)) if b16 else None
+            self.fb16_bufs = (
+                (take("kept_w16", vt * H, np.uint16), take("kept_w_pairs", _bf16dot.b_size(vt, H), np.uint32))
+                if b16
+                else None
+            )
             if b16 and rb % 2:  # the bf16 pair layout starts a row block on a pair
                 raise ValueError(f"plan row block must be even for bf16 operands, got {rb}")
 
@@ -296,10 +306,14 @@ class FlceGrad:
         else:
             if Xb is None or W32 is None:
                 raise ValueError("the BLAS path's fp32 operands are missing")
+            if self.prod is None:
+                raise ValueError("the BLAS path's product buffer is missing")
             matmul_nn(G, W32, gi_rows, tmp=self.prod[: nb * H].reshape(nb, H), engine=eng)
             if self.first:
                 matmul_tn(G, Xb, gwt, engine=eng)
                 self.first = False
+            elif self.gw_tmp is None:
+                raise ValueError("a second row tile without the plan's grad_weight_product buffer")
             else:
                 matmul_tn(G, Xb, gwt, tmp=self.gw_tmp[: nv * H].reshape(nv, H), engine=eng)
 

@@ -24,7 +24,6 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import njit, tjit
-from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
 from ._gemm import blas_for, run_rows
@@ -80,7 +79,7 @@ class OnlineStats:
     def __init__(self, ops: Operands, plan, code, lmax, sexp, tcol, picked, logits):
         self.ops, self.code, self.tcol, self.out = ops, code, tcol, logits
         self.lmax, self.sexp, self.picked = lmax, sexp, picked  # the running statistics
-        self.l_buf = scratch(plan.bt_tile * plan.v_tile, np.float32)  # recycled memory (fastgrad._outcache)
+        self.l_buf = ops.ws.take("logits_tile", plan.bt_tile * plan.v_tile, np.float32)  # the plan's buffer
 
     def begin(self, v0: int, v1: int) -> None:
         pass

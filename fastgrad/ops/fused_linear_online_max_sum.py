@@ -96,6 +96,7 @@ def _plan(c: Call):
         H,
         mode="forward",
         widen=c.a["input"].dtype != D.FLOAT32,
+        dtype=np.dtype(c.a["input"].dtype).name,
         budget_bytes=c.settings.workspace_bytes if c.settings else None,
         gemm=gemm_choice(c.a["input"].dtype, c.settings),
     )
