@@ -165,26 +165,43 @@ def test_a_torch_without_the_mode_is_not_used(monkeypatch):
 
 
 def _engine_run(name, X, W, G_blocks, vc, rows):
-    """The three products over chunks of ``vc`` and row blocks ``rows`` on engine ``name``:
-    (logits per tile, grad_weight per chunk, grad_input), accumulated as the LM-head loop does."""
-    from fastgrad.kernels import _engine, _gemm
+    """The three products over chunks of ``vc`` and the row blocks ``rows`` (equal tiles of the
+    plan) on engine ``name`` through the loop's engine (``_lm_head.Operands``): (logits per tile,
+    grad_weight per chunk, grad_input), accumulated as the FLCE grad does."""
+    import dataclasses
+
+    from fastgrad import tiling
+    from fastgrad.kernels import _gemm, _lm_head
 
     BT, H = X.shape
     V = W.shape[0]
-    with _gemm.single_threaded_blas():
-        e = _engine.make(name, X, W, vc)
+    kind = {"bfloat16": "bf16", "float16": "f32"}.get(np.dtype(X.dtype).name)
+    if name == "native":
+        from fastgrad.kernels import _bf16dot
+
+        spec = _bf16dot.variant(kind)
+        gemm = tiling.GemmChoice(exact=kind, variant=spec.name, a_form=spec.a_forms[0])
+    else:
+        gemm = tiling.GemmChoice(engine=name)
+    bt = rows[0][1]
+    assert [tuple(r) for r in rows] == [(b0, min(BT, b0 + bt)) for b0 in range(0, BT, bt)]
+    dt = np.dtype(X.dtype).name
+    plan = tiling.plan_linear_cross_entropy(BT, V, H, dtype=dt, gemm=gemm)
+    bufs = tiling.lm_head_buffers("memory_saving", BT, H, bt, vc, dtype=dt, gemm=gemm)
+    plan = dataclasses.replace(plan, bt_tile=bt, v_tile=vc, buffers=bufs)
+    with _gemm.single_threaded_blas(gemm.engine):
+        e = _lm_head.Operands(X, W, plan, weight_tiles="all")
         logits, gw = [], np.empty((V, H), np.float32)
         gi = np.zeros((BT, H), np.float32)
-        for v0 in range(0, V, vc):
-            v1 = min(V, v0 + vc)
-            e.pack(v0, v1)
-            for k, (b0, b1) in enumerate(rows):
+        for v0, v1 in plan.v_ranges():
+            e.chunk(v0, v1)
+            for k, (b0, b1) in enumerate(plan.bt_ranges()):
                 L = np.full((b1 - b0, v1 - v0), np.nan, np.float32)
                 e.logits(b0, b1, L)
                 logits.append(L)
                 G = np.ascontiguousarray(G_blocks[b0:b1, v0:v1])
                 e.grad_weight(G, b0, b1, gw[v0:v1], acc=k > 0)
-                e.grad_input(G, gi[b0:b1], acc=True)  # may consume G: last
+                e.grad_input(G, b0, b1, gi[b0:b1])  # may overwrite G: last
     return logits, gw, gi
 
 
@@ -202,7 +219,7 @@ def test_engine_interface_matches_float64_and_is_isa_independent(dtype):
     X = rng.standard_normal((BT, H)).astype(dt)
     W = (rng.standard_normal((V, H)) * 0.3).astype(dt)
     G = (rng.standard_normal((BT, V)) * 0.01).astype(dt).astype(np.float32)  # values of the dtype
-    rows = [(0, 36), (36, BT)]  # even block starts (bf16 pairs of rows)
+    rows = [(0, 35), (35, BT)]  # the plan's equal row tiles
     x, w, g = X.astype(np.float64), W.astype(np.float64), G.astype(np.float64)
     ref = (x @ w.T, g.T @ x, g @ w)
     den = (np.abs(x) @ np.abs(w).T, np.abs(g).T @ np.abs(x), np.abs(g) @ np.abs(w))
@@ -235,16 +252,16 @@ def test_engine_interface_matches_float64_and_is_isa_independent(dtype):
 def test_engine_choice_and_errors():
     import ml_dtypes
 
-    from fastgrad.kernels import _engine
+    from fastgrad import tiling
+    from fastgrad.kernels import _engine, _lm_head
 
     with pytest.raises(ValueError, match="setting"):
         _engine.choose(np.float32, "mkl")
-    with pytest.raises(ValueError, match="native engine"):
-        _engine.NativeEngine(np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32), 4)
+    plan = tiling.plan_linear_cross_entropy(2, 4, 3, mode="forward", dtype="float32")
     with pytest.raises(ValueError, match="share H"):
-        _engine.BlasEngine(np.zeros((2, 3), np.float32), np.zeros((4, 5), np.float32))
+        _lm_head.Operands(np.zeros((2, 3), np.float32), np.zeros((4, 5), np.float32), plan)
     with pytest.raises(ValueError, match="dtype"):
-        _engine.BlasEngine(np.zeros((2, 3), np.float32), np.zeros((4, 3), ml_dtypes.bfloat16))
+        _lm_head.Operands(np.zeros((2, 3), np.float32), np.zeros((4, 3), ml_dtypes.bfloat16), plan)
     assert _engine.engines(np.float32) == ["blas", "onednn"]
 
 

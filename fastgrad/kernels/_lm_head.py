@@ -34,7 +34,7 @@ from .. import dtypes as D
 from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan
 from . import _bf16dot
-from ._gemm import matmul_nt
+from ._gemm import matmul_nn, matmul_nt, matmul_tn
 from ._linear import fp32_block
 
 __all__ = ["Workspace", "Operands", "Epilogue", "run"]
@@ -77,7 +77,11 @@ class Epilogue(Protocol):
 
 
 class Operands:
-    """``X`` and ``W``'s vocabulary tiles for the plan's GEMMs, and the logits of a tile.
+    """The GEMM engine of one call: ``X`` and ``W``'s vocabulary tiles in the forms the plan's
+    GEMMs take (``plan.gemm``: BLAS / oneDNN over fp32 operands, or the native exact-product
+    kernel), prepared once (``X``) or once per tile (:meth:`chunk`), and the three products of
+    the loop — :meth:`logits` ``X[b]·W[v]ᵀ``, :meth:`grad_weight` ``(+)= Gᵀ·X[b]`` and
+    :meth:`grad_input` ``+= G·W[v]`` — into fp32 accumulators.
 
     ``logits``: the logits GEMM is needed (False: high-performance mode, ``softmax`` given).
     ``weight_tiles``: ``"logits"`` — fp32 tiles of ``W`` only where the logits run on BLAS (the
@@ -98,8 +102,13 @@ class Operands:
     ):
         if weight_tiles not in ("logits", "all"):
             raise ValueError(f"weight_tiles must be 'logits' or 'all', got {weight_tiles!r}")
+        if input.ndim != 2 or weight.ndim != 2 or input.shape[1] != weight.shape[1]:
+            raise ValueError(f"input [BT, H] and weight [V, H] must share H, got {input.shape} and {weight.shape}")
+        if input.dtype != weight.dtype:
+            raise ValueError(f"input and weight must share a dtype, got {input.dtype} and {weight.dtype}")
         BT, H = input.shape
         self.H = H
+        self.plan = plan
         self.kind = plan.gemm.exact_for(input, weight)  # "bf16", "f32" (fp16 operands) or None (BLAS)
         self.engine = plan.gemm.engine
         self.b16, self.f16k = self.kind == "bf16", self.kind == "f32"
@@ -118,14 +127,74 @@ class Operands:
         self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp, take=ws.take) if (self.kind and logits) else None
         self.W32p: np.ndarray | None = None
         self.W32: np.ndarray | None = None
+        # the gradient GEMMs' operands and products (weight_tiles="all": the FLCE grad)
+        self.xinter: dict[int, np.ndarray] = {}
+        self.wt_inter = self.prod = self.gw_tmp = None
+        if weight_tiles == "all":
+            bt, vt = plan.bt_tile, plan.v_tile
+            if self.b16:  # X's row tiles as grad_weight's B, once, in one buffer; W's tile as grad_input's
+                rows = [(b0, b1, _bf16dot.b_size(b1 - b0, H)) for b0, b1 in plan.bt_ranges()]
+                xi = ws.take("x_pairs_tiles", sum(n for _, _, n in rows), np.uint32)
+                o = 0
+                for b0, b1, n in rows:
+                    self.xinter[b0] = _bf16dot.interleave(input[b0:b1], xi[o : o + n])
+                    o += n
+                self.wt_inter = ws.take("w_pairs_tile", _bf16dot.b_size(vt, H), np.uint32)
+            elif self.kind is None:  # BLAS: each product into scratch, then summed
+                self.prod = ws.take("product", bt * H, np.float32)
+                self.gw_tmp = ws.take("grad_weight_product", vt * H, np.float32) if plan.n_bt_tiles > 1 else None
+        self._bp_i: np.ndarray | None = None
+        self._v = (0, 0)
 
     def chunk(self, v0: int, v1: int) -> None:
         """Prepare vocabulary tile ``[v0, v1)``: its fp32 rows and/or its packed form."""
+        self._v = (v0, v1)
+        self._bp_i = None  # the tile as grad_input's B (bf16), made when a dense tile needs it
         if self._fp32:
             self.W32p = fp32_block(self.W, v0, v1, self._w_buf, width=self._width)
             self.W32 = self.W32p[:, : self.H]
         if self.lg is not None:
             self.lg.chunk(v0, v1)
+
+    def grad_weight(self, G: np.ndarray, b0: int, b1: int, out: np.ndarray, acc: bool) -> None:
+        """``out[nv, H] (+)= Gᵀ · X[b0:b1]`` (``acc``: summed onto ``out``) for ``G`` fp32
+        ``[b1-b0, nv]`` of the current tile; on the native kernel ``G`` must hold values of the
+        input dtype (each product exact).  ``G`` is read, not written."""
+        H = self.H
+        if self.b16:
+            _bf16dot.matmul_tn(G, self.xinter[b0], H, out, acc=acc)
+        elif self.f16k:
+            if self.Xp is None:
+                raise ValueError("the fp32 kernel's X is missing")
+            _bf16dot.matmul(G.T, self.Xp[b0:b1], H, out, acc=acc)
+        else:
+            if self.X32 is None:
+                raise ValueError("the BLAS path's fp32 X is missing (Operands made with weight_tiles='logits'?)")
+            if acc and self.gw_tmp is None:
+                raise ValueError("a sum onto grad_weight without the plan's grad_weight_product buffer")
+            tmp = self.gw_tmp[: out.size].reshape(out.shape) if acc and self.gw_tmp is not None else None
+            matmul_tn(G, self.X32[b0:b1], out, tmp=tmp, engine=self.engine)
+
+    def grad_input(self, G: np.ndarray, b0: int, b1: int, out: np.ndarray) -> None:
+        """``out[nb, H] += G · W[v0:v1]`` for ``G`` fp32 ``[b1-b0, nv]`` of the current tile.  On
+        the bf16 kernel ``G`` is overwritten by its pairs: call it after :meth:`grad_weight`."""
+        H = self.H
+        if self.b16:
+            if self.wt_inter is None:
+                raise ValueError("the bf16 kernel's W tile buffer is missing (weight_tiles='all')")
+            if self._bp_i is None:
+                v0, v1 = self._v
+                self._bp_i = _bf16dot.interleave(self.W[v0:v1], self.wt_inter)
+            _bf16dot.matmul(_bf16dot.pairs_in_place(G), self._bp_i, H, out, acc=True)
+        elif self.f16k:
+            if self.W32p is None:
+                raise ValueError("the fp32 kernel's W tile is missing (no chunk yet)")
+            _bf16dot.matmul(G, self.W32p, H, out, acc=True)
+        else:
+            if self.W32 is None or self.prod is None:
+                raise ValueError("the BLAS path's W tile or product buffer is missing")
+            nb = b1 - b0
+            matmul_nn(G, self.W32, out, tmp=self.prod[: nb * H].reshape(nb, H), engine=self.engine)
 
     def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
         """``out[b1-b0, v1-v0] = X[b0:b1] · W[v0:v1]ᵀ`` in fp32 for the current tile."""

@@ -209,16 +209,6 @@ class FlceGrad:
         self.g_buf = take("g_tile", bt * vt, np.float32)  # logits / g tile
         self.gw32 = take("grad_weight_tile", vt * H, np.float32)  # grad_weight tile accumulator
         b16 = ops.b16
-        blas = not b16 and not ops.f16k
-        self.prod = take("product", bt * H, np.float32) if blas else None  # g·W product of one tile
-        self.gw_tmp = take("grad_weight_product", vt * H, np.float32) if blas and plan.n_bt_tiles > 1 else None
-        if b16:
-            # X's row tiles as the grad_weight GEMM's B, once, in one buffer
-            rows = [(b0, b1, _bf16dot.b_size(b1 - b0, H)) for b0, b1 in plan.bt_ranges()]
-            xi = take("x_pairs_tiles", sum(n for _, _, n in rows), np.uint32)
-            offs = np.cumsum([0] + [n for _, _, n in rows])
-            self.xinter = {b0: _bf16dot.interleave(input[b0:b1], xi[o : o + n]) for (b0, b1, n), o in zip(rows, offs)}
-            self.wt_inter = take("w_pairs_tile", _bf16dot.b_size(vt, H), np.uint32)  # the W tile as grad_input's B
         self.fb16_bufs = None
         self.fb, self.rb = plan.filter_cols, plan.filter_rows
         self.no_keep = np.zeros((1, 0), np.bool_)  # the epilogue's "every block"
@@ -247,12 +237,11 @@ class FlceGrad:
         ops = self.ops
         # the kept blocks on the bf16 kernel: the tile's weight rows as bits, the gather buffers
         self.fb16 = None if self.fb16_bufs is None else (ops.W[v0:v1].view(np.uint16), *self.fb16_bufs)
-        self.bp_i: np.ndarray | None = None  # the W tile as grad_input's B (bf16), made when a dense tile needs it
         self.gwt = self.gw32[: (v1 - v0) * self.H].reshape(v1 - v0, self.H)
         self.first = True
 
     def tile(self, b0: int, b1: int, v0: int, v1: int) -> None:
-        ops, H, eng = self.ops, self.H, self.ops.engine
+        ops, eng = self.ops, self.ops.engine
         nb, nv = b1 - b0, v1 - v0
         G = self.g_buf[: nb * nv].reshape(nb, nv)
         Xb = ops.X32[b0:b1] if ops.X32 is not None else None
@@ -285,37 +274,12 @@ class FlceGrad:
             if self.first:
                 gwt[...] = 0
                 self.first = False
-            b16_ops = None if self.fb16 is None else (self.xinter[b0], *self.fb16)
+            b16_ops = None if self.fb16 is None else (ops.xinter[b0], *self.fb16)
             _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, b16_ops, eng)
-        elif ops.b16:
-            # gᵀ paired per task (thread scratch), then g paired in place over itself
-            _bf16dot.matmul_tn(G, self.xinter[b0], H, gwt, acc=not self.first)
+        else:  # the dense tile: the plan's GEMMs (Operands: BLAS, oneDNN or the native kernel)
+            ops.grad_weight(G, b0, b1, gwt, acc=not self.first)
             self.first = False
-            gp = _bf16dot.pairs_in_place(G)
-            if self.bp_i is None:
-                self.bp_i = _bf16dot.interleave(ops.W[v0:v1], self.wt_inter)
-            bp_i = self.bp_i
-            _bf16dot.matmul(gp, bp_i, H, gi_rows, acc=True)
-        elif ops.f16k:
-            # the fp32 kernel: gᵀ read in place (strided A), B the padded rows of X and W
-            if ops.Xp is None or ops.W32p is None:
-                raise ValueError("the fp32 kernel's operands are missing")
-            _bf16dot.matmul(G.T, ops.Xp[b0:b1], H, gwt, acc=not self.first)
-            self.first = False
-            _bf16dot.matmul(G, ops.W32p, H, gi_rows, acc=True)
-        else:
-            if Xb is None or W32 is None:
-                raise ValueError("the BLAS path's fp32 operands are missing")
-            if self.prod is None:
-                raise ValueError("the BLAS path's product buffer is missing")
-            matmul_nn(G, W32, gi_rows, tmp=self.prod[: nb * H].reshape(nb, H), engine=eng)
-            if self.first:
-                matmul_tn(G, Xb, gwt, engine=eng)
-                self.first = False
-            elif self.gw_tmp is None:
-                raise ValueError("a second row tile without the plan's grad_weight_product buffer")
-            else:
-                matmul_tn(G, Xb, gwt, tmp=self.gw_tmp[: nv * H].reshape(nv, H), engine=eng)
+            ops.grad_input(G, b0, b1, gi_rows)  # last: may overwrite G (the bf16 kernel's pairs)
 
     def end(self, v0: int, v1: int) -> None:
         narrow(self.gwt, self.gw_out[v0:v1])  # on the pool: no OpenMP region (fork-safe)
