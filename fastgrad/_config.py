@@ -421,6 +421,25 @@ def soc_version(name: str):
 # ----------------------------------------------------------------------------------------------
 
 _budget_override: int | None = None
+_WORKSPACE_FLOOR: contextvars.ContextVar[int] = contextvars.ContextVar("fastgrad_workspace_floor", default=0)
+
+
+@contextlib.contextmanager
+def workspace_floor(nbytes: int) -> Iterator[None]:
+    """Context manager: the workspace budget is at least ``nbytes`` inside the block
+    (``fastgrad.torch``'s fused training step: its row blocks' scratch is recycled as the 16-bit
+    ``grad_weight`` afterwards, so a scratch as large as that gradient costs no peak memory).
+    Raises 161002 for a negative size."""
+    n = int(nbytes)
+    if n < 0:
+        from .errors import invalid
+
+        raise invalid("nbytes", "a size >= 0", repr(nbytes))
+    token = _WORKSPACE_FLOOR.set(n)
+    try:
+        yield
+    finally:
+        _WORKSPACE_FLOOR.reset(token)
 
 
 def set_workspace_budget(nbytes: int | None) -> None:
@@ -438,10 +457,10 @@ def workspace_budget_override() -> int | None:
 
 def workspace_budget() -> int:
     """The scratch-memory budget of the tile plans in bytes: :func:`set_workspace_budget` >
-    ``FASTGRAD_WORKSPACE_MB`` > 256 MiB (161002 for an invalid variable)."""
-    if _budget_override is not None:
-        return _budget_override
-    return env_bytes("FASTGRAD_WORKSPACE_MB", 256, 1)
+    ``FASTGRAD_WORKSPACE_MB`` > 256 MiB (161002 for an invalid variable), raised to the
+    :func:`workspace_floor` in force."""
+    base = _budget_override if _budget_override is not None else env_bytes("FASTGRAD_WORKSPACE_MB", 256, 1)
+    return max(base, _WORKSPACE_FLOOR.get())
 
 
 #: the output cache's cap without a setting, MiB

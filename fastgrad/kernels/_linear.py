@@ -77,19 +77,36 @@ def _narrow_rows(lo, hi, src, code, dst):
             dst[i, j] = D.from_f32(src[i, j], code)
 
 
-def narrow(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+@tjit
+def _scale_narrow_rows(lo, hi, src, scale, code, dst):
+    """dst[i, :] = round(fp32(src[i, :] · scale)) to the 16-bit dtype ``code`` for rows lo:hi."""
+    n = src.shape[1]
+    for i in range(lo, hi):
+        for j in range(n):
+            dst[i, j] = D.from_f32(np.float32(src[i, j] * scale), code)
+
+
+def narrow(src: np.ndarray, out: np.ndarray, scale: float | None = None) -> np.ndarray:
     """``out[...] = src`` rounded to ``out``'s dtype (fp32, bf16 or fp16; RNE, bitwise
     :func:`fastgrad.dtypes.from_float32`) for 2-D fp32 ``src`` and ``out`` of its shape (any
     strides, unit column stride for 16-bit ``out``), on the GEMM pool: no OpenMP region, so a
     process that forks afterwards (a DataLoader worker) can run the op again in the child
-    (GNU OpenMP terminates a child of a process that used it).  Returns ``out``."""
+    (GNU OpenMP terminates a child of a process that used it).  ``scale`` (16-bit ``out``): each
+    value multiplied by ``np.float32(scale)`` in fp32 first (two roundings, as PyTorch's
+    ``(g * s).to(dtype)``).  Returns ``out``."""
     if src.shape != out.shape or src.ndim != 2 or src.dtype != np.float32:
         raise ValueError(f"narrow: src must be 2-D float32 of out's shape {out.shape}, got {src.dtype} {src.shape}")
-    if out.dtype == np.float32:
+    if out.dtype == np.float32 and scale is None:
         out[...] = src
         return out
     if out.dtype not in (D.BFLOAT16, D.FLOAT16) or out.strides[1] != out.itemsize:
-        raise ValueError(f"narrow: out must be float32, bfloat16 or float16 with unit column stride, got {out.dtype}")
+        raise ValueError(
+            f"narrow: out must be bfloat16 or float16 with unit column stride (float32 without scale), got {out.dtype}"
+        )
     if out.size:
-        run_rows(_narrow_rows, out.shape[0], src, D.code_of(out.dtype), out.view(np.uint16))
+        if scale is None:
+            run_rows(_narrow_rows, out.shape[0], src, D.code_of(out.dtype), out.view(np.uint16))
+        else:
+            code, u = D.code_of(out.dtype), out.view(np.uint16)
+            run_rows(_scale_narrow_rows, out.shape[0], src, np.float32(scale), code, u)
     return out

@@ -802,9 +802,11 @@ def linear_cross_entropy_cpu(
     pipe = STAGED and bfl is None and not fwd_only and not recompute
     pipe_grad = pipe and gw_code is None and params.get("filter_eps") is None and K > 0
     wbufs = (wbuf, scratch(vc * H, cdt)) if (pipe and wbuf is not None) else None
-    xbuf = scratch(nb_max * H, cdt) if input.dtype != cdt else None
-    Lbuf = scratch(nb_max * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
-    tmp_h = scratch(nb_max * H, cdt) if gi is not None else None
+    # the equal row blocks' largest (at most nb_max rows): the row-block buffers' size
+    nb_rows = -(-BT // -(-BT // nb_max))
+    xbuf = scratch(nb_rows * H, cdt) if input.dtype != cdt else None
+    Lbuf = scratch(nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
+    tmp_h = scratch(nb_rows * H, cdt) if gi is not None else None
     tmp_w = scratch(vc * H, cdt) if gw is not None else None
 
     def wchunk(v0, v1):

@@ -129,6 +129,23 @@ def parse_filter_eps(value, dtype, op: str = OP) -> float | None:
     return float(value)
 
 
+def round_grad(grad: np.ndarray, dtype: Any, scale: float | None = None) -> np.ndarray:
+    """A 2-D fp32 gradient rounded to the 16-bit ``dtype`` (bf16 or fp16; RNE, bitwise
+    ``ml_dtypes``), times ``scale`` in fp32 first when given (two roundings: PyTorch's
+    ``(g * s).to(dtype)``), on a recycled block of the output cache (``fastgrad._outcache``).
+
+    The fused training step's ``grad_weight``: the row blocks' freed logits scratch is such a
+    block (``_config.workspace_floor``), so the rounded gradient takes no new memory.  Raises
+    ``ValueError`` for another shape or dtype."""
+    from ..kernels._linear import narrow
+
+    dt = np.dtype(dtype)
+    if grad.ndim != 2 or grad.dtype != np.float32 or dt not in (D.BFLOAT16, D.FLOAT16):
+        raise ValueError(f"round_grad: a 2-D float32 gradient to bf16/fp16, got {grad.dtype} {grad.shape} to {dt}")
+    out = _outcache.empty(grad.shape, dt)
+    return narrow(np.ascontiguousarray(grad), out, scale)
+
+
 def plan_block_rows(vocab_size: int, itemsize: int, budget: int | None = None) -> int:
     """Rows per block: the block's logits ``[nb, V]`` fit the workspace budget (≥ 1, multiple
     of 8 when ≥ 8).  From the global V, so every rank of a vocabulary-parallel group plans the

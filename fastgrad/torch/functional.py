@@ -36,12 +36,15 @@ import dataclasses
 import numbers
 from typing import NamedTuple
 
+import ml_dtypes
+import numpy as np
 import torch
 
-from .._config import gemm, is_strict, prefer_onednn
+from .._config import gemm, is_strict, prefer_onednn, workspace_floor
 from ..errors import invalid
 from ..ops._engines import bf16_kernel_in_use
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce_op
+from ..ops.linear_cross_entropy import round_grad as _round_grad
 from . import distributed as _vp
 from ._autograd import differentiable_once
 from ._device import DeviceLinearCrossEntropyFunction
@@ -98,7 +101,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             accum_dtype=cfg.get("accum_dtype"),
             precision=cfg.get("op_precision", "accurate"),
         )
-        with prefer_onednn(), _engine(cfg):  # the GEMM engine: fastgrad.gemm_engine
+        # the fused step's row blocks may take as much scratch as the 16-bit grad_weight they
+        # are recycled into in the backward (``recycled_scratch_bytes``): fewer, larger blocks
+        floor = recycled_scratch_bytes(h.shape[0], weight) if (fused and need[1]) else 0
+        with prefer_onednn(), _engine(cfg), workspace_floor(floor):  # the GEMM engine: fastgrad.gemm_engine
             r = _lce_op(
                 h.detach(),
                 weight.detach(),
@@ -149,6 +155,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             def scaled(g, like):
                 if g is None:
                     return None
+                if g.dim() == 2 and g.dtype == torch.float32 and like.dtype in _NARROW and grad_loss.numel() == 1:
+                    # the 16-bit gradient on a recycled block (the forward's freed row-block
+                    # scratch): no new memory; the same bits as the two lines below
+                    s = None if unit else float(grad_loss.to(torch.float32))
+                    u = _round_grad(g.numpy(), _NARROW[like.dtype], s)
+                    return torch.from_numpy(u.view(np.uint16)).view(like.dtype)
                 if unit:  # x·1 is exact: one rounding, no fp32 temporary
                     return g.to(like.dtype, copy=True)
                 return (g * grad_loss.to(g.dtype)).to(like.dtype)
@@ -189,6 +201,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return gi, gw, gb, None, None, None
 
 
+_NARROW = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}
+
+
+def recycled_scratch_bytes(rows: int, weight: torch.Tensor) -> int:
+    """The workspace floor of the fused step (``fastgrad._config.workspace_floor``): twice the
+    16-bit ``grad_weight`` (``V·H·4`` bytes) for a bf16/fp16 weight, at most half of ``[rows, V]``
+    in fp32 (the row blocks never hold ``[BT, V]``); 0 for an fp32 weight.  The row blocks'
+    logits scratch is freed at the end of the forward and the backward rounds ``grad_weight``
+    into that block (``fastgrad._outcache``), so this scratch adds nothing to the step's peak."""
+    if weight.dtype not in _NARROW:
+        return 0
+    V, H = weight.shape
+    return min(V * H * 4, (rows * V * 4) // 2)
+
+
 def _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts):
     """The ``"auto"`` schedule's memory test (:func:`fastgrad.torch.options.choose_schedule`): the
     gradients the fused step holds from the forward to the backward (fp32 ``[BT, H]``, fp32
@@ -208,6 +235,8 @@ def _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts):
         grad_bias=bias is not None and bias.requires_grad,
         weight_bytes=wsize,
     )
+    if weight.requires_grad and accum_dtype is None:  # the forward's row-block scratch beside them
+        held += recycled_scratch_bytes(h.shape[0], weight)
     sched = choose_schedule(held, fraction=opts.fused_memory_fraction, limit=opts.fused_memory_limit)
     return sched == "fused"
 
