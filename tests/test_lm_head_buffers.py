@@ -33,6 +33,21 @@ def _inputs(dt, BT, H, V, seed=0):
     return x, w, t
 
 
+def _least_peak(call, n: int = 3) -> int:
+    """The least, over ``n`` calls, of the memory ``call()`` allocated at its peak (``tracemalloc``:
+    NumPy reports its data buffers); the least, since another thread's allocations only add."""
+    peaks = []
+    for _ in range(n):
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            call()
+            peaks.append(tracemalloc.get_traced_memory()[1] - base)
+        finally:
+            tracemalloc.stop()
+    return min(peaks)
+
+
 def _engine_transients(plan) -> int:
     """The GEMM engine's own buffers of the tasks in flight (not the loop's, not listed): the
     native kernel's column-edge tile of ≤ 512 rows × 64 fp32 (and an odd K's last column), per
@@ -83,17 +98,14 @@ def test_flce_grad_takes_and_holds_exactly_its_buffers(op, dt, engine, budget, H
             args = (grad, x, w, s.target_mask, s.masked_target, 0.0, *stats)
             for _ in range(2):  # warm: JIT, the pool, each pool thread's scratch
                 fg.fused_linear_cross_entropy_loss_grad(*args, out=(gi, gw), **kw)
-            peaks = []
-            for _ in range(3):  # the least of three: another thread's allocations only add
+            res = []
+
+            def call():
                 taken.clear()
-                tracemalloc.start()
-                try:
-                    base = tracemalloc.get_traced_memory()[0]
-                    *_, plan = fg.fused_linear_cross_entropy_loss_grad(*args, out=(gi, gw), return_plan=True, **kw)
-                    peaks.append(tracemalloc.get_traced_memory()[1] - base)
-                finally:
-                    tracemalloc.stop()
-            peak = min(peaks)
+                res[:] = [fg.fused_linear_cross_entropy_loss_grad(*args, out=(gi, gw), return_plan=True, **kw)[-1]]
+
+            peak = _least_peak(call)
+            plan = res[0]
     finally:
         tiling.set_workspace_budget(old)
         set_isa(None)
@@ -144,18 +156,13 @@ def test_online_max_sum_takes_and_holds_exactly_its_buffers(dt, engine, H, monke
                 np.empty(-(-BT // 8), np.uint8),
                 np.empty(BT, np.int32),
             ]
-            peaks = []
-            for _ in range(3):  # the least of three: another thread's allocations only add
+
+            def call():
                 taken.clear()
                 plans.clear()
-                tracemalloc.start()
-                try:
-                    base = tracemalloc.get_traced_memory()[0]
-                    fg.fused_linear_online_max_sum(x, w, t, 0, V)
-                    peaks.append(tracemalloc.get_traced_memory()[1] - base)
-                finally:
-                    tracemalloc.stop()
-            peak = min(peaks)
+                fg.fused_linear_online_max_sum(x, w, t, 0, V)
+
+            peak = _least_peak(call)
     finally:
         tiling.set_workspace_budget(None)
         set_isa(None)

@@ -175,26 +175,28 @@ def _part(t: np.ndarray | None, a: int, b: int, c: int | None = None, d: int | N
     return t[a:b] if c is None else t[a:b, c:d]
 
 
+def _grid_tasks(A: np.ndarray, n: int, b_of, out: np.ndarray, tmp: np.ndarray | None, engine: str) -> list:
+    """``out[a:b, c:d] (+)= A[a:b] · b_of(c, d)`` over tiles of ≤ ROW_BLOCK × ≤ COL_BLOCK of
+    ``out`` (``n`` its columns), as tasks."""
+    return [
+        (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], b_of(c, d), out[a:b, c:d], _part(tmp, a, b, c, d), engine))
+        for a, b in _spans(A.shape[0], ROW_BLOCK)
+        for c, d in _spans(n, COL_BLOCK)
+    ]
+
+
 def nt_tasks(
     A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
 ) -> list:
     """The tiles of :func:`matmul_nt` as tasks."""
-    return [
-        (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[c:d].T, out[a:b, c:d], _part(tmp, a, b, c, d), engine))
-        for a, b in _spans(A.shape[0], ROW_BLOCK)
-        for c, d in _spans(B.shape[0], COL_BLOCK)
-    ]
+    return _grid_tasks(A, B.shape[0], lambda c, d: B[c:d].T, out, tmp, engine)
 
 
 def nn_tasks(
     A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
 ) -> list:
     """The tiles of :func:`matmul_nn` as tasks."""
-    return [
-        (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], B[:, c:d], out[a:b, c:d], _part(tmp, a, b, c, d), engine))
-        for a, b in _spans(A.shape[0], ROW_BLOCK)
-        for c, d in _spans(B.shape[1], COL_BLOCK)
-    ]
+    return _grid_tasks(A, B.shape[1], lambda c, d: B[:, c:d], out, tmp, engine)
 
 
 def tn_tasks(

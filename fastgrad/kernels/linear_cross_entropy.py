@@ -586,7 +586,8 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
         v1 = min(K, v0 + vc)
         w = v1 - v0
         if b16:
-            assert bfl is not None
+            if bfl is None:  # b16 implies the kernel's logits (not an assert: python -O)
+                raise ValueError("precision='fast' needs the bf16 logits kernel")
             bfl.chunk(v0, v1)
             Wc = _bf16dot.interleave(W[v0:v1], wi_buf) if gi is not None else None
             run_rows(_col_mean16, H, W[v0:v1].view(np.uint16), D.BF16, w_bar[c])
@@ -871,28 +872,13 @@ def linear_cross_entropy_cpu(
                 matmul_tn(Gc, X, tw, engine=eng)
                 run_rows(_scatter_add_rounded, v1 - v0, gw_acc, all_rows[v0:v1], tw, gw_code)
 
+    def grad_args(b0, b1, offs, widths):
+        """``_grad_pass``'s arguments after ``(lo, hi)`` for rows ``b0:b1`` and the chunks ``offs``/``widths``."""
+        rows = (tcol, wt_c, lse_all, coef_ce, coef_z, coef_h, zmean_all)
+        return (Lbuf, offs, widths, b1 - b0, cw_c, *(a[b0:b1] for a in rows), par, flags, recompute, bias_c, 0)
+
     def grad(b0, b1, offs, widths):
-        run_rows(
-            _grad_pass,
-            b1 - b0,
-            Lbuf,
-            offs,
-            widths,
-            b1 - b0,
-            cw_c,
-            tcol[b0:b1],
-            wt_c[b0:b1],
-            lse_all[b0:b1],
-            coef_ce[b0:b1],
-            coef_z[b0:b1],
-            coef_h[b0:b1],
-            zmean_all[b0:b1],
-            par,
-            flags,
-            recompute,
-            bias_c,
-            0,
-        )
+        run_rows(_grad_pass, b1 - b0, *grad_args(b0, b1, offs, widths))
         if gb is not None:
             for off, w in zip(offs, widths):
                 run_rows(_colsum_into, w, Lbuf, off, w, b1 - b0, gb, off // (b1 - b0))
@@ -903,30 +889,9 @@ def linear_cross_entropy_cpu(
         The same calls on the same operands as ``grad`` + ``products`` chunk by chunk, and
         ``grad_input`` still takes the chunks in order (one stage holds one chunk's products)."""
         nb = b1 - b0
-        grad_args = (
-            Lbuf,
-            None,
-            None,
-            nb,
-            cw_c,
-            tcol[b0:b1],
-            wt_c[b0:b1],
-            lse_all[b0:b1],
-            coef_ce[b0:b1],
-            coef_z[b0:b1],
-            coef_h[b0:b1],
-            zmean_all[b0:b1],
-            par,
-            flags,
-            recompute,
-            bias_c,
-            0,
-        )
 
         def grad_tasks(c):
-            a = list(grad_args)
-            a[1], a[2] = offs[c : c + 1], widths[c : c + 1]
-            return row_tasks(_grad_pass, nb, *a)
+            return row_tasks(_grad_pass, nb, *grad_args(b0, b1, offs[c : c + 1], widths[c : c + 1]))
 
         Wn, wt = wchunk_staged(0)
         run_tasks(grad_tasks(0) + wt, eng)

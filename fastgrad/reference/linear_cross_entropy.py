@@ -200,7 +200,8 @@ def linear_cross_entropy(
                 if out.get("entropy") is not None:
                     out["entropy"][b0:b1] = ent_b
         else:
-            assert lse_all is not None
+            if lse_all is None:  # the recompute is given lse (not an assert: python -O)
+                raise ValueError("the recompute needs lse")
             lse_b = lse_all[b0:b1]
             mu_b = mu_all[b0:b1] if mu_all is not None else np.zeros(nb)
 
