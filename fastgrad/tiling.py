@@ -278,13 +278,6 @@ class LinearCETiling:
     gemm: GemmChoice = BLAS
     buffers: tuple[Buffer, ...] = ()
 
-    def buffer(self, name: str) -> Buffer:
-        """The buffer ``name`` of :attr:`buffers` (``KeyError`` naming the list when absent)."""
-        for b in self.buffers:
-            if b.name == name:
-                return b
-        raise KeyError(f"the plan lists no buffer {name!r} (it lists {[b.name for b in self.buffers]})")
-
     @property
     def n_bt_tiles(self) -> int:
         return -(-self.BT // self.bt_tile) if self.BT else 0

@@ -44,13 +44,12 @@ class Workspace:
     """The plan's buffers (``plan.buffers``: ``tiling.lm_head_buffers``), handed out by name —
     the only memory the loop allocates, so the plan's ``workspace_bytes`` is what a call holds.
 
-    :meth:`take` returns a flat array of the listed size (recycled scratch, ``fastgrad._outcache``)
-    and records the name; a name the plan does not list, or a larger size, is a ``ValueError``
+    :meth:`take` returns a flat array of the listed size (recycled scratch, ``fastgrad._outcache``);
+    a name the plan does not list, or a larger size, is a ``ValueError``
     (a plan made for other operands or another GEMM choice)."""
 
     def __init__(self, plan: LinearCrossEntropyPlan):
         self._listed = {b.name: b for b in plan.buffers}
-        self.taken: list[str] = []
 
     def take(self, name: str, size: int, dtype) -> np.ndarray:
         b = self._listed.get(name)
@@ -62,7 +61,6 @@ class Workspace:
             raise ValueError(
                 f"buffer {name!r}: the plan lists {b.size} x {b.dtype}, the loop asks {size} x {np.dtype(dtype)}"
             )
-        self.taken.append(name)
         return scratch(b.size, b.dtype)
 
 
@@ -108,7 +106,6 @@ class Operands:
             raise ValueError(f"input and weight must share a dtype, got {input.dtype} and {weight.dtype}")
         BT, H = input.shape
         self.H = H
-        self.plan = plan
         self.kind = plan.gemm.exact_for(input, weight)  # "bf16", "f32" (fp16 operands) or None (BLAS)
         self.engine = plan.gemm.engine
         self.b16, self.f16k = self.kind == "bf16", self.kind == "f32"

@@ -103,7 +103,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         )
         # the fused step's row blocks may take as much scratch as the 16-bit grad_weight they
         # are recycled into in the backward (``recycled_scratch_bytes``): fewer, larger blocks
-        floor = recycled_scratch_bytes(h.shape[0], weight) if (fused and need[1]) else 0
+        # (one process only: the ranks of a vocabulary-parallel group must plan the same row
+        # blocks for their per-block all-reduce, and their shards may differ in size)
+        floor = recycled_scratch_bytes(h.shape[0], weight) if (fused and need[1] and group is None) else 0
         with prefer_onednn(), _engine(cfg), workspace_floor(floor):  # the GEMM engine: fastgrad.gemm_engine
             r = _lce_op(
                 h.detach(),
