@@ -403,5 +403,116 @@ def plan_linear_cross_entropy(
     )
 
 
+#: vocabulary columns per chunk of the training loss's vocabulary-major passes (the forward alone
+#: and the recompute of the gradient from a saved log-sum-exp)
+TRAIN_VM_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The training loss's plan (``kernels/linear_cross_entropy.py``), made by the op layer
+    (``ops/linear_cross_entropy.py``) from the shapes, the budget and what the call computes —
+    never from the thread count, and from the *global* vocabulary, so every rank of a
+    vocabulary-parallel group plans the same row blocks (the all-reduce runs per block).
+
+    Attributes
+    ----------
+    BT, K, V, H : int
+        Rows, local vocabulary rows of the weight, global vocabulary, hidden size.
+    budget_rows : int
+        Rows whose fp32 logits ``[rows, V]`` fit the budget (≥ 1, a multiple of 8 from 8 on).
+    block_rows : int
+        The row blocks' size limit: ``budget_rows``, or for the forward alone (no gradient) all
+        rows while ``[BT, recompute_chunk]`` fits half the budget.  The blocks are
+        :meth:`row_blocks`: ``ceil(BT / block_rows)`` equal blocks.
+    v_chunk : int
+        Vocabulary rows per chunk of a row block (the forward alone: ≤ ``TRAIN_VM_CHUNK``).
+    vocab_major : bool
+        The gradient is recomputed from a saved log-sum-exp, vocabulary chunk by chunk
+        (``_vocab_major``: chunks of ``recompute_chunk`` columns, row blocks of ``recompute_rows``).
+    recompute_chunk, recompute_rows : int
+    whole_weight : bool
+        The 16-bit weight is widened once to fp32 (when it takes at most a quarter of the budget),
+        else per chunk.
+    budget_bytes : int
+    """
+
+    BT: int
+    K: int
+    V: int
+    H: int
+    budget_rows: int
+    block_rows: int
+    v_chunk: int
+    vocab_major: bool
+    recompute_chunk: int
+    recompute_rows: int
+    whole_weight: bool
+    budget_bytes: int
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.BT // self.block_rows) if self.BT else 0
+
+    def row_blocks(self):
+        """``(b0, b1)`` of the equal row blocks, in order."""
+        n = self.n_blocks
+        for k in range(n):
+            yield (k * self.BT) // n, ((k + 1) * self.BT) // n
+
+
+def training_budget_rows(vocab_size: int, itemsize: int, budget: int) -> int:
+    """Rows per block: the block's logits ``[rows, V]`` (``itemsize`` bytes each) fit ``budget``
+    (≥ 1, a multiple of 8 when ≥ 8).  From the global V."""
+    nb = max(1, int(budget) // max(1, int(vocab_size) * int(itemsize)))
+    return nb if nb < 8 else (nb // 8) * 8
+
+
+def plan_training_loss(
+    BT: int,
+    K: int,
+    V: int,
+    H: int,
+    *,
+    itemsize: int,
+    widen: bool,
+    want_grad: bool,
+    recompute: bool,
+    filtered: bool,
+    logits16: bool,
+    v_chunk: int,
+    budget_bytes: int | None = None,
+) -> TrainingPlan:
+    """The training loss's plan (:class:`TrainingPlan`).  ``itemsize``: the compute dtype's
+    (4, or 8 for fp64); ``widen``: 16-bit operands (fp32 copies of the weight);
+    ``want_grad``/``recompute``/``filtered``: what the call computes (``recompute``: ``lse``
+    given); ``logits16``: the logits run on the bf16 kernel (no fp32 weight for the forward alone);
+    ``v_chunk``: the row block's vocabulary chunk."""
+    budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
+    BT, K, V, H = int(BT), int(K), int(V), int(H)
+    rows = training_budget_rows(max(V, 1), itemsize, budget)
+    block = max(1, min(rows, BT))
+    vc_req = int(v_chunk)
+    if not want_grad:  # the forward alone: one chunk at a time, all rows while they fit half the budget
+        vc_req = min(vc_req, TRAIN_VM_CHUNK)
+        block = min(max(BT, 1), max(block, (budget // 2) // (vc_req * itemsize)))
+    vc = max(1, min(vc_req, max(K, 1)))
+    rc = min(vc, TRAIN_VM_CHUNK)
+    return TrainingPlan(
+        BT=BT,
+        K=K,
+        V=V,
+        H=H,
+        budget_rows=rows,
+        block_rows=block,
+        v_chunk=vc,
+        vocab_major=recompute and want_grad and not filtered and K > 0 and BT > 0,
+        recompute_chunk=rc,
+        recompute_rows=max(1, min(BT, budget // 2 // max(1, rc * itemsize))),
+        whole_weight=widen and K * H * 4 <= budget // 4 and not (logits16 and not want_grad),
+        budget_bytes=budget,
+    )
+
+
 #: The plan type kernels take (the op_host → op_kernel contract).
 LinearCrossEntropyPlan = LinearCETiling

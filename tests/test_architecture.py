@@ -70,6 +70,8 @@ def test_plans_are_made_only_in_the_op_layer():
             continue            # the op_host layer, the plan module, and front ends that inspect plans
         src = path.read_text()
         assert "plan_linear_cross_entropy(" not in src, f"{rel} makes a tile plan"
+        assert "plan_training_loss(" not in src, f"{rel} makes the training loss's plan"
+        assert "workspace_budget(" not in src or not rel.startswith("kernels/"), f"{rel} reads the budget"
 
 
 def test_nothing_registers_itself():

@@ -64,7 +64,7 @@ def _kw(feat, b, cw):
 def plan(request, monkeypatch):
     """The default plan, or a small one: 3-row blocks, 7-column chunks (prime)."""
     if request.param == "small":
-        monkeypatch.setattr(K, "VM_CHUNK", 7)
+        monkeypatch.setattr(tiling, "TRAIN_VM_CHUNK", 7)
         monkeypatch.setattr("fastgrad.ops.linear_cross_entropy.V_CHUNK", 7)
         tiling.set_workspace_budget(3 * 7 * 4 * 2)
     yield request.param

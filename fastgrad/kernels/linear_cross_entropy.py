@@ -20,11 +20,11 @@ the widening of chunk ``c + 1`` and the statistics of chunk ``c - 1``; then chun
 gradient GEMMs beside chunk ``c + 1``'s gradient pass and widening — one barrier per stage, the
 same calls on the same operands as chunk by chunk (the same bits), the element-wise passes and
 the widening hidden behind the GEMMs (Qwen2.5-0.5B head, bf16, Zen 3, 2 cores: 15.5 → 14.9 s).
-The forward alone (no gradient) keeps one chunk of ``VM_CHUNK``
+The forward alone (no gradient) keeps one chunk of ``tiling.TRAIN_VM_CHUNK``
 columns at a time instead of the block's whole row, with all rows in one block while
-``[BT, VM_CHUNK]`` fits half the workspace (the weight widened once).  With ``lse`` given (the
+``[BT, TRAIN_VM_CHUNK]`` fits half the workspace (the weight widened once).  With ``lse`` given (the
 backward of a forward that did not compute the gradient) the dense gradient is recomputed
-**vocabulary-major** (``_vocab_major``): per chunk of ``VM_CHUNK`` columns, its logits for all
+**vocabulary-major** (``_vocab_major``): per chunk of ``TRAIN_VM_CHUNK`` columns, its logits for all
 rows, steps 4's pass and products; a chunk's ``grad_weight`` is complete after its rows, so a
 16-bit one is rounded once from fp32 and no ``[K, H]`` accumulator exists.
 
@@ -51,7 +51,7 @@ import numpy as np
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
 from .._outcache import empty as scratch
-from ..tiling import BLAS
+from ..tiling import BLAS, TrainingPlan
 from . import _bf16dot
 from ._gemm import _run as _run_tasks
 from ._gemm import (
@@ -521,16 +521,14 @@ def _bf16_logits(input, W, cdt, vc, logits16: bool):
 #: the same calls on the same operands, so the same bits (tests/test_linear_cross_entropy_staged.py).
 STAGED = True
 
-#: vocabulary columns per chunk of the vocabulary-major recompute (``_vocab_major``)
-VM_CHUNK = 2048
 
-
-def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=False, gemm=BLAS):
+def _vocab_major(input, W, cdt, grads, rows, consts, vc, nr, round_grad=False, gemm=BLAS):
     """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk.
 
-    For each chunk of ``vc`` columns: the weight's rows widened once; for each row block (all
-    rows at once when ``[BT, vc]`` fits the workspace): the logits recomputed, turned into the
-    gradient in place, ``grad_input[b] (+)= G·W[v]`` and ``grad_weight[v] (+)= Gᵀ·X[b]``.  A
+    For each chunk of ``vc`` columns: the weight's rows widened once; for each row block of at
+    most ``nr`` rows (the plan's ``recompute_rows``: all rows while ``[BT, vc]`` fits half the
+    budget): the logits recomputed, turned into the gradient in place,
+    ``grad_input[b] (+)= G·W[v]`` and ``grad_weight[v] (+)= Gᵀ·X[b]``.  A
     chunk's ``grad_weight`` is complete when its row loop ends, so a 16-bit ``grad_weight`` is
     rounded once from its fp32 sum (as the fp32 result rounded at the end) and no fp32 ``[K, H]``
     is held: the memory is the output plus ``O(vc·(BT + H))`` scratch.
@@ -549,8 +547,6 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, workspace, round_grad=F
     cw_c, bias_c, par, flags = consts
     BT, H = input.shape
     K = W.shape[0]
-    isz = np.dtype(cdt).itemsize
-    nr = max(1, min(BT, workspace // 2 // max(1, vc * isz)))
     nblocks = -(-BT // nr)
     nr = -(-BT // nblocks)  # equal blocks
     blocks = [((k * BT) // nblocks, ((k + 1) * BT) // nblocks) for k in range(nblocks)]
@@ -668,14 +664,12 @@ def linear_cross_entropy_cpu(
     coef_ce,
     coef_z,
     params,
-    block_rows,
+    plan: TrainingPlan,
     coef_h=None,
     z_mean=None,
-    v_chunk,
     lse,
     combine,
     out,
-    workspace=256 * 2**20,
 ):
     """The ``cpu`` backend's implementation of ``fastgrad.linear_cross_entropy``: the block loop
     (module docstring), BLAS single-threaded, on the GEMMs ``params["gemm"]`` names (a
@@ -763,19 +757,18 @@ def linear_cross_entropy_cpu(
         zmean_all = np.zeros(BT, cdt)
     if BT == 0:
         return
-    nb_max = max(1, min(int(block_rows), BT))
-    # the forward alone keeps one chunk of VM_CHUNK columns at a time, for all rows when they
-    # fit half the workspace (the weight widened once); with the gradient, the row block's whole
-    # row.  From constants and BT, not the local width: every rank of a vocabulary-parallel group
-    # plans the same row blocks (the combine runs per block).
+    # the plan's row blocks and chunks (made by the op layer: tiling.plan_training_loss): the
+    # forward alone keeps one chunk at a time, for all rows while they fit half the budget; with
+    # the gradient, the row block's whole row; from the global V, so every rank of a
+    # vocabulary-parallel group plans the same row blocks (the combine runs per block)
+    nb_max = plan.block_rows
     fwd_only = not want_grad
-    if fwd_only:
-        v_chunk = min(int(v_chunk), VM_CHUNK)
-        nb_max = min(BT, max(nb_max, (workspace // 2) // (v_chunk * np.dtype(cdt).itemsize)))
-    vc = max(1, min(int(v_chunk), max(K, 1)))
+    vc = plan.v_chunk
     chunks = [(v0, min(K, v0 + vc)) for v0 in range(0, K, vc)]
     W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
     widen = W.dtype != cdt
+    if vmajor != plan.vocab_major:
+        raise ValueError(f"plan.vocab_major is {plan.vocab_major}, the call's arguments say {vmajor}")
     if vmajor:
         _vocab_major(
             input,
@@ -784,8 +777,8 @@ def linear_cross_entropy_cpu(
             (gi, gw, gw_acc, gw_code, gb),
             (tcol, wt_c, lse_all, coef_ce, coef_z, coef_h, zmean_all),
             (cw_c, bias_c, par, flags),
-            min(vc, VM_CHUNK),
-            workspace,
+            plan.recompute_chunk,
+            plan.recompute_rows,
             bool(params.get("round_grad")),
             gemm,
         )
@@ -794,7 +787,7 @@ def linear_cross_entropy_cpu(
     # then needs no widening for the forward alone
     bfl = _bf16_logits(input, W, cdt, vc, gemm.logits16)
     # keep the whole weight in the compute dtype when it is small, else widen per chunk
-    wfull = _block(W, 0, K, cdt, None) if (widen and K * H * 4 <= workspace // 4 and not (bfl and fwd_only)) else None
+    wfull = _block(W, 0, K, cdt, None) if (widen and plan.whole_weight) else None
     # scratch on recycled memory (fastgrad._outcache): a training loop's next step takes no
     # fresh pages
     wbuf = scratch(vc * H, cdt) if (widen and wfull is None) else None

@@ -149,10 +149,8 @@ def round_grad(grad: np.ndarray, dtype: Any, scale: float | None = None) -> np.n
 def plan_block_rows(vocab_size: int, itemsize: int, budget: int | None = None) -> int:
     """Rows per block: the block's logits ``[nb, V]`` fit the workspace budget (≥ 1, multiple
     of 8 when ≥ 8).  From the global V, so every rank of a vocabulary-parallel group plans the
-    same blocks."""
-    budget = tiling.workspace_budget() if budget is None else int(budget)
-    nb = max(1, budget // max(1, vocab_size * itemsize))
-    return nb if nb < 8 else (nb // 8) * 8
+    same blocks (``tiling.training_budget_rows``)."""
+    return tiling.training_budget_rows(vocab_size, itemsize, tiling.workspace_budget() if budget is None else budget)
 
 
 def linear_cross_entropy(
@@ -451,8 +449,23 @@ def linear_cross_entropy(
         "grad_bias": np.empty(K, cdt) if need[2] else None,
         "filter_stats": fstats,
     }
-    itemsize = np.dtype(cdt).itemsize
-    budget = st.workspace_bytes
+    # the plan (tiling.plan_training_loss): row blocks from the global V and the budget, chunks,
+    # the vocabulary-major recompute, whether the weight is widened once
+    logits16 = cdt == np.float32 and x.dtype == D.BFLOAT16 and w.dtype == D.BFLOAT16 and bool(params["gemm"].logits16)
+    plan = tiling.plan_training_loss(
+        BT,
+        K,
+        max(V, 1),
+        H,
+        itemsize=np.dtype(cdt).itemsize,
+        widen=w.dtype != cdt,
+        want_grad=any(need),
+        recompute=recompute,
+        filtered=params.get("filter_eps") is not None,
+        logits16=logits16,
+        v_chunk=V_CHUNK,
+        budget_bytes=st.workspace_bytes,
+    )
     _impl()(
         input=x,
         weight=w,
@@ -465,9 +478,7 @@ def linear_cross_entropy(
         coef_h=coef_h,
         z_mean=zm_a if (recompute and coef_h is not None) else None,
         params=params,
-        block_rows=plan_block_rows(max(V, 1), itemsize, budget),
-        v_chunk=V_CHUNK,
-        workspace=budget,
+        plan=plan,
         lse=None if not recompute else lse_a,
         combine=combine,
         out=out,

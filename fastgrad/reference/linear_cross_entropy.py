@@ -3,10 +3,10 @@
 The ``"reference"`` backend's implementation: the same keyword interface and the same ``out``
 entries as the cpu kernel (``kernels/linear_cross_entropy.py``), computed in float64 NumPy
 straight from the formulas of the op's docstring (``fastgrad/ops/linear_cross_entropy.py``) and
-docs/spec.md, "Training loss" — obvious, slow, clear.  Per block of at most ``block_rows`` rows
+docs/spec.md, "Training loss" — obvious, slow, clear.  Per block of at most ``plan.budget_rows`` rows
 (the plan's, from the global vocabulary, so that ``combine`` is called per the same row blocks on
-every shard; the weight is widened per chunk of ``v_chunk`` rows, so the memory is a few
-``[block_rows, K]`` float64 arrays, the float64 ``grad_weight`` accumulator and the outputs)::
+every shard; the weight is widened per chunk of ``plan.v_chunk`` rows, so the memory is a few
+``[budget_rows, K]`` float64 arrays, the float64 ``grad_weight`` accumulator and the outputs)::
 
     l   = x·wᵀ + b                               (this shard's K columns, float64)
     z   = softcap(l)/T,  softcap(l) = c·tanh(l/c) (identity without a softcap)
@@ -41,9 +41,12 @@ golden ignores them, always computes the dense exact value, and reports ``filter
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # the plan's type only (a golden imports no settings)
+    from ..tiling import TrainingPlan
 
 OP = "linear_cross_entropy"
 
@@ -89,14 +92,12 @@ def linear_cross_entropy(
     coef_ce: np.ndarray | None,
     coef_z: np.ndarray | None,
     params: Mapping[str, Any],
-    block_rows: int,
+    plan: TrainingPlan,
     coef_h: np.ndarray | None = None,
     z_mean: np.ndarray | None = None,
-    v_chunk: int,
     lse: np.ndarray | None,
     combine: Callable | None,
     out: dict,
-    workspace: int = 256 * 2**20,
 ) -> None:
     """The ``reference`` backend's ``linear_cross_entropy`` (module docstring): the cpu kernel's
     interface (``kernels/linear_cross_entropy.py``, ``linear_cross_entropy_cpu``) in float64.
@@ -106,10 +107,10 @@ def linear_cross_entropy(
     ``[K]`` class weights or None.  ``out``: the preallocated outputs (``lse``, ``max``,
     ``sum_exp``, ``z_target``, ``z_sum``, ``argmax``, ``z_mean``, ``entropy``, ``grad_input``,
     ``grad_weight``, ``grad_bias``; absent or None: not computed) and ``filter_stats`` (a dict
-    receiving ``blocks_total = blocks_skipped = 0``: the golden never filters).  ``workspace``
-    is accepted for the interface and unused.
+    receiving ``blocks_total = blocks_skipped = 0``: the golden never filters).  ``plan``
+    (``tiling.TrainingPlan``): the golden takes its row blocks (``budget_rows``, from the global
+    V: the per-block ``combine`` of every rank) and its chunk width, nothing else.
     """
-    del workspace  # the golden's memory is bounded by block_rows and v_chunk alone
     BT, H = input.shape
     K = weight.shape[0]
     recompute = lse is not None
@@ -141,7 +142,7 @@ def linear_cross_entropy(
     lse_all = None if not recompute else _f64(lse)
     mu_all = _f64(z_mean) if (recompute and coef_h is not None) else None
 
-    vc = max(1, min(int(v_chunk), max(K, 1)))
+    vc = max(1, min(int(plan.v_chunk), max(K, 1)))
     chunks = [(v0, min(K, v0 + vc)) for v0 in range(0, K, vc)]
 
     def wchunk(v0: int, v1: int) -> np.ndarray:
@@ -150,7 +151,7 @@ def linear_cross_entropy(
     gw_acc = np.zeros((K, H)) if gw is not None else None
     gb_acc = np.zeros(K) if gb is not None else None
 
-    nb_max = max(1, min(int(block_rows), BT)) if BT else 1
+    nb_max = max(1, min(int(plan.budget_rows), BT)) if BT else 1
     nblocks = -(-BT // nb_max) if BT else 0
     for k in range(nblocks):
         b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks

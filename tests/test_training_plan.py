@@ -1,0 +1,104 @@
+"""The training loss's plan (``tiling.plan_training_loss``) is made in the op layer and is what the
+kernel runs: row blocks from the global vocabulary and the budget, chunks, the vocabulary-major
+recompute, the weight widened once or per chunk (issue 26: no plan decided inside the kernel)."""
+
+import numpy as np
+import pytest
+from common import BF16
+
+import fastgrad as fg
+from fastgrad import tiling
+from fastgrad.kernels import linear_cross_entropy as K
+
+MiB = 2**20
+
+
+def _plan(BT=2048, Kl=151936, V=151936, H=896, **kw):
+    args = dict(itemsize=4, widen=True, want_grad=True, recompute=False, filtered=False, logits16=False)
+    args.update(kw)
+    return tiling.plan_training_loss(BT, Kl, V, H, v_chunk=8192, budget_bytes=args.pop("budget", 256 * MiB), **args)
+
+
+def test_the_qwen_head_plans():
+    p = _plan()  # the fused step: row blocks of the whole vocabulary
+    assert (p.budget_rows, p.block_rows, p.n_blocks, p.v_chunk) == (440, 440, 5, 8192)
+    assert list(p.row_blocks())[:2] == [(0, 409), (409, 819)] and sum(b - a for a, b in p.row_blocks()) == 2048
+    assert not p.vocab_major and not p.whole_weight  # [V, H] fp32 is more than a quarter of 256 MiB
+    f = _plan(want_grad=False)  # the forward alone: 2048-column chunks, all rows at once
+    assert (f.block_rows, f.n_blocks, f.v_chunk) == (2048, 1, 2048)
+    r = _plan(recompute=True)  # the recompute: vocabulary-major, all rows per chunk
+    assert r.vocab_major and (r.recompute_chunk, r.recompute_rows) == (2048, 2048)
+    assert not _plan(recompute=True, filtered=True).vocab_major  # filtering runs by row blocks
+    assert _plan(Kl=1000, V=1000, H=64).whole_weight  # a small weight is widened once
+
+
+def test_every_rank_plans_the_same_row_blocks():
+    # the per-block all-reduce: shards of different sizes, the same global V, the same blocks
+    a = _plan(Kl=75968)
+    b = _plan(Kl=75967)
+    assert list(a.row_blocks()) == list(b.row_blocks())
+
+
+def test_the_budget_moves_the_blocks_not_the_bits_of_one_block():
+    assert _plan(budget=512 * MiB).n_blocks == 3
+    assert _plan(budget=1).block_rows == 1  # one row at a time, never zero
+
+
+def test_the_op_layer_makes_the_plan_per_call(monkeypatch):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 16)).astype(BF16)
+    w = rng.standard_normal((300, 16)).astype(BF16)
+    t = rng.integers(0, 300, 40)
+    seen = []
+    real = tiling.plan_training_loss
+
+    def spy(*a, **kw):
+        seen.append(real(*a, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(tiling, "plan_training_loss", spy)
+    tiling.set_workspace_budget(40 * 300 * 4 // 4)  # a quarter of [BT, V]: 10 rows, 8 (a multiple of 8)
+    try:
+        r = fg.linear_cross_entropy(x, w, t, return_grad=True)
+        lse = r.lse
+        fg.linear_cross_entropy(x, w, t, return_grad=True, lse=lse)
+    finally:
+        tiling.set_workspace_budget(None)
+    assert len(seen) == 2  # one plan per call, made by the op from the settings in force
+    p, q = seen
+    assert (p.budget_rows, p.block_rows, p.n_blocks, p.vocab_major) == (8, 8, 5, False)
+    assert q.vocab_major and q.recompute_rows == 5  # half the budget / (300 columns x 4 bytes)
+    assert np.isfinite(r.loss)
+
+
+def test_a_plan_that_contradicts_the_call_is_refused():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    w = rng.standard_normal((20, 4)).astype(np.float32)
+    plan = _plan(BT=8, Kl=20, V=20, H=4, recompute=True)  # says: recompute the gradient
+    out = {"grad_input": np.zeros((8, 4), np.float32), "lse": np.zeros(8, np.float32)}
+    with pytest.raises(ValueError, match="vocab_major"):
+        K.linear_cross_entropy_cpu(
+            input=x,
+            weight=w,
+            target_cols=np.zeros(8, np.int64),
+            bias=None,
+            class_weight=None,
+            target_weight=np.ones(8),
+            coef_ce=np.ones(8),
+            coef_z=None,
+            params={
+                "softcap": None,
+                "temperature": 1.0,
+                "eps": 0.0,
+                "eps_over_V": 0.0,
+                "eps_wsum_over_V": 0.0,
+                "z_scale2": 0.0,
+                "need_zsum": False,
+                "vocab_start_index": 0,
+            },
+            plan=plan,
+            lse=None,
+            combine=None,
+            out=out,
+        )
