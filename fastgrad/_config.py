@@ -335,11 +335,6 @@ def native_isa() -> str:
     The variants give the same bits (``fastgrad/kernels/_native.py``); the setting changes the
     speed only.  The op layer resolves it into each LM-head call's GEMM choice
     (``fastgrad/ops/_engines.py``); no kernel reads it."""
-    return _native_isa_setting()
-
-
-def _native_isa_setting() -> str:
-    """:func:`set_native_isa` > ``FASTGRAD_NATIVE_ISA`` > ``"auto"`` (the setting alone)."""
     if _native_isa_global is not None:
         return _native_isa_global
     env = os.environ.get("FASTGRAD_NATIVE_ISA", "").strip()
@@ -603,7 +598,7 @@ def settings() -> Settings:
         backend=backend_setting(),
         gemm=gemm_setting(),
         prefer_onednn=_AUTO_ONEDNN.get(),
-        native_isa=_native_isa_setting(),
+        native_isa=native_isa(),
         workspace_bytes=workspace_budget(),
         threads=get_num_threads(),
         progress=progress_callback(),

@@ -134,6 +134,13 @@ def b_size(k: int, n: int) -> int:
     return ((k + 1) // 2) * b_cols(n)
 
 
+def fp32_operands(grad: bool, kind: str | None) -> bool:
+    """The LM-head loop holds fp32 copies of ``X`` and of the weight tiles: where the logits run
+    on BLAS (``kind`` None), and for the gradient GEMMs unless they run on the bf16 kernel (the
+    fp32 kernel of fp16 operands takes them as its ``B``).  ``kind``: ``GemmChoice.exact_for``."""
+    return (grad and kind != "bf16") or kind is None
+
+
 def lm_head_buffers(
     mode: str,
     BT: int,
@@ -169,7 +176,7 @@ def lm_head_buffers(
         out.append(Buffer(name, tuple(int(d) for d in shape), dt, scope))
 
     # the operands (``_lm_head.Operands``): fp32 X and W tiles where BLAS or the fp32 kernel takes them
-    fp32_ops = (grad and not b16) or kind is None
+    fp32_ops = fp32_operands(grad, kind)
     if fp32_ops and wide:
         add("x32", (BT, hp), "float32", "call")
         add("w32_tile", (vt, hp), "float32", "tile")

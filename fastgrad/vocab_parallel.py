@@ -138,6 +138,15 @@ def combine_shard_statistics(
 # ----------------------------------------------------------------------------------------------
 
 
+def live_filter_eps(eps: float | None, alpha: float, K: int) -> float | None:
+    """The gradient-filtering threshold that applies: ``eps``, or None where the uniform
+    smoothing term alone (``s/K`` of :func:`megatron_smoothing`) is not below it (no block can be
+    negligible then).  The op layer plans with it and the FLCE grad kernel filters by it."""
+    if eps is None:
+        return None
+    return None if megatron_smoothing(alpha, K)[1] >= eps else eps
+
+
 def megatron_smoothing(alpha: float, K: int) -> tuple[float, float]:
     """``(s, s/K)`` applied for Megatron's ``label_smoothing=alpha`` on ``K`` local columns.
 

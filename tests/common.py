@@ -1,5 +1,7 @@
 """The dtype names the op test files share, their torch twins, and a small LM-head problem."""
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -114,6 +116,35 @@ def count_kernel_calls(monkeypatch) -> list:
     return calls
 
 
+@contextlib.contextmanager
+def workspace_budget(nbytes):
+    """The process's workspace budget set to ``nbytes`` for the block, and the setting it had
+    (an override or none) restored afterwards, also when the block fails."""
+    from fastgrad import _config
+
+    old = _config.workspace_budget_override()
+    _config.set_workspace_budget(nbytes)
+    try:
+        yield
+    finally:
+        _config.set_workspace_budget(old)
+
+
+def record_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.name`` (monkeypatched) so that each call appends ``(args, kwargs, result)`` to
+    the returned list, then returns the result."""
+    real = getattr(owner, name)
+    seen: list = []
+
+    def spy(*a, **kw):
+        r = real(*a, **kw)
+        seen.append((a, kw, r))
+        return r
+
+    monkeypatch.setattr(owner, name, spy)
+    return seen
+
+
 def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None):
     """The NumPy-level FLCE grad of 16-bit operands on "auto" (its GEMMs on an exact-product
     kernel: asserted), at one thread (bitwise the same: asserted), and on "blas" (the kernel
@@ -123,7 +154,6 @@ def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None)
     from naive import check_fused_linear_cross_entropy_loss_grad
 
     import fastgrad as fg
-    from fastgrad import tiling
 
     mask = np.packbits(masked, bitorder="little")
     m, s = stats64(x, w)
@@ -132,8 +162,7 @@ def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None)
         return fg.fused_linear_cross_entropy_loss_grad(grad, x, w, mask, t, logits_max=m, sum_exp_logits=s)
 
     calls = count_kernel_calls(monkeypatch)
-    tiling.set_workspace_budget(budget)
-    try:
+    with workspace_budget(budget):
         got = flce()
         assert calls, "the kernel did not run"
         with fg.num_threads(1):
@@ -142,8 +171,6 @@ def flce_grad_on_and_off_kernel(monkeypatch, x, w, t, masked, grad, budget=None)
         with fg.gemm("blas"):
             ref = flce()
         assert not calls
-    finally:
-        tiling.set_workspace_budget(None)
     check_fused_linear_cross_entropy_loss_grad(got, grad, x, w, mask, t, logits_max=m, sum_exp_logits=s)
     for a, b in zip(got, one):
         assert a.dtype == x.dtype

@@ -175,21 +175,16 @@ def test_deterministic_across_threads():
 
 def test_small_workspace_many_row_blocks_and_chunks(monkeypatch):
     """Several row blocks and vocabulary chunks (gathers across chunk boundaries)."""
-    from fastgrad import tiling
+    from common import workspace_budget
+
     from fastgrad.ops import linear_cross_entropy as op
 
     rng = np.random.default_rng(6)
     x, w, t = _problem(rng, 130, 48, 3000, BF16, 8.0, vocab_used=400)
     dense = fg.linear_cross_entropy(x, w, t, return_grad=True)
     monkeypatch.setattr(op, "V_CHUNK", 1000)          # not a multiple of the 64-column block
-    from fastgrad import _config
-
-    old = _config._budget_override
-    tiling.set_workspace_budget(40 * 3000 * 4)        # 40-row blocks
-    try:
+    with workspace_budget(40 * 3000 * 4):              # 40-row blocks
         filt = fg.linear_cross_entropy(x, w, t, return_grad=True, filter_eps="auto")
-    finally:
-        tiling.set_workspace_budget(old)
     st = filt.filter_stats
     assert st["blocks_total"] == 4 * -(-3000 // 64) and st["blocks_skipped"] > 0
     bound = 2.0 ** -12 / 130 * np.abs(_f64(w)).sum(axis=0)

@@ -282,7 +282,7 @@ def test_vocabulary_shards_with_combine(dtype, blocks, request):
         request.getfixturevalue("small_budget")
     gold, ncalls = _sharded("reference", x, w, t, b, splits, **kw)
     cpu, ncalls_cpu = _sharded("cpu", x, w, t, b, splits, **kw)
-    nb = lce_op.plan_block_rows(V, 8 if dtype == np.float64 else 4)
+    nb = tiling.training_budget_rows(V, 8 if dtype == np.float64 else 4, tiling.workspace_budget())
     assert ncalls == ncalls_cpu == [-(-BT // nb)] * 4  # combine per row block (the plan's), on every shard
     assert (ncalls[0] > 1) == (blocks == "several")
     tight = 1e-12 if dtype == np.float64 else 1e-6  # fp32/bf16 results are rounded to fp32

@@ -11,10 +11,9 @@ autograd so that equality of two wrong loops cannot pass.
 
 import numpy as np
 import pytest
-from common import BF16
+from common import BF16, workspace_budget
 
 import fastgrad as fg
-from fastgrad import tiling
 from fastgrad.kernels import linear_cross_entropy as K
 from fastgrad.ops import linear_cross_entropy as op
 
@@ -46,12 +45,8 @@ def _call(dtype, feats, budget, vchunk, monkeypatch, staged):
         kw["ce_weight"] = rng.uniform(0.5, 1.5, w.shape[0])
     monkeypatch.setattr(op, "V_CHUNK", vchunk)
     monkeypatch.setattr(K, "STAGED", staged)
-    old = tiling.workspace_budget()
-    tiling.set_workspace_budget(budget)
-    try:
+    with workspace_budget(budget):
         r = fg.linear_cross_entropy(x, w, t, return_grad=(True, True, "bias" in kw), **kw)
-    finally:
-        tiling.set_workspace_budget(old)
     return (x, w, t, kw), r
 
 
@@ -104,11 +99,8 @@ def test_staged_shard_equals_chunk_by_chunk(monkeypatch):
     out = []
     for staged in (True, False):
         monkeypatch.setattr(K, "STAGED", staged)
-        tiling.set_workspace_budget(60_000)
-        try:
+        with workspace_budget(60_000):
             r = fg.linear_cross_entropy(x, w[lo:], t, vocab_start_index=lo, vocab_size=V, return_grad=True)
-        finally:
-            tiling.set_workspace_budget(None)
         out.append(r)
     for n in ("lse", "grad_input", "grad_weight"):
         assert np.array_equal(getattr(out[0], n), getattr(out[1], n)), n

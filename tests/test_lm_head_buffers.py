@@ -15,7 +15,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from common import BF16, native_isas, set_isa
+from common import BF16, native_isas, record_calls, set_isa, workspace_budget
 
 import fastgrad as fg
 from fastgrad import _outcache, tiling
@@ -31,6 +31,11 @@ def _inputs(dt, BT, H, V, seed=0):
     w = (rng.standard_normal((V, H)) * 0.5).astype(dt)
     t = rng.integers(0, V, BT)
     return x, w, t
+
+
+def _names(calls) -> list:
+    """The buffer names of recorded ``Workspace.take(self, name, size, dtype)`` calls."""
+    return [a[1] for a, _, _ in calls]
 
 
 def _least_peak(call, n: int = 3) -> int:
@@ -72,18 +77,9 @@ def _engine(engine):
 def test_flce_grad_takes_and_holds_exactly_its_buffers(op, dt, engine, budget, H, monkeypatch):
     BT, V = 300, 2600
     x, w, t = _inputs(DTYPES[dt], BT, H, V)
-    taken = []
-    take = _lm_head.Workspace.take
-
-    def spy(self, name, size, dtype):
-        taken.append(name)
-        return take(self, name, size, dtype)
-
-    monkeypatch.setattr(_lm_head.Workspace, "take", spy)
-    old = tiling.workspace_budget()
-    tiling.set_workspace_budget(budget)
+    taken = record_calls(monkeypatch, _lm_head.Workspace, "take")
     try:
-        with _engine(engine), _outcache.output_cache(0):
+        with workspace_budget(budget), _engine(engine), _outcache.output_cache(0):
             s = fg.fused_linear_online_max_sum(x, w, t, 0, V)
             grad = np.full(BT, 1.0 / BT, np.float32)
             p = None
@@ -107,10 +103,9 @@ def test_flce_grad_takes_and_holds_exactly_its_buffers(op, dt, engine, budget, H
             peak = _least_peak(call)
             plan = res[0]
     finally:
-        tiling.set_workspace_budget(old)
         set_isa(None)
     names = [b.name for b in plan.buffers]
-    assert sorted(taken) == sorted(names), (taken, names)
+    assert sorted(_names(taken)) == sorted(names), (_names(taken), names)
     assert plan.workspace_bytes == sum(b.nbytes for b in plan.buffers)
     if budget < (1 << 30):
         assert plan.n_tiles > 1
@@ -128,48 +123,26 @@ def test_flce_grad_takes_and_holds_exactly_its_buffers(op, dt, engine, budget, H
 def test_online_max_sum_takes_and_holds_exactly_its_buffers(dt, engine, H, monkeypatch):
     BT, V = 300, 2600
     x, w, t = _inputs(DTYPES[dt], BT, H, V)
-    plans = []
-    take = _lm_head.Workspace.take
-    taken = []
-
-    def spy(self, name, size, dtype):
-        taken.append(name)
-        return take(self, name, size, dtype)
-
-    init = _lm_head.Workspace.__init__
-
-    def spy_init(self, plan):
-        plans.append(plan)
-        init(self, plan)
-
-    monkeypatch.setattr(_lm_head.Workspace, "take", spy)
-    monkeypatch.setattr(_lm_head.Workspace, "__init__", spy_init)
-    tiling.set_workspace_budget(400_000)
+    taken = record_calls(monkeypatch, _lm_head.Workspace, "take")
+    inits = record_calls(monkeypatch, _lm_head.Workspace, "__init__")
     try:
-        with _engine(engine), _outcache.output_cache(0):
+        with workspace_budget(400_000), _engine(engine), _outcache.output_cache(0):
             for _ in range(2):  # warm
                 fg.fused_linear_online_max_sum(x, w, t, 0, V)
-            outs = [
-                np.empty(BT, np.float32),
-                np.empty(BT, np.float32),
-                np.empty(BT, np.float32),
-                np.empty(-(-BT // 8), np.uint8),
-                np.empty(BT, np.int32),
-            ]
 
             def call():
                 taken.clear()
-                plans.clear()
+                inits.clear()
                 fg.fused_linear_online_max_sum(x, w, t, 0, V)
 
             peak = _least_peak(call)
     finally:
-        tiling.set_workspace_budget(None)
         set_isa(None)
+    plans = [a[1] for a, _, _ in inits]  # Workspace(self, plan)
     assert len(plans) == 1 and plans[0].n_tiles > 1
     plan = plans[0]
-    assert sorted(taken) == sorted(b.name for b in plan.buffers)
-    outputs = sum(o.nbytes for o in outs)
+    assert sorted(_names(taken)) == sorted(b.name for b in plan.buffers)
+    outputs = 3 * 4 * BT + -(-BT // 8) + 4 * BT  # max, sum, predicted (fp32); the mask bits; the target (int32)
     slack = 64 * BT + (1 << 16) + _engine_transients(plan)
     assert plan.workspace_bytes <= peak - outputs <= plan.workspace_bytes + slack, (peak, outputs, plan.workspace_bytes)
 

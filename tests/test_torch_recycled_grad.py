@@ -12,17 +12,25 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from common import workspace_budget  # noqa: E402
+
 import fastgrad as fg  # noqa: E402
 from fastgrad import _config, _outcache  # noqa: E402
 from fastgrad.errors import AclnnError  # noqa: E402
 from fastgrad.torch import functional as F  # noqa: E402
 
 
-def _step(dtype, scale, BT=96, H=40, V=700, seed=0):
+def _inputs(dtype, BT=96, H=40, V=700, seed=0):
     g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(BT, H, generator=g) * 0.5).to(dtype).requires_grad_()
-    w = (torch.randn(V, H, generator=g) * 0.2).to(dtype).requires_grad_()
-    t = torch.randint(0, V, (BT,), generator=g)
+    h = (torch.randn(BT, H, generator=g) * 0.5).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 0.2).to(dtype)
+    return h, w, torch.randint(0, V, (BT,), generator=g)
+
+
+def _step(dtype, scale):
+    h, w, t = _inputs(dtype)
+    h.requires_grad_()
+    w.requires_grad_()
     loss = fg.torch.linear_cross_entropy(h, w, t, options=fg.torch.LinearCrossEntropyOptions(schedule="fused"))
     (loss * scale).backward()
     return h.grad, w.grad
@@ -38,10 +46,8 @@ def test_recycled_grad_has_pytorchs_rounding(dtype, scale, monkeypatch):
     assert torch.equal(gw.view(torch.int16), gw0.view(torch.int16))
     assert torch.equal(gi.view(torch.int16), gi0.view(torch.int16))
     # and right: against float64 autograd of the same loss
-    g = torch.Generator().manual_seed(0)
-    h = (torch.randn(96, 40, generator=g) * 0.5).to(dtype).double().requires_grad_()
-    w = (torch.randn(700, 40, generator=g) * 0.2).to(dtype).double().requires_grad_()
-    t = torch.randint(0, 700, (96,), generator=g)
+    h, w, t = _inputs(dtype)
+    h, w = h.double().requires_grad_(), w.double().requires_grad_()
     (torch.nn.functional.cross_entropy(h @ w.T, t) * scale).backward()
     u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
     assert torch.allclose(gw.double(), w.grad, atol=2 * u * w.grad.abs().max().item(), rtol=2 * u)
@@ -56,24 +62,20 @@ def test_the_rounded_grad_takes_the_freed_scratch_block():
     w = (torch.randn(V, H, generator=g) * 0.05).bfloat16().requires_grad_()
     t = torch.randint(0, V, (BT,), generator=g)
     assert F.recycled_scratch_bytes(BT, w) == V * H * 4
-    old = _config.workspace_budget_override()
-    _config.set_workspace_budget(8 << 20)  # below the floor (V·H·4 = 41 MB): the floor sizes the blocks
-    try:
-        with _outcache.output_cache(4096):
-            _outcache.empty_cache()
-            opts = fg.torch.LinearCrossEntropyOptions(schedule="fused")
-            loss = fg.torch.linear_cross_entropy(h, w, t, options=opts)
-            before = _outcache.output_cache_info()
-            assert before["free_blocks"] >= 1  # the row blocks' scratch, freed
-            loss.backward()
-            after = _outcache.output_cache_info()
-            assert after["misses"] == before["misses"], (before, after)  # no new block for the grad
-            assert after["hits"] > before["hits"] and after["free_bytes"] < before["free_bytes"]
-            del loss
-            w.grad = None  # the block comes back with the gradient
-            assert _outcache.output_cache_info()["free_bytes"] >= before["free_bytes"]
-    finally:
-        _config.set_workspace_budget(old)
+    # a budget below the floor (V·H·4 = 41 MB): the floor sizes the blocks
+    with workspace_budget(8 << 20), _outcache.output_cache(4096):
+        _outcache.empty_cache()
+        opts = fg.torch.LinearCrossEntropyOptions(schedule="fused")
+        loss = fg.torch.linear_cross_entropy(h, w, t, options=opts)
+        before = _outcache.output_cache_info()
+        assert before["free_blocks"] >= 1  # the row blocks' scratch, freed
+        loss.backward()
+        after = _outcache.output_cache_info()
+        assert after["misses"] == before["misses"], (before, after)  # no new block for the grad
+        assert after["hits"] > before["hits"] and after["free_bytes"] < before["free_bytes"]
+        del loss
+        w.grad = None  # the block comes back with the gradient
+        assert _outcache.output_cache_info()["free_bytes"] >= before["free_bytes"]
 
 
 def test_the_floor_never_holds_bt_by_v_and_ignores_fp32_weights():

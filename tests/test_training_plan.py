@@ -4,7 +4,7 @@ recompute, the weight widened once or per chunk (issue 26: no plan decided insid
 
 import numpy as np
 import pytest
-from common import BF16
+from common import BF16, record_calls, workspace_budget
 
 import fastgrad as fg
 from fastgrad import tiling
@@ -49,21 +49,11 @@ def test_the_op_layer_makes_the_plan_per_call(monkeypatch):
     x = rng.standard_normal((40, 16)).astype(BF16)
     w = rng.standard_normal((300, 16)).astype(BF16)
     t = rng.integers(0, 300, 40)
-    seen = []
-    real = tiling.plan_training_loss
-
-    def spy(*a, **kw):
-        seen.append(real(*a, **kw))
-        return seen[-1]
-
-    monkeypatch.setattr(tiling, "plan_training_loss", spy)
-    tiling.set_workspace_budget(40 * 300 * 4 // 4)  # a quarter of [BT, V]: 10 rows, 8 (a multiple of 8)
-    try:
+    calls = record_calls(monkeypatch, tiling, "plan_training_loss")
+    with workspace_budget(40 * 300 * 4 // 4):  # a quarter of [BT, V]: 10 rows, 8 (a multiple of 8)
         r = fg.linear_cross_entropy(x, w, t, return_grad=True)
-        lse = r.lse
-        fg.linear_cross_entropy(x, w, t, return_grad=True, lse=lse)
-    finally:
-        tiling.set_workspace_budget(None)
+        fg.linear_cross_entropy(x, w, t, return_grad=True, lse=r.lse)
+    seen = [res for _, _, res in calls]
     assert len(seen) == 2  # one plan per call, made by the op from the settings in force
     p, q = seen
     assert (p.budget_rows, p.block_rows, p.n_blocks, p.vocab_major) == (8, 8, 5, False)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
-from ._gemm import row_tasks, run_rows
+from ._gemm import row_tasks, run_rows, run_tasks
 
 
 @tjit
@@ -22,8 +22,12 @@ def _widen_rows(lo, hi, src, code, dst):
             dst[i, j] = D.to_f32(src[i, j], code)
 
 
-def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None, width: int | None = None) -> np.ndarray:
-    """Rows ``r0:r1`` of a 2-D bf16/fp16/fp32 array as a C-contiguous fp32 array (exact).
+def fp32_block_tasks(
+    a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None, width: int | None = None
+) -> tuple[np.ndarray, list]:
+    """Rows ``r0:r1`` of a 2-D bf16/fp16/fp32 array as a C-contiguous fp32 array (exact), and the
+    tasks that fill it (none for fp32), to run beside other work (``_gemm.run_tasks``);
+    :func:`fp32_block` runs them at once.
 
     fp32 inputs are returned as a view when already contiguous; 16-bit rows are widened into
     ``buf`` (a flat fp32 scratch of at least (r1-r0)*H elements) when given.  ``width`` (16-bit
@@ -33,28 +37,21 @@ def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None, w
     blk = a[r0:r1]
     n, h = blk.shape
     if a.dtype == D.FLOAT32:
-        return np.ascontiguousarray(blk)
+        return np.ascontiguousarray(blk), []
     w = h if width is None else width
     out = buf[: n * w].reshape(n, w) if buf is not None else np.empty((n, w), np.float32)
     if w > h:
         out[:, h:] = 0
-    if n and h:
-        run_rows(_widen_rows, n, np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
-    return out
-
-
-def fp32_block_tasks(a: np.ndarray, r0: int, r1: int, buf: np.ndarray) -> tuple[np.ndarray, list]:
-    """:func:`fp32_block` in two steps: the fp32 rows ``r0:r1`` (in ``buf`` for 16-bit ``a``, a
-    view for fp32) and the tasks that fill them (none for fp32), to run beside other work
-    (``_gemm.run_tasks``).  The widening is exact: the same values as :func:`fp32_block`."""
-    blk = a[r0:r1]
-    if a.dtype == D.FLOAT32:
-        return np.ascontiguousarray(blk), []
-    n, h = blk.shape
-    out = buf[: n * h].reshape(n, h)
     if not (n and h):
         return out, []
     return out, row_tasks(_widen_rows, n, np.ascontiguousarray(blk).view(np.uint16), D.code_of(a.dtype), out)
+
+
+def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None, width: int | None = None) -> np.ndarray:
+    """:func:`fp32_block_tasks` with its tasks run on the GEMM pool: the fp32 rows."""
+    out, tasks = fp32_block_tasks(a, r0, r1, buf, width)
+    run_tasks(tasks)
+    return out
 
 
 def kept_blocks(keep: np.ndarray, fb: int, rb: int, nrows: int, ncols: int):
@@ -69,16 +66,7 @@ def kept_blocks(keep: np.ndarray, fb: int, rb: int, nrows: int, ncols: int):
 
 
 @tjit
-def _narrow_rows(lo, hi, src, code, dst):
-    """dst[i, :] = round(src[i, :]) to the 16-bit dtype ``code`` (uint16 bits) for rows lo:hi."""
-    n = src.shape[1]
-    for i in range(lo, hi):
-        for j in range(n):
-            dst[i, j] = D.from_f32(src[i, j], code)
-
-
-@tjit
-def _scale_narrow_rows(lo, hi, src, scale, code, dst):
+def _narrow_rows(lo, hi, src, scale, code, dst):
     """dst[i, :] = round(fp32(src[i, :] · scale)) to the 16-bit dtype ``code`` for rows lo:hi."""
     n = src.shape[1]
     for i in range(lo, hi):
@@ -103,10 +91,7 @@ def narrow(src: np.ndarray, out: np.ndarray, scale: float | None = None) -> np.n
         raise ValueError(
             f"narrow: out must be bfloat16 or float16 with unit column stride (float32 without scale), got {out.dtype}"
         )
-    if out.size:
-        if scale is None:
-            run_rows(_narrow_rows, out.shape[0], src, D.code_of(out.dtype), out.view(np.uint16))
-        else:
-            code, u = D.code_of(out.dtype), out.view(np.uint16)
-            run_rows(_scale_narrow_rows, out.shape[0], src, np.float32(scale), code, u)
+    if out.size:  # without a scale, times 1: exact, the same bits
+        s = np.float32(1.0 if scale is None else scale)
+        run_rows(_narrow_rows, out.shape[0], src, s, D.code_of(out.dtype), out.view(np.uint16))
     return out

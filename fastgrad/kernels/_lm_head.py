@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._outcache import empty as scratch
-from ..tiling import LinearCrossEntropyPlan
+from ..tiling import LinearCrossEntropyPlan, fp32_operands
 from . import _bf16dot
 from ._gemm import matmul_nn, matmul_nt, matmul_tn
 from ._linear import fp32_block
@@ -111,13 +111,12 @@ class Operands:
         self.b16, self.f16k = self.kind == "bf16", self.kind == "f32"
         self.Hp = _bf16dot.npad(H) if self.f16k else H
         self.W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
-        self._width = self.Hp if self.f16k else None
         self.ws = ws = Workspace(plan)
         # fp32 X and W tiles where a GEMM of this call runs on BLAS or the fp32 kernel takes them
-        self._fp32 = (weight_tiles == "all" and not self.b16) or self.kind is None
+        self._fp32 = fp32_operands(weight_tiles == "all", self.kind)
         widen = input.dtype != D.FLOAT32
         x_buf = ws.take("x32", BT * self.Hp, np.float32) if (self._fp32 and widen) else None
-        self.Xp = fp32_block(input, 0, BT, x_buf, width=self._width) if self._fp32 else None  # exact fp32
+        self.Xp = fp32_block(input, 0, BT, x_buf, width=self.Hp) if self._fp32 else None  # exact fp32
         self.X32 = None if self.Xp is None else self.Xp[:, :H]
         self._w_buf = ws.take("w32_tile", plan.v_tile * self.Hp, np.float32) if (self._fp32 and widen) else None
         # the logits on the exact-product kernel (its packed W tile, X in its A form)
@@ -148,7 +147,7 @@ class Operands:
         self._v = (v0, v1)
         self._bp_i = None  # the tile as grad_input's B (bf16), made when a dense tile needs it
         if self._fp32:
-            self.W32p = fp32_block(self.W, v0, v1, self._w_buf, width=self._width)
+            self.W32p = fp32_block(self.W, v0, v1, self._w_buf, width=self.Hp)
             self.W32 = self.W32p[:, : self.H]
         if self.lg is not None:
             self.lg.chunk(v0, v1)
@@ -167,9 +166,11 @@ class Operands:
         else:
             if self.X32 is None:
                 raise ValueError("the BLAS path's fp32 X is missing (Operands made with weight_tiles='logits'?)")
-            if acc and self.gw_tmp is None:
-                raise ValueError("a sum onto grad_weight without the plan's grad_weight_product buffer")
-            tmp = self.gw_tmp[: out.size].reshape(out.shape) if acc and self.gw_tmp is not None else None
+            tmp = None
+            if acc:
+                if self.gw_tmp is None:
+                    raise ValueError("a sum onto grad_weight without the plan's grad_weight_product buffer")
+                tmp = self.gw_tmp[: out.size].reshape(out.shape)
             matmul_tn(G, self.X32[b0:b1], out, tmp=tmp, engine=self.engine)
 
     def grad_input(self, G: np.ndarray, b0: int, b1: int, out: np.ndarray) -> None:

@@ -55,7 +55,7 @@ import numpy as np
 from .. import dtypes as D
 from .._jit import tjit
 from ..tiling import LinearCrossEntropyPlan
-from ..vocab_parallel import megatron_smoothing, target_columns, unpack_target_mask
+from ..vocab_parallel import live_filter_eps, megatron_smoothing, target_columns, unpack_target_mask
 from . import _bf16dot
 from ._gemm import blas_for, matmul_nn, matmul_tn, run_rows
 from ._linear import kept_blocks, narrow
@@ -204,7 +204,7 @@ class FlceGrad:
         # the plan's buffers (tiling.lm_head_buffers), on recycled memory (fastgrad._outcache):
         # no fresh pages on the next call
         take = ops.ws.take
-        self.gi32 = take("grad_input_acc", BT * H, np.float32)[: BT * H].reshape(BT, H)
+        self.gi32 = take("grad_input_acc", BT * H, np.float32).reshape(BT, H)
         self.gi32[...] = 0  # grad_input accumulator
         self.g_buf = take("g_tile", bt * vt, np.float32)  # logits / g tile
         self.gw32 = take("grad_weight_tile", vt * H, np.float32)  # grad_weight tile accumulator
@@ -326,9 +326,7 @@ def fused_linear_cross_entropy_loss_grad(
     s_, s_over_k = megatron_smoothing(float(label_smoothing), V)
     smooth, inv_k = np.float32(s_), np.float32(1.0 / V if s_ else 0.0)
 
-    eps = plan.filter_eps if softmax is None else None
-    if eps is not None and s_over_k >= eps:
-        eps = None  # the uniform smoothing term alone is not negligible
+    eps = live_filter_eps(plan.filter_eps if softmax is None else None, float(label_smoothing), V)
     # 16-bit operands: the three GEMMs on an exact-product kernel where it may run (bf16: the
     # bf16 kernel; fp16: the fp32 kernel over widened operands padded to its 64-column B)
     ops = Operands(input, weight, plan, logits=softmax is None, weight_tiles="all")

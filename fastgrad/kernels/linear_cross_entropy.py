@@ -53,7 +53,6 @@ from .._jit import FASTMATH_SAFE, njit, tjit
 from .._outcache import empty as scratch
 from ..tiling import BLAS, TrainingPlan
 from . import _bf16dot
-from ._gemm import _run as _run_tasks
 from ._gemm import (
     _spans,
     blas_for,
@@ -491,7 +490,7 @@ def _filtered_products(
                 Q = q_buf[: nq * H].reshape(nq, H)
                 for a, b in _spans(nq, _FILTER_Q_BLOCK):
                     tasks.append(functools.partial(mm, Gc[:, a:b].T, X[r0:r1], Q[a:b], eng))
-            _run_tasks(tasks, eng)
+            run_tasks(tasks, eng)
             if gi_rows is not None and q0 > 0:
                 run_rows(_add_into, nr, gi_rows[r0:r1], P)
             if gw is not None:
@@ -797,7 +796,7 @@ def linear_cross_entropy_cpu(
     pipe_grad = pipe and gw_code is None and params.get("filter_eps") is None and K > 0
     wbufs = (wbuf, scratch(vc * H, cdt)) if (pipe and wbuf is not None) else None
     # the equal row blocks' largest (at most nb_max rows): the row-block buffers' size
-    nb_rows = -(-BT // -(-BT // nb_max))
+    nb_rows = -(-BT // plan.n_blocks)
     xbuf = scratch(nb_rows * H, cdt) if input.dtype != cdt else None
     Lbuf = scratch(nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
     tmp_h = scratch(nb_rows * H, cdt) if gi is not None else None
@@ -847,23 +846,30 @@ def linear_cross_entropy_cpu(
         feps = None
     empty_i = np.zeros(0, np.int64)
     transform = bool(flags[0] or flags[1] or par[2] != 1)
-    nblocks = -(-BT // nb_max)
     first_w = True
 
-    def products(b0, b1, v0, v1, off, first):
-        """Dense: ``grad_input[b] (+)= G·W[v]``, ``grad_weight[v] (+)= Gᵀ·X[b]`` for one chunk."""
+    def product_tasks(b0, b1, v0, v1, off, first, X, Wc):
+        """Dense, as tasks: ``grad_input[b] (+)= G·W[v]`` and (in the compute dtype)
+        ``grad_weight[v] (+)= Gᵀ·X[b]`` for one chunk."""
         nb = b1 - b0
         Gc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
+        t = []
         if gi is not None:
-            Wc = wchunk(v0, v1)
-            matmul_nn(Gc, Wc, gi[b0:b1], tmp=None if v0 == 0 else tmp_h[: nb * H].reshape(nb, H), engine=eng)
-        if gw is not None:
+            t += nn_tasks(Gc, Wc, gi[b0:b1], None if v0 == 0 else tmp_h[: nb * H].reshape(nb, H), eng)
+        if gw is not None and gw_code is None:
+            t += tn_tasks(Gc, X, gw[v0:v1], None if first else tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H), eng)
+        return t
+
+    def products(b0, b1, v0, v1, off, first, X):
+        """:func:`product_tasks` run; a 16-bit ``grad_weight`` (``accum_dtype``) accumulated
+        (rounded) in the output itself (zeroed)."""
+        run_tasks(product_tasks(b0, b1, v0, v1, off, first, X, wchunk(v0, v1) if gi is not None else None), eng)
+        if gw is not None and gw_code is not None:
+            nb = b1 - b0
+            Gc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
             tw = tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
-            if gw_code is None:
-                matmul_tn(Gc, X, gw[v0:v1], tmp=None if first else tw, engine=eng)
-            else:  # accum_dtype: accumulated (rounded) in the 16-bit output itself (zeroed)
-                matmul_tn(Gc, X, tw, engine=eng)
-                run_rows(_scatter_add_rounded, v1 - v0, gw_acc, all_rows[v0:v1], tw, gw_code)
+            matmul_tn(Gc, X, tw, engine=eng)
+            run_rows(_scatter_add_rounded, v1 - v0, gw_acc, all_rows[v0:v1], tw, gw_code)
 
     def grad_args(b0, b1, offs, widths):
         """``_grad_pass``'s arguments after ``(lo, hi)`` for rows ``b0:b1`` and the chunks ``offs``/``widths``."""
@@ -890,12 +896,7 @@ def linear_cross_entropy_cpu(
         run_tasks(grad_tasks(0) + wt, eng)
         for c, (v0, v1) in enumerate(chunks):
             Wc, w = Wn, v1 - v0
-            Gc = Lbuf[offs[c] : offs[c] + nb * w].reshape(nb, w)
-            tasks = []
-            if gi is not None:
-                tasks += nn_tasks(Gc, Wc, gi[b0:b1], None if v0 == 0 else tmp_h[: nb * H].reshape(nb, H), eng)
-            if gw is not None:
-                tasks += tn_tasks(Gc, X, gw[v0:v1], None if first else tmp_w[: w * H].reshape(w, H), eng)
+            tasks = product_tasks(b0, b1, v0, v1, offs[c], first, X, Wc)
             if gb is not None:
                 tasks += row_tasks(_colsum_into, w, Lbuf, offs[c], w, nb, gb, offs[c] // nb)
             if c + 1 < len(chunks):
@@ -904,8 +905,7 @@ def linear_cross_entropy_cpu(
             run_tasks(tasks, eng)
 
     # equal row blocks of at most nb_max rows (balanced; from BT and the budget only)
-    for k in range(nblocks):
-        b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks
+    for b0, b1 in plan.row_blocks():
         nb = b1 - b0
         X = _block(input, b0, b1, cdt, xbuf)
         offs = np.array([0 if fwd_only else nb * v0 for v0, _ in chunks], np.int64) if chunks else empty_i
@@ -919,10 +919,11 @@ def linear_cross_entropy_cpu(
             zs = np.zeros(nb, cdt)
             am = np.full(nb, -1, np.int64)
             sz = np.zeros(nb, cdt)
+        # the statistics pass's arguments after the chunk (its last: the column shift)
+        stat_args = () if recompute else (bias_c, cw_c, tcol[b0:b1], par, flags, transform, m, s, zt, zs, am, sz)
         if pipe:
             # the same calls as the loop below, in stages: the logits tiles of chunk c beside
             # the widening of chunk c + 1 and the statistics of chunk c - 1
-            stat_args = (bias_c, cw_c, tcol[b0:b1], par, flags, transform, m, s, zt, zs, am, sz, 0)
             Wc, wt = wchunk_staged(0) if chunks else (None, [])
             run_tasks(wt, eng)
             for c in range(len(chunks) + 1):
@@ -935,40 +936,19 @@ def linear_cross_entropy_cpu(
                         Wc, wt = wchunk_staged(c + 1)
                         tasks += wt
                 if c > 0:
-                    tasks += row_tasks(_stats_chunk, nb, Lbuf, offs[c - 1], widths[c - 1], nb, *stat_args)
+                    tasks += row_tasks(_stats_chunk, nb, Lbuf, offs[c - 1], widths[c - 1], nb, *stat_args, 0)
                 run_tasks(tasks, eng)
-        for c, ((v0, v1), off) in enumerate(zip(chunks, offs) if not pipe else ()):
-            Lc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
-            if bfl is not None:
-                bfl.chunk(v0, v1)
-                bfl.logits(b0, b1, Lc)
-            else:
-                matmul_nt(X, wchunk(v0, v1), Lc, engine=eng)
-            if not recompute:
-                run_rows(
-                    _stats_chunk,
-                    nb,
-                    Lbuf,
-                    off,
-                    v1 - v0,
-                    nb,
-                    bias_c,
-                    cw_c,
-                    tcol[b0:b1],
-                    par,
-                    flags,
-                    transform,
-                    m,
-                    s,
-                    zt,
-                    zs,
-                    am,
-                    sz,
-                    v0 if fwd_only else 0,
-                )
-            elif interleave:
-                grad(b0, b1, offs[c : c + 1], widths[c : c + 1])
-                products(b0, b1, v0, v1, off, first_w)
+        else:
+            # (with lse the gradient is vocabulary-major unless filtered: here the logits only)
+            for (v0, v1), off in zip(chunks, offs):
+                Lc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
+                if bfl is not None:
+                    bfl.chunk(v0, v1)
+                    bfl.logits(b0, b1, Lc)
+                else:
+                    matmul_nt(X, wchunk(v0, v1), Lc, engine=eng)
+                if not recompute:
+                    run_rows(_stats_chunk, nb, Lbuf, off, v1 - v0, nb, *stat_args, v0 if fwd_only else 0)
         if not recompute:
             zs[m == -np.inf] = 0  # a row without a finite logit: Σ w z is 0, as Σ exp
             am = np.where(am >= 0, am + col0, -1)
@@ -993,7 +973,7 @@ def linear_cross_entropy_cpu(
             elif interleave:
                 for c, ((v0, v1), off) in enumerate(zip(chunks, offs)):
                     grad(b0, b1, offs[c : c + 1], widths[c : c + 1])
-                    products(b0, b1, v0, v1, off, first_w)
+                    products(b0, b1, v0, v1, off, first_w, X)
         if interleave:
             first_w = False
             continue
@@ -1034,5 +1014,5 @@ def linear_cross_entropy_cpu(
             )
         else:
             for (v0, v1), off in zip(chunks, offs):
-                products(b0, b1, v0, v1, off, first_w)
+                products(b0, b1, v0, v1, off, first_w, X)
         first_w = False

@@ -12,6 +12,7 @@ from .. import dtypes as D
 from ..arrays import ArrayLike
 from ..errors import ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_RUNTIME_ERROR
 from ..tiling import plan_linear_cross_entropy
+from ..vocab_parallel import live_filter_eps
 from ._engines import gemm_choice
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
@@ -163,18 +164,6 @@ def _tiling_failures(c: Call) -> list:
     return out
 
 
-def _live_filter_eps(c: Call):
-    """The filter threshold the kernel will apply: none where the uniform smoothing term alone
-    (``s/K``) reaches it (the kernel's rule), so the plan lists no filter buffers it would not use."""
-    eps = c.info.get("filter_eps")
-    if eps is None:
-        return None
-    from ..vocab_parallel import megatron_smoothing
-
-    _, s_over_k = megatron_smoothing(float(c.attrs["label_smoothing"]), c.a["weight"].shape[0])
-    return None if s_over_k >= eps else eps
-
-
 def _plan(c: Call):
     BT, H = c.shape_of("input")
     mode = "memory_saving" if c.a["softmax"] is None else "high_performance"
@@ -186,7 +175,8 @@ def _plan(c: Call):
         widen=c.a["input"].dtype != D.FLOAT32,
         dtype=np.dtype(c.a["input"].dtype).name,
         budget_bytes=c.settings.workspace_bytes if c.settings else None,
-        filter_eps=_live_filter_eps(c),
+        # none where the smoothing term alone reaches it (the kernel's rule): no unused buffers
+        filter_eps=live_filter_eps(c.info.get("filter_eps"), float(c.attrs["label_smoothing"]), c.a["weight"].shape[0]),
         gemm=gemm_choice(c.a["input"].dtype, c.settings),
     )
 

@@ -137,20 +137,9 @@ def round_grad(grad: np.ndarray, dtype: Any, scale: float | None = None) -> np.n
     The fused training step's ``grad_weight``: the row blocks' freed logits scratch is such a
     block (``_config.workspace_floor``), so the rounded gradient takes no new memory.  Raises
     ``ValueError`` for another shape or dtype."""
-    from ..kernels._linear import narrow
+    from ..kernels._linear import narrow  # validates: 2-D float32 grad, a bf16/fp16 dtype
 
-    dt = np.dtype(dtype)
-    if grad.ndim != 2 or grad.dtype != np.float32 or dt not in (D.BFLOAT16, D.FLOAT16):
-        raise ValueError(f"round_grad: a 2-D float32 gradient to bf16/fp16, got {grad.dtype} {grad.shape} to {dt}")
-    out = _outcache.empty(grad.shape, dt)
-    return narrow(np.ascontiguousarray(grad), out, scale)
-
-
-def plan_block_rows(vocab_size: int, itemsize: int, budget: int | None = None) -> int:
-    """Rows per block: the block's logits ``[nb, V]`` fit the workspace budget (≥ 1, multiple
-    of 8 when ≥ 8).  From the global V, so every rank of a vocabulary-parallel group plans the
-    same blocks (``tiling.training_budget_rows``)."""
-    return tiling.training_budget_rows(vocab_size, itemsize, tiling.workspace_budget() if budget is None else budget)
+    return narrow(grad, _outcache.empty(grad.shape, np.dtype(dtype)), scale)
 
 
 def linear_cross_entropy(

@@ -142,7 +142,7 @@ def linear_cross_entropy(
     lse_all = None if not recompute else _f64(lse)
     mu_all = _f64(z_mean) if (recompute and coef_h is not None) else None
 
-    vc = max(1, min(int(plan.v_chunk), max(K, 1)))
+    vc = plan.v_chunk  # ≤ K (the plan's)
     chunks = [(v0, min(K, v0 + vc)) for v0 in range(0, K, vc)]
 
     def wchunk(v0: int, v1: int) -> np.ndarray:
