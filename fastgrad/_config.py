@@ -110,6 +110,35 @@ def env_bytes(name: str, default_mib: float, minimum: int) -> int:
     return int(v * 2**20)
 
 
+_numba_started = False
+
+
+def _numba():
+    """``numba``, its threading layer started — with PyTorch's intra-op thread count kept.
+
+    Starting Numba's OpenMP threading layer sets the OpenMP runtime's thread count to Numba's
+    (``NUMBA_NUM_THREADS``: all cores); PyTorch's CPU wheels share that runtime (``libgomp``), so
+    fastgrad's first call undid a ``torch.set_num_threads(k)`` made before it (seen: 1 → 2 on a
+    2-core machine; ``tests/test_torch_threads.py``).  The layer is started here, before any
+    kernel, and PyTorch's count put back when PyTorch is already imported (nothing is imported)."""
+    global _numba_started
+    import numba
+
+    if not _numba_started:
+        import sys
+
+        t = sys.modules.get("torch")
+        if t is None or not hasattr(t, "get_num_threads"):
+            numba.get_num_threads()  # starts the threading layer
+        else:
+            n = t.get_num_threads()
+            numba.get_num_threads()
+            if t.get_num_threads() != n:
+                t.set_num_threads(n)
+        _numba_started = True
+    return numba
+
+
 def max_threads() -> int:
     """The most threads the kernels can run: Numba's ``NUMBA_NUM_THREADS`` (by default the CPUs
     this process may use)."""
@@ -136,26 +165,23 @@ def set_num_threads(n: int) -> None:
 
     Raises ``AclnnParamError`` (161002, a ``ValueError``) unless ``1 <= n <= max_threads()``:
     more threads than the CPUs Numba may use are refused, never silently reduced."""
-    import numba
     from threadpoolctl import threadpool_limits
 
     n = _check_threads(n)
-    numba.set_num_threads(n)
+    _numba().set_num_threads(n)
     threadpool_limits(limits=n, user_api="blas")
 
 
 def get_num_threads() -> int:
-    import numba
-
-    return numba.get_num_threads()
+    return _numba().get_num_threads()
 
 
 @contextlib.contextmanager
 def num_threads(n: int) -> Iterator[None]:
     """Context manager running the kernels and BLAS on ``n`` threads, restoring afterwards."""
-    import numba
     from threadpoolctl import threadpool_limits
 
+    numba = _numba()
     n = _check_threads(n, op="num_threads")
     old = numba.get_num_threads()
     numba.set_num_threads(n)

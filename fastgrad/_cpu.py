@@ -10,8 +10,9 @@ Read once per process, in this order:
    (``+avx512bf16`` → ``avx512_bf16``, ``+neon`` → ``asimd``, ...).
 
 Used by the native GEMM kernel's builder (``fastgrad/kernels/_native.py``: which variants can
-run), by the oneDNN engine's choice (``fastgrad/_onednn.py``) and by ``fastgrad/dtypes.py``
-(the F16C conversions).  Nothing else reads ``/proc/cpuinfo``.
+run; ``kernels/_bf16dot.auto_variant``: which the GEMM setting "auto" takes, by vendor), by
+the oneDNN engine's choice (``fastgrad/_onednn.py``) and by ``fastgrad/dtypes.py`` (the F16C
+conversions).  Nothing else reads ``/proc/cpuinfo``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import functools
 import platform
 
-__all__ = ["flags", "has", "arch"]
+__all__ = ["flags", "has", "arch", "vendor"]
 
 #: LLVM feature names (without the ``+``) that differ from the kernel's (``/proc/cpuinfo``) names
 _LLVM_TO_LINUX = {
@@ -41,6 +42,15 @@ def _parse_cpuinfo(text: str) -> frozenset:
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+def _parse_vendor(text: str) -> str:
+    """The first ``vendor_id`` of a ``/proc/cpuinfo`` text (x86: ``GenuineIntel``, ``AuthenticAMD``)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
 
 
 def _from_llvm() -> frozenset:
@@ -75,3 +85,14 @@ def arch() -> str:
     """``"x86_64"``, ``"aarch64"``, ... (``platform.machine()``, lower case; ``AMD64`` → ``x86_64``)."""
     m = platform.machine().lower()
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+@functools.cache
+def vendor() -> str:
+    """The x86 vendor (``/proc/cpuinfo``'s ``vendor_id``: ``"GenuineIntel"``, ``"AuthenticAMD"``, ...);
+    ``""`` where it cannot tell (another architecture, no ``/proc``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return _parse_vendor(f.read())
+    except OSError:
+        return ""

@@ -2,11 +2,13 @@
 
 The pins were computed by that commit's code (tests/pins/make_pins.py: how to redo it); each key
 names the engine and what its bits depend on (tests/pins/pin_cases.py), and the host class
-(``@host-avx512`` / ``@host-avx2``: the width Numba vectorizes the element-wise passes' ``reassoc``
-row sums at, so a Zen 3 and a Zen 4 give different last bits of ``sum_exp`` and everything after
-it).  The native kernels' keys hold on every CPU of the host class with the ISA; the BLAS keys only
-where OpenBLAS runs the same kernel, so on a machine whose OpenBLAS kernel has no pin those cases
-are reported as skipped with the kernel's name.  Each key's source commit is in the file
+(``@host-avx512`` / ``@host-avx512-ymm`` / ``@host-avx2``: the vector width LLVM compiles the
+element-wise passes' ``reassoc`` row sums at — 512-bit on Zen 4/5, 256-bit with 32 registers on
+Intel's AVX-512 Xeons, 256-bit with 16 on AVX2 CPUs — so the last bits of ``sum_exp`` and everything
+after it differ between classes; ``pin_cases.host_class`` reads it from the code LLVM makes).
+The native kernels' keys hold on every CPU of the host class with the ISA; the BLAS keys only where
+OpenBLAS runs the same kernel, so on a machine whose OpenBLAS kernel has no pin those cases are
+reported as skipped with the kernel's name.  Each key's source commit is in the file
 (``sources``): 6464144, except the AVX2 hosts' native keys (6464144 had no AVX2 native kernel).
 A refactor of the LM-head engine must keep every pin (a deliberate change of results re-pins with
 the commit named in the file).

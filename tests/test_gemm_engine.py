@@ -17,7 +17,7 @@ from common import lm_head_problem, native_isas, set_isa  # noqa: E402
 
 import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
-from fastgrad import _config, _onednn  # noqa: E402
+from fastgrad import _config, _cpu, _onednn  # noqa: E402
 from fastgrad.ops import _engines  # noqa: E402
 
 IGN = -100
@@ -74,15 +74,18 @@ def test_auto_prefers_onednn_only_in_the_torch_loss_on_capable_cpus(monkeypatch,
     calls = []
     real = _onednn.mm
     monkeypatch.setattr(_onednn, "mm", lambda *a: (calls.append(1), real(*a)))
+    # an AMX CPU's bf16 math mode down-converts fp32 (bf32): the probe refuses the engine there
+    # (seen on an Emerald Rapids Xeon), so even a capable CPU keeps the BLAS
+    used = capable and _onednn.usable()
     with _config.prefer_onednn():
-        assert fg.gemm_engine() == ("onednn" if capable else "blas")
+        assert fg.gemm_engine() == ("onednn" if used else "blas")
     x, w, t = _data(40, 16, 300, 1, np.float32)
     fg.linear_cross_entropy(x, w, t, return_grad=True)
     assert not calls  # the NumPy-level op: always the BLAS under "auto"
     hh = torch.from_numpy(x).requires_grad_()
     ww = torch.from_numpy(w).requires_grad_()
     ft.linear_cross_entropy(hh, ww, torch.from_numpy(t)).backward()
-    assert bool(calls) == capable
+    assert bool(calls) == used
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -139,7 +142,9 @@ def test_the_probe_rejects_a_plain_bf16_down_conversion(monkeypatch):
     def down_converting_mm(a, b, out=None):
         return real(a.bfloat16().float(), b.bfloat16().float(), out=out)
 
-    assert _onednn._probe()
+    # the real mode keeps fp32 except on AMX CPUs, where it down-converts (oneDNN's bf32; seen on
+    # an Emerald Rapids Xeon): there the probe already refuses it
+    assert _onednn._probe() == (not _cpu.has("amx_bf16"))
     monkeypatch.setattr(torch, "mm", down_converting_mm)
     assert not _onednn._probe()
     monkeypatch.setattr(_onednn, "_ok", False)
@@ -270,7 +275,8 @@ def test_auto_keeps_blas_where_only_the_avx2_variant_runs(monkeypatch, dtype):
     """The "auto" rule (``_bf16dot.AUTO_AVX2``): where the best variant the CPU runs is an AVX2
     one and the ISA setting is "auto" (an AVX2-only machine), "auto" keeps BLAS — measured
     faster there; an explicit ISA setting "avx2" runs the AVX2 kernel; an AVX-512 variant runs
-    on "auto"."""
+    on "auto" on an AMD CPU, not on an Intel one (``_bf16dot.AUTO_AVX512_VENDORS``: BLAS measured
+    faster there) unless the ISA setting is "avx512"."""
     import ml_dtypes
 
     from fastgrad.kernels import _bf16dot as B
@@ -295,9 +301,18 @@ def test_auto_keeps_blas_where_only_the_avx2_variant_runs(monkeypatch, dtype):
         assert _engine.choose(dt) == "native" and in_use()
         with fg.gemm("blas"):
             assert not in_use()
-        # an AVX-512 CPU on "auto": the native kernel
+        # an AMD AVX-512 CPU on "auto": the native kernel (_bf16dot.AUTO_AVX512_VENDORS)
         set_isa("auto")
         monkeypatch.setattr(B, "variant", lambda k="bf16", isa=None: avx512 if k == kind else None)
+        monkeypatch.setattr(B._cpu, "vendor", lambda: "AuthenticAMD")
+        assert B.auto_variant(kind) is avx512
+        assert _engine.choose(dt) == "native" and in_use()
+        # an Intel AVX-512 CPU on "auto": BLAS (measured faster on an Emerald Rapids Xeon); an
+        # explicit "avx512" setting runs the kernel there
+        monkeypatch.setattr(B._cpu, "vendor", lambda: "GenuineIntel")
+        assert B.auto_variant(kind) is None
+        assert _engine.choose(dt) == "blas" and not in_use()
+        set_isa("avx512")
         assert B.auto_variant(kind) is avx512
         assert _engine.choose(dt) == "native" and in_use()
     finally:

@@ -235,6 +235,11 @@ def test_detector_parses_x86_and_arm_cpuinfo():
     assert _cpu._parse_cpuinfo(x86) == {"fpu", "avx2", "fma", "avx512f", "avx512_bf16"}
     assert {"asimd", "bf16", "sve"} <= _cpu._parse_cpuinfo(arm)
     assert _cpu._parse_cpuinfo("processor: 0\n") == frozenset()
+    # the vendor ("auto" takes the AVX-512 variants on AMD only: _bf16dot.AUTO_AVX512_VENDORS)
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n" + x86
+    assert _cpu._parse_vendor(intel) == "GenuineIntel"
+    assert _cpu._parse_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\n") == "AuthenticAMD"
+    assert _cpu._parse_vendor(arm) == ""
     # LLVM's names mapped to the kernel's
     fl = _cpu._from_llvm()
     if _cpu.arch() == "x86_64" and fl:

@@ -54,3 +54,15 @@ def test_loss64_is_an_independent_float64_oracle():
     want = torch.nn.functional.cross_entropy(torch.from_numpy(h).double() @ torch.from_numpy(w).double().T,
                                              torch.from_numpy(t))
     assert abs(B._loss64(inp) - float(want)) < 1e-12
+
+
+def test_torch_rows_in_the_memory_subprocess_run_at_the_asked_thread_count():
+    # the spawned memory worker imports PyTorch before setting the threads: PyTorch's rows ran on
+    # all cores at --threads 1 before (seen on a 16-core Xeon: one "1-thread" row at 16 threads)
+    case = B.find_case("linear_cross_entropy[train-step]/bf16/BT=128,H=64,V=2048", quick=True)
+    want = [i for i, r in enumerate(case.runners) if r.name in ("torch-fp32", "fastgrad")]
+    n = max(1, torch.get_num_threads() - 1)  # differs from PyTorch's default (all cores)
+    rows = runner.run_in_subprocess([(case, [(i, case.runners[i].name if case.runners[i].kind != "fastgrad" else "cpu")
+                                             for i in want])], n, 1, 1.0, True)[0]
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    assert {r["runner"]: r["torch_threads"] for r in rows}["torch-fp32"] == n

@@ -43,6 +43,7 @@ def _row_base(case, runner, backend, n, note="") -> dict:
         "runner": runner.name,
         "variant": runner.mode,
         "threads": n,
+        "torch_threads": None,  # PyTorch's intra-op threads while the row ran (when imported)
         "status": "ok",
         "note": note,
         "time_median_s": None,
@@ -104,6 +105,8 @@ def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> di
             row["peak_rss_delta_mib"] = max(0.0, peak - base) / MIB if ok else None
             row["rss_measured"] = "subprocess" if ok else "subprocess (peak since start)"
         row.update(t.as_dict())
+        tm = sys.modules.get("torch")
+        row["torch_threads"] = tm.get_num_threads() if tm is not None else None
         metrics = getattr(fn, "metrics", None)
         if metrics is not None:  # a runner's own figures (e.g. filtering's)
             extra = metrics()
@@ -154,6 +157,8 @@ def _child_main():
         rows = []
         try:
             case = C.find_case(job["case"], spec["quick"])
+            if case.needs_torch or any(case.runners[ri].needs_torch for ri, _ in job["rows"]):
+                torch_module()  # imported before threads(): its thread count is set only once imported
             with threads(spec["threads"]):
                 inp: dict | None = case.build()
                 for ri, backend in job["rows"]:

@@ -40,6 +40,7 @@ import threading
 
 import numpy as np
 
+from .. import _cpu
 from .. import dtypes as D
 from .._jit import tjit
 from ..tiling import NATIVE_COLS, b_cols, b_size, npad
@@ -91,13 +92,29 @@ def variant(kind: str = "bf16", isa: str | None = None) -> _native.KernelSpec | 
 AUTO_AVX2 = {"bf16": False, "f32": False}
 
 
+#: per operand kind, the CPU vendors (``fastgrad._cpu.vendor``) on which the GEMM setting
+#: ``"auto"`` runs an AVX-512 variant (ISA setting ``"auto"``); elsewhere BLAS.  AMD: the AVX-512
+#: variants win on a Zen 4 and a Zen 5 EPYC (train step 8.7 vs 10.2 s on BLAS, Zen 4, 2 threads;
+#: ``bench/results/train_step_zen4.md``).  Intel: on an Emerald Rapids Xeon (family 6, model 207,
+#: AVX-512 BF16 + AMX) the bf16 kernel loses to the BLAS path — bf16 FLCE grad at
+#: (1024, 896, 32000) 2.64 vs 1.40 s on one thread, 468 vs 290 ms on 16 (a second run: 2.32 vs
+#: 1.44 s, 427 vs 243 ms); fp16 on the fp32 kernel 2.69 vs 1.38 s and 378 vs 274 ms
+#: (``bench/results/xeon_emr.md``).
+AUTO_AVX512_VENDORS = {"bf16": frozenset({"AuthenticAMD"}), "f32": frozenset({"AuthenticAMD"})}
+
+
 def auto_variant(kind: str = "bf16") -> _native.KernelSpec | None:
     """The variant the GEMM setting ``"auto"`` runs for operand ``kind``: :func:`variant`, except
-    None (BLAS) where that is an AVX2 variant picked by the ISA setting ``"auto"`` and
-    :data:`AUTO_AVX2` says BLAS is faster there.  An explicit ISA setting (``"avx2"``: CI, tests)
-    runs its variant."""
+    None (BLAS) under the ISA setting ``"auto"`` where that is an AVX2 variant and
+    :data:`AUTO_AVX2` says BLAS is faster there, or an AVX-512 variant on a CPU whose vendor is not
+    in :data:`AUTO_AVX512_VENDORS`.  An explicit ISA setting (``"avx2"``, ``"avx512"``: CI,
+    tests) runs its variant."""
     spec = variant(kind)
-    if spec is not None and _isa == "auto" and spec.isa == "avx2" and not AUTO_AVX2[kind]:
+    if spec is None or _isa != "auto":
+        return spec
+    if spec.isa == "avx2" and not AUTO_AVX2[kind]:
+        return None
+    if spec.isa == "avx512" and _cpu.vendor() not in AUTO_AVX512_VENDORS[kind]:
         return None
     return spec
 

@@ -18,6 +18,7 @@ vocabulary chunks, k-passes of 256 pairs).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 
 import ml_dtypes
@@ -33,21 +34,41 @@ SHAPE = (67, 600, 4133)
 def _openblas_key() -> str | None:
     from threadpoolctl import threadpool_info
 
-    for info in threadpool_info():
-        if info.get("internal_api") == "openblas":
-            return f"blas-{info.get('architecture')}-{info.get('version')}"
-    return None
+    # NumPy's OpenBLAS (the one its matmul calls): SciPy's, loaded beside it by a test's imports,
+    # can come first in the list (seen: a worker keyed "blas-Haswell-0.3.30", SciPy's)
+    libs = [i for i in threadpool_info() if i.get("internal_api") == "openblas"]
+    libs.sort(key=lambda i: "numpy" not in str(i.get("filepath", "")))
+    return f"blas-{libs[0].get('architecture')}-{libs[0].get('version')}" if libs else None
 
 
+@functools.cache
 def host_class() -> str:
-    """The vector ISA Numba compiles this process's kernels for (LLVM's host features): the
-    element-wise passes' ``reassoc`` reductions (``kernels/_vmath.py``: ``row_sum_exp``, the
-    training op's row sums) are vectorized at the host's width, so their fp32 sums — and every
-    bit that follows from them — are per host class: ``"avx512"`` or ``"avx2"``."""
+    """The vector width Numba compiles this process's ``reassoc`` reductions at: the element-wise
+    passes' row sums (``kernels/_vmath.py``: ``row_sum_exp``, the training op's row sums) are
+    vectorized by LLVM for the host CPU, so their fp32 sums — and every bit that follows from
+    them — are per host class.  Read from the code LLVM makes for such a sum (the same flags):
+
+    * ``"avx512"``: 512-bit vectors (``zmm``): AMD Zen 4 / Zen 5;
+    * ``"avx512-ymm"``: an AVX-512 CPU that LLVM tunes for 256-bit vectors (Intel Xeon,
+      Skylake-SP to Emerald Rapids: ``prefer-vector-width=256``); with 32 vector registers its
+      sums are interleaved otherwise than AVX2's (seen on an Emerald Rapids Xeon: its bits match
+      neither other class, and under ``NUMBA_CPU_NAME=znver4`` they match ``"avx512"``'s);
+    * ``"avx2"``: AVX2 + FMA, 256-bit vectors, 16 registers (Zen 3, Intel client CPUs)."""
+    import numba
     from llvmlite import binding as llvm
 
-    feats = llvm.get_host_cpu_features()
-    return "avx512" if feats.get("avx512f", False) else "avx2"
+    @numba.njit(fastmath={"nsz", "contract", "afn", "reassoc"})
+    def _row_sum(r):
+        acc = np.float32(0)
+        for j in range(r.shape[0]):
+            acc += r[j]
+        return acc
+
+    _row_sum(np.ones(64, np.float32))
+    asm = "".join(_row_sum.inspect_asm().values())
+    if "zmm" in asm:
+        return "avx512"
+    return "avx512-ymm" if llvm.get_host_cpu_features().get("avx512f", False) else "avx2"
 
 
 def _has(*flags: str) -> bool:
