@@ -611,6 +611,8 @@ class Settings:
     prefer_onednn: bool  #: inside fastgrad.torch's training loss ("auto" prefers oneDNN, bf16 logits native)
     native_isa: str  #: "auto" | "avx512" | "avx2"
     workspace_bytes: int
+    #: the kernels' thread count (informational: no plan depends on it); reading it starts Numba's
+    #: threading layer in the op layer, before any kernel, with PyTorch's count kept (:func:`_numba`)
     threads: int
     progress: Callable[[int, int], object] | None
 

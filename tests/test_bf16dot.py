@@ -154,10 +154,10 @@ def test_gradient_operands_and_accumulation_match_float64(M, K, N):
     assert np.array_equal(got.view(np.uint32), got_t.view(np.uint32))
     # Aᵀ paired per task by matmul_tn; A paired in place over itself
     got_tn = C0.copy()
-    B.matmul_tn(np.ascontiguousarray(A.T), bp, N, got_tn, acc=True)
+    B.matmul_tn(np.ascontiguousarray(A.T), bp, N, got_tn, acc=True, form=B.a_form())
     assert np.array_equal(got.view(np.uint32), got_tn.view(np.uint32))
     got_ip = C0.copy()
-    B.matmul(B.pairs_in_place(A.copy()), bp, N, got_ip, acc=True)
+    B.matmul(B.pairs_in_place(A.copy(), B.a_form()), bp, N, got_ip, acc=True)
     assert np.array_equal(got.view(np.uint32), got_ip.view(np.uint32))
     # without acc the output's old values are ignored
     fresh = np.full((M, N), np.nan, np.float32)
@@ -214,7 +214,7 @@ def test_the_a_operand_takes_the_variants_form(request):
     spec = B.variant("bf16")
     g = _bf16_valued_f32(np.random.default_rng(0), (5, 9))
     keep = g.copy()
-    p = B.pairs_in_place(g)
+    p = B.pairs_in_place(g, B.a_form())
     if spec.a_forms[0] == "f32":
         assert B.a_form() == "f32" and p is g and np.array_equal(g, keep)
     else:

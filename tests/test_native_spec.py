@@ -315,7 +315,9 @@ def test_gemm_tile_preconditions_raise_value_error():
         with pytest.raises(ValueError):
             B.gemm_tile(*args)
     with pytest.raises(ValueError, match="C-contiguous"):
-        B.pairs_in_place(np.ones((4, 8), np.float32)[:, ::2])
+        B.pairs_in_place(np.ones((4, 8), np.float32)[:, ::2], "pairs")
+    with pytest.raises(ValueError, match="form"):  # the plan's A form, named (GemmChoice.a_form)
+        B.pairs_in_place(np.ones((4, 8), np.float32), None)
     with pytest.raises(ValueError, match="ISA"):
         B.select_isa("sse2")
 

@@ -122,7 +122,9 @@ def available_backends(with_reasons: bool = False):
     return [n for n, r in reasons.items() if r is None]
 
 
-def _resolve(name: str) -> str:
+def resolve_backend(name: str) -> str:
+    """The backend a setting ``name`` runs on now (``"auto"``: ``"acl"`` where available, else
+    ``"cpu"``); raises ``AclnnError`` 361001 for an unknown or unavailable backend."""
     name = name.strip().lower()
     if name == "auto":
         acl = _BACKENDS.get("acl")
@@ -145,26 +147,26 @@ def set_backend(name: str | None) -> None:
     if name is None:
         _config.set_backend_setting(None)
         return
-    _resolve(name)
+    resolve_backend(name)
     _config.set_backend_setting(name)
 
 
 def get_backend() -> str:
     """Name of the backend the next op call will run on."""
-    return _resolve(_config.backend_setting())
+    return resolve_backend(_config.backend_setting())
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
     """Context manager: run the ops inside on backend ``name`` (raises 361001 if unavailable)."""
-    _resolve(name)
+    resolve_backend(name)
     with _config.backend_context(name):
         yield
 
 
 def dispatch(op: str, backend: str | None = None) -> Callable:
     """The implementation of ``op`` on the selected (or given) backend."""
-    name = _resolve(backend) if backend else get_backend()
+    name = resolve_backend(backend) if backend else get_backend()
     fn = _BACKENDS[name].implementation(op)
     if fn is None:
         raise runtime_error(f"backend {name!r} does not implement {op}", "backend")
@@ -173,6 +175,6 @@ def dispatch(op: str, backend: str | None = None) -> Callable:
 
 def backend_takes_plan(name: str) -> bool:
     """Whether backend ``name``'s implementations take the op_host plan (and a progress hook)."""
-    b = _BACKENDS[_resolve(name)]
+    b = _BACKENDS[resolve_backend(name)]
     b.load()
     return b.takes_plan

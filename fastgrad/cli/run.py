@@ -579,16 +579,13 @@ def check_out_space(job: Job) -> None:
 def _plans(BT, Vs, H, mode, dtype, budget_bytes=None):
     """The two ops' tile plans for the job, with the GEMMs the ops will choose (their buffer
     lists are the scratch estimate: ``tiling.lm_head_buffers``)."""
-    from ..ops._engines import gemm_choice
-    from ..tiling import plan_linear_cross_entropy
+    from .. import _config
+    from ..ops._engines import lm_head_plan
 
-    dt = np.dtype(dtype)
-    kw = dict(widen=dt.itemsize != 4, dtype=dt.name, budget_bytes=budget_bytes, gemm=gemm_choice(dt))
-    fwd = plan_linear_cross_entropy(BT, Vs, H, mode="forward", **kw)
-    bwd = plan_linear_cross_entropy(
-        BT, Vs, H, mode="memory_saving" if mode == "memory-saving" else "high_performance", **kw
-    )
-    return fwd, bwd
+    s = _config.settings()
+    fwd = lm_head_plan(BT, Vs, H, "forward", dtype, s, budget_bytes=budget_bytes)
+    bwd_mode = "memory_saving" if mode == "memory-saving" else "high_performance"
+    return fwd, lm_head_plan(BT, Vs, H, bwd_mode, dtype, s, budget_bytes=budget_bytes)
 
 
 def estimate_memory(job: Job, budget_bytes: int | None = None, shards: int | None = None) -> dict:

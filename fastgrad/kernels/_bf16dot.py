@@ -21,7 +21,8 @@ AVX2 + FMA (one fused multiply-add per product, the bf16 pairs widened in regist
 accumulators in 12 ymm registers on AVX2) — all give the same bits (the module's doc).  This
 module is the layouts and the calls: ``W`` packed per vocabulary chunk as ``[ceil(H/2),
 64·⌈N/64⌉]`` 32-bit pairs — its own row-major pairs, transposed — the same ``B`` for every
-variant; ``A`` in the form the variant prefers (:func:`a_form`): ``X`` read in place as 32-bit
+variant; ``A`` in the form the variant prefers (the plan's ``GemmChoice.a_form``, which
+``kernels/_engine.resolve`` takes from the spec; :func:`a_form` asks the same here): ``X`` read in place as 32-bit
 pairs (broadcast per row) on ``vdpbf16ps``, fp32 values on the FMA variants (``X`` widened
 once, ``g`` read in place, ``gᵀ`` copied transposed per task: one broadcast load per value, no
 pairing pass).  :func:`variant` picks the variant (the ISA setting :func:`select_isa`, pushed
@@ -132,8 +133,9 @@ def _kernels(kind: str = "bf16", spec: _native.KernelSpec | None = None) -> dict
 def a_form(kind: str = "bf16") -> str | None:
     """The form of ``A`` the variant for ``kind`` prefers (its ``a_forms[0]``): ``"pairs"``
     (``vdpbf16ps``) or ``"f32"`` (the FMA variants: fp32 values, for bf16 two per pair of ``B``);
-    None where no variant runs.  :func:`pairs_in_place`, :func:`matmul_tn` and :class:`Logits`
-    hand the kernel that form."""
+    None where no variant runs.  The kernels take the form from their plan (``GemmChoice.a_form``,
+    the same rule: ``kernels/_engine.resolve``) and pass it to :func:`pairs_in_place`,
+    :func:`matmul_tn` and :class:`Logits`; this query is for tests and tools."""
     spec = variant(kind)
     return None if spec is None else spec.a_forms[0]
 
@@ -285,16 +287,23 @@ def pairs_of_f32(g: np.ndarray, transpose: bool = False) -> np.ndarray:
     return dst
 
 
-def pairs_in_place(g: np.ndarray) -> np.ndarray:
-    """``g`` (C-contiguous fp32 of bf16 values) as the bf16 kernel's ``A``: on ``vdpbf16ps``,
-    :func:`pairs_of_f32` written over ``g``'s own rows (``g`` is consumed): a view of row stride
-    ``K``; pair ``p`` of a row lands at or before the values it reads (``2p``, ``2p+1``).  On the
-    FMA variants (:func:`a_form` ``"f32"``) ``g`` itself, untouched."""
+def _check_form(form: str | None) -> None:
+    if form not in ("pairs", "f32"):
+        raise ValueError(f"form (the plan's GemmChoice.a_form) must be 'pairs' or 'f32', got {form!r}")
+
+
+def pairs_in_place(g: np.ndarray, form: str | None) -> np.ndarray:
+    """``g`` (C-contiguous fp32 of bf16 values) as the bf16 kernel's ``A`` of form ``form`` (the
+    plan's ``GemmChoice.a_form``): ``"pairs"`` (``vdpbf16ps``): :func:`pairs_of_f32` written over
+    ``g``'s own rows (``g`` is consumed): a view of row stride ``K``; pair ``p`` of a row lands at
+    or before the values it reads (``2p``, ``2p+1``).  ``"f32"`` (the FMA variants): ``g`` itself,
+    untouched."""
     from ._gemm import run_rows
 
+    _check_form(form)
     if g.dtype != np.float32 or g.ndim != 2 or not g.flags.c_contiguous:
         raise ValueError(f"g must be a C-contiguous 2-D float32 array, got {g.dtype}, ndim {g.ndim}")
-    if a_form("bf16") == "f32":
+    if form == "f32":
         return g
     u = g.view(np.uint32)
     dst = u[:, : (u.shape[1] + 1) // 2]
@@ -503,20 +512,22 @@ def matmul_nt(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray) -> None:
     matmul(xp, bp, n, out)
 
 
-def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False) -> None:
+def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False, *, form: str | None) -> None:
     """``out[M, n] (+)= gᵀ · B`` for ``g`` fp32 ``[K, M]`` of bf16 values and the packed ``bp``
     [ceil(K/2), ≥ n] (:func:`interleave`): tasks of ≤ 512 rows of ``out`` (two from 128 rows),
-    each pairing its columns of ``g`` into its thread's scratch (``vdpbf16ps``) or copying them
-    there transposed (the FMA variants, fp32 ``A``: read in place, ``g``'s rows, a power of two
-    apart, would share one L1 set), no ``[M, K]`` copy held, then its column spans; the same sums
-    as :func:`matmul` on ``pairs_of_f32(g, transpose=True)``."""
+    each pairing its columns of ``g`` into its thread's scratch (``form="pairs"``: ``vdpbf16ps``)
+    or copying them there transposed (``form="f32"``: the FMA variants, fp32 ``A``: read in place,
+    ``g``'s rows, a power of two apart, would share one L1 set), no ``[M, K]`` copy held, then its
+    column spans; the same sums as :func:`matmul` on ``pairs_of_f32(g, transpose=True)``.
+    ``form``: the plan's ``GemmChoice.a_form``."""
     from ._gemm import ROW_BLOCK, _run, _spans
 
+    _check_form(form)
     k, m = g.shape
     kp = (k + 1) // 2
     cols = _col_spans(n)
     u = g.view(np.uint32)
-    f32a = a_form("bf16") == "f32"
+    f32a = form == "f32"
     ka = _a_stride(k)
 
     def task(r0, r1):
@@ -539,13 +550,16 @@ class Logits:
     :meth:`chunk` packs at most ``vc`` rows of ``W`` (into recycled scratch), then
     :meth:`logits` for any row block.
 
-    bf16 (the bf16 kernel): ``X`` read in place as pairs (``vdpbf16ps``) or widened once to fp32
-    (the FMA variants, :func:`a_form`), ``W``'s chunk paired and transposed.
+    bf16 (the bf16 kernel): ``X`` read in place as pairs (``form="pairs"``: ``vdpbf16ps``) or
+    widened once to fp32 (``form="f32"``: the FMA variants), ``W``'s chunk paired and transposed;
+    ``form`` is the plan's ``GemmChoice.a_form``.
     fp16 (the fp32 kernel, ``kind="f32"``): ``X`` widened once into :attr:`x32` ``[BT,
     64·⌈H/64⌉]`` (columns past H zero: also the grad_weight GEMM's ``B``; the caller's when
     given), ``W``'s chunk widened and transposed."""
 
-    def __init__(self, input: np.ndarray, W: np.ndarray, vc: int, x32: np.ndarray | None = None, take=None):
+    def __init__(
+        self, input: np.ndarray, W: np.ndarray, vc: int, x32: np.ndarray | None = None, take=None, *, form: str | None
+    ):
         """``take(name, size, dtype)``: where the buffers come from (the LM-head loop's
         ``Workspace.take``: the plan's list, ``tiling.lm_head_buffers``); default recycled
         scratch of that size."""
@@ -566,7 +580,8 @@ class Logits:
             self.pbuf = take("w_packed", H * b_cols(vc), np.float32)
             self.code = D.code_of(input.dtype)
         else:
-            if a_form("bf16") == "f32":  # the FMA variants: X widened once (exact)
+            _check_form(form)
+            if form == "f32":  # the FMA variants: X widened once (exact)
                 self.xp = fp32_block(input, 0, BT, buf=take("x32", BT * H, np.float32))
             else:
                 self.xp = pairs(input, take("x_pairs_padded", BT * (H + 1), np.uint16) if H % 2 else None)

@@ -108,6 +108,7 @@ class Operands:
         self.H = H
         self.kind = plan.gemm.exact_for(input, weight)  # "bf16", "f32" (fp16 operands) or None (BLAS)
         self.engine = plan.gemm.engine
+        self.form = plan.gemm.a_form  # the native variant's A form (bf16: "pairs" or "f32")
         self.b16, self.f16k = self.kind == "bf16", self.kind == "f32"
         self.Hp = _bf16dot.npad(H) if self.f16k else H
         self.W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
@@ -120,7 +121,9 @@ class Operands:
         self.X32 = None if self.Xp is None else self.Xp[:, :H]
         self._w_buf = ws.take("w32_tile", plan.v_tile * self.Hp, np.float32) if (self._fp32 and widen) else None
         # the logits on the exact-product kernel (its packed W tile, X in its A form)
-        self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp, take=ws.take) if (self.kind and logits) else None
+        self.lg = None
+        if self.kind and logits:
+            self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp, take=ws.take, form=self.form)
         self.W32p: np.ndarray | None = None
         self.W32: np.ndarray | None = None
         # the gradient GEMMs' operands and products (weight_tiles="all": the FLCE grad)
@@ -158,7 +161,7 @@ class Operands:
         input dtype (each product exact).  ``G`` is read, not written."""
         H = self.H
         if self.b16:
-            _bf16dot.matmul_tn(G, self.xinter[b0], H, out, acc=acc)
+            _bf16dot.matmul_tn(G, self.xinter[b0], H, out, acc=acc, form=self.form)
         elif self.f16k:
             if self.Xp is None:
                 raise ValueError("the fp32 kernel's X is missing")
@@ -183,7 +186,7 @@ class Operands:
             if self._bp_i is None:
                 v0, v1 = self._v
                 self._bp_i = _bf16dot.interleave(self.W[v0:v1], self.wt_inter)
-            _bf16dot.matmul(_bf16dot.pairs_in_place(G), self._bp_i, H, out, acc=True)
+            _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), self._bp_i, H, out, acc=True)
         elif self.f16k:
             if self.W32p is None:
                 raise ValueError("the fp32 kernel's W tile is missing (no chunk yet)")

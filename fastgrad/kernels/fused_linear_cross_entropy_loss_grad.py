@@ -134,13 +134,14 @@ def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flag
             flags[i, t // fb] = True  # the target column is never filtered
 
 
-def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, engine="blas") -> None:
+def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, engine="blas", form=None) -> None:
     """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc).
 
     ``b16``: None (fp32 operands ``Xb``, ``W32`` on BLAS) or ``(xinter, W16, w16_buf, wi_buf)``
     for the exact-product bf16 kernel: the row tile interleaved as ``B``
     (:func:`_bf16dot.interleave`; ``rb`` even, so a row block starts on a pair), the tile's bf16
-    weight rows (uint16 bits), and scratch for the gathered rows and their interleaving.  ``g`` holds bf16 values
+    weight rows (uint16 bits), and scratch for the gathered rows and their interleaving; ``form``:
+    the plan's A form of the bf16 kernel (``GemmChoice.a_form``).  ``g`` holds bf16 values
     (the epilogue rounds it), so both ways compute every product exactly."""
     nb, nv = G.shape
     g_c, w_c, q_c, p_c = bufs
@@ -152,11 +153,11 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, e
             xinter, W16, w16_buf, wi_buf = b16
             H = W16.shape[1]
             Q = q_c[: nk * H].reshape(nk, H)
-            _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q)
+            _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q, form=form)
             Wg = w16_buf[: nk * H].reshape(nk, H)
             np.take(W16, cols, axis=0, out=Wg)
             wp = _bf16dot.interleave(Wg, wi_buf)
-            _bf16dot.matmul(_bf16dot.pairs_in_place(Gc), wp, H, gi_rows[r0:r1], acc=True)
+            _bf16dot.matmul(_bf16dot.pairs_in_place(Gc, form), wp, H, gi_rows[r0:r1], acc=True)
         else:
             H = W32.shape[1]
             Wc = w_c[: nk * H].reshape(nk, H)
@@ -275,7 +276,7 @@ class FlceGrad:
                 gwt[...] = 0
                 self.first = False
             b16_ops = None if self.fb16 is None else (ops.xinter[b0], *self.fb16)
-            _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, b16_ops, eng)
+            _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, b16_ops, eng, ops.form)
         else:  # the dense tile: the plan's GEMMs (Operands: BLAS, oneDNN or the native kernel)
             ops.grad_weight(G, b0, b1, gwt, acc=not self.first)
             self.first = False

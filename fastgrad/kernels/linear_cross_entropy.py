@@ -507,12 +507,12 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
     return fp32_block(a, r0, r1, buf)
 
 
-def _bf16_logits(input, W, cdt, vc, logits16: bool):
+def _bf16_logits(input, W, cdt, vc, gemm):
     """A :class:`_bf16dot.Logits` when both operands are bf16 and the plan's GEMM choice runs
-    the logits on the kernel (``GemmChoice.logits16``), else None."""
-    if cdt != np.float32 or input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16 or not logits16:
+    the logits on the kernel (``GemmChoice.logits16``, in its ``a_form``), else None."""
+    if cdt != np.float32 or input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16 or not gemm.logits16:
         return None
-    return _bf16dot.Logits(input, W, vc)
+    return _bf16dot.Logits(input, W, vc, form=gemm.a_form)
 
 
 #: Run the row block's chunks in stages (one stage: chunk c's GEMM tiles beside chunk c + 1's
@@ -549,7 +549,7 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, nr, round_grad=False, g
     nblocks = -(-BT // nr)
     nr = -(-BT // nblocks)  # equal blocks
     blocks = [((k * BT) // nblocks, ((k + 1) * BT) // nblocks) for k in range(nblocks)]
-    bfl = _bf16_logits(input, W, cdt, vc, gemm.logits16)
+    bfl = _bf16_logits(input, W, cdt, vc, gemm)
     eng = gemm.engine
     # precision="fast": the gradient GEMMs on the kernel too, g rounded and compensated
     b16 = bfl is not None and round_grad
@@ -636,10 +636,10 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, nr, round_grad=False, g
                 ec = e_col[: ng * w].reshape(ng, w)
                 run_rows(_round_g_bf16, ng, G, e_row[b0:b1, c], ec)
                 if acc is not None:
-                    _bf16dot.matmul_tn(G, X, H, acc, acc=k > 0)
+                    _bf16dot.matmul_tn(G, X, H, acc, acc=k > 0, form=gemm.a_form)
                     run_rows(_add_outer, w, acc, ec.sum(0), x_bar[k])
                 if gi is not None:
-                    _bf16dot.matmul(_bf16dot.pairs_in_place(G), Wc, H, gi[b0:b1], acc=v0 > 0)
+                    _bf16dot.matmul(_bf16dot.pairs_in_place(G, gemm.a_form), Wc, H, gi[b0:b1], acc=v0 > 0)
                 continue
             if gi is not None:
                 matmul_nn(G, Wc, gi[b0:b1], tmp=None if v0 == 0 else th[: nb * H].reshape(nb, H), engine=eng)
@@ -784,7 +784,7 @@ def linear_cross_entropy_cpu(
         return
     # the logits of bf16 operands on the exact-product bf16 kernel where it may run; the weight
     # then needs no widening for the forward alone
-    bfl = _bf16_logits(input, W, cdt, vc, gemm.logits16)
+    bfl = _bf16_logits(input, W, cdt, vc, gemm)
     # keep the whole weight in the compute dtype when it is small, else widen per chunk
     wfull = _block(W, 0, K, cdt, None) if (widen and plan.whole_weight) else None
     # scratch on recycled memory (fastgrad._outcache): a training loop's next step takes no

@@ -15,9 +15,9 @@ import numpy as np
 
 from .. import _config
 from .. import dtypes as D
-from ..tiling import BLAS, GemmChoice
+from ..tiling import BLAS, GemmChoice, LinearCETiling, plan_linear_cross_entropy
 
-__all__ = ["gemm_choice", "bf16_kernel_available", "bf16_kernel_in_use", "fp16_kernel_in_use"]
+__all__ = ["gemm_choice", "lm_head_plan", "bf16_kernel_available", "bf16_kernel_in_use", "fp16_kernel_in_use"]
 
 
 def gemm_choice(dtype, s: _config.Settings | None = None) -> GemmChoice:
@@ -29,6 +29,38 @@ def gemm_choice(dtype, s: _config.Settings | None = None) -> GemmChoice:
     from ..backends.cpu import resolve_gemm
 
     return resolve_gemm(dtype, s.gemm, s.native_isa, s.prefer_onednn)
+
+
+def lm_head_plan(
+    BT: int,
+    V: int,
+    H: int,
+    mode: str,
+    dtype,
+    s: _config.Settings | None = None,
+    *,
+    budget_bytes: int | None = None,
+    filter_eps: float | None = None,
+) -> LinearCETiling:
+    """The tile plan (``tiling.plan_linear_cross_entropy``) of an LM-head op on operands of
+    ``dtype`` under the settings ``s`` (default: those in force now): the workspace budget
+    (``budget_bytes`` overrides it: the command's estimate) and the GEMM choice
+    (:func:`gemm_choice`) — the one place the online max-sum, the FLCE grad and the command make
+    it."""
+    dt = np.dtype(dtype)
+    if budget_bytes is None and s is not None:
+        budget_bytes = s.workspace_bytes
+    return plan_linear_cross_entropy(
+        BT,
+        V,
+        H,
+        mode=mode,
+        widen=dt != D.FLOAT32,
+        dtype=dt.name,
+        budget_bytes=budget_bytes,
+        filter_eps=filter_eps,
+        gemm=gemm_choice(dt, s),
+    )
 
 
 def bf16_kernel_available() -> bool:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .. import _config, arrays
-from ..backends import backend_takes_plan, dispatch, get_backend
+from ..backends import backend_takes_plan, dispatch, get_backend, resolve_backend
 from ..dtypes import dtype_name, parse_dtype
 from ..enums import REDUCTIONS
 from ..errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, AclnnError
@@ -218,11 +218,11 @@ def parse_attr(d: AttrDef, value: Any, call: Call) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-def current_profile(soc_version: str | None = None) -> SocProfile:
-    """The SoC profile the ops follow now: on the ``"acl"`` backend the device's own
-    (``aclrtGetSocName``), elsewhere the setting's (``soc_version``, default
-    :func:`fastgrad._config.get_soc_version`)."""
-    if get_backend() == "acl":
+def current_profile(soc_version: str | None = None, backend: str | None = None) -> SocProfile:
+    """The SoC profile the ops follow now: on the ``"acl"`` backend (``backend``, default
+    :func:`fastgrad.backends.get_backend`) the device's own (``aclrtGetSocName``), elsewhere the
+    setting's (``soc_version``, default :func:`fastgrad._config.get_soc_version`)."""
+    if (get_backend() if backend is None else backend) == "acl":
         from ..backends import acl_runtime
 
         name = acl_runtime.device_soc_name()
@@ -368,7 +368,8 @@ def _allocate(call: Call, users: list, checked: list) -> list[arrays.Out | None]
 def execute(op: OpDef, args: dict, out: Any = None) -> Any:
     """Run ``op`` on ``args`` (its inputs and attributes by name): check, plan, compute, wrap."""
     s = _config.settings()  # every setting, read once for this call
-    call = Call(op, s.strict, args, soc=current_profile(s.soc_version), settings=s)
+    backend = resolve_backend(s.backend)  # once: the SoC profile and the dispatch agree
+    call = Call(op, s.strict, args, soc=current_profile(s.soc_version, backend), settings=s)
     _adapt_inputs(op, call)
     for d in op.attrs:
         call.attrs[d.name] = parse_attr(d, args.get(d.name), call)
@@ -409,7 +410,6 @@ def execute(op: OpDef, args: dict, out: Any = None) -> Any:
         kw.update(call.info.get("kernel_args", {}))
         buffers = tuple(b.buffer if b is not None else None for b in bufs)
         kw["out"] = buffers if len(names) > 1 else buffers[0]
-        backend = get_backend()
         if op.plan is not None and backend_takes_plan(backend):
             kw["plan"] = call.info["plan"] = op.plan(call)
             kw["progress"] = s.progress

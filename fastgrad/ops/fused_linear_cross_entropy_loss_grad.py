@@ -11,9 +11,8 @@ import numpy as np
 from .. import dtypes as D
 from ..arrays import ArrayLike
 from ..errors import ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_RUNTIME_ERROR
-from ..tiling import plan_linear_cross_entropy
 from ..vocab_parallel import live_filter_eps
-from ._engines import gemm_choice
+from ._engines import lm_head_plan
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "fused_linear_cross_entropy_loss_grad"
@@ -167,18 +166,10 @@ def _tiling_failures(c: Call) -> list:
 def _plan(c: Call):
     BT, H = c.shape_of("input")
     mode = "memory_saving" if c.a["softmax"] is None else "high_performance"
-    return plan_linear_cross_entropy(
-        BT,
-        c.a["weight"].shape[0],
-        H,
-        mode=mode,
-        widen=c.a["input"].dtype != D.FLOAT32,
-        dtype=np.dtype(c.a["input"].dtype).name,
-        budget_bytes=c.settings.workspace_bytes if c.settings else None,
-        # none where the smoothing term alone reaches it (the kernel's rule): no unused buffers
-        filter_eps=live_filter_eps(c.info.get("filter_eps"), float(c.attrs["label_smoothing"]), c.a["weight"].shape[0]),
-        gemm=gemm_choice(c.a["input"].dtype, c.settings),
-    )
+    V = c.a["weight"].shape[0]
+    # no filtering where the smoothing term alone reaches it (the kernel's rule): no unused buffers
+    eps = live_filter_eps(c.info.get("filter_eps"), float(c.attrs["label_smoothing"]), V)
+    return lm_head_plan(BT, V, H, mode, c.a["input"].dtype, c.settings, filter_eps=eps)
 
 
 def _result(c: Call, r: dict):

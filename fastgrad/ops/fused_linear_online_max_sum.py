@@ -9,8 +9,7 @@ import numpy as np
 from .. import dtypes as D
 from ..arrays import ArrayLike
 from ..errors import ACLNN_ERR_INNER_NULLPTR
-from ..tiling import plan_linear_cross_entropy
-from ._engines import gemm_choice
+from ._engines import lm_head_plan
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "fused_linear_online_max_sum"
@@ -90,16 +89,7 @@ def _device_limits(c: Call) -> None:
 
 def _plan(c: Call):
     BT, H = c.shape_of("input")
-    return plan_linear_cross_entropy(
-        BT,
-        c.a["weight"].shape[0],
-        H,
-        mode="forward",
-        widen=c.a["input"].dtype != D.FLOAT32,
-        dtype=np.dtype(c.a["input"].dtype).name,
-        budget_bytes=c.settings.workspace_bytes if c.settings else None,
-        gemm=gemm_choice(c.a["input"].dtype, c.settings),
-    )
+    return lm_head_plan(BT, c.a["weight"].shape[0], H, "forward", c.a["input"].dtype, c.settings)
 
 
 DECL = OpDef(
