@@ -74,6 +74,16 @@ class GemmChoice:
         want = "bf16" if a.dtype.name == "bfloat16" else "f32" if a.dtype.name == "float16" else None
         return self.exact if self.exact == want else None
 
+    def describe(self) -> str:
+        """What the GEMMs of 16-bit operands run on, in words (the command's and the bench's
+        reports): ``"bf16 exact-product kernel (<variant>)"``, ``"fp32 kernel (<variant>, fp16
+        operands)"``, else the fp32 engine's ``"BLAS sgemm"`` / ``"oneDNN matmul"``."""
+        if self.exact == "bf16":
+            return f"bf16 exact-product kernel ({self.variant})"
+        if self.exact == "f32":
+            return f"fp32 kernel ({self.variant}, fp16 operands)"
+        return "oneDNN matmul" if self.engine == "onednn" else "BLAS sgemm"
+
 
 #: BLAS for everything: what a plan made without the op layer's choice runs
 BLAS = GemmChoice()

@@ -317,3 +317,17 @@ def test_auto_keeps_blas_where_only_the_avx2_variant_runs(monkeypatch, dtype):
         assert _engine.choose(dt) == "native" and in_use()
     finally:
         set_isa(None)
+
+
+def test_the_choice_describes_itself_once_for_the_command_and_the_bench():
+    from fastgrad.tiling import GemmChoice
+
+    assert GemmChoice().describe() == "BLAS sgemm"
+    assert GemmChoice(engine="onednn").describe() == "oneDNN matmul"
+    assert GemmChoice(exact="bf16", variant="avx2_bf16").describe() == "bf16 exact-product kernel (avx2_bf16)"
+    assert GemmChoice(exact="f32", variant="avx512_f32").describe() == "fp32 kernel (avx512_f32, fp16 operands)"
+    # the command reports what the op's own choice is, whatever it is on this CPU
+    from fastgrad.cli.run import gemm_kernel
+    from fastgrad.dtypes import BFLOAT16
+
+    assert gemm_kernel(np.dtype(BFLOAT16)) == _engines.gemm_choice(BFLOAT16).describe()

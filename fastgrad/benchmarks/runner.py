@@ -129,15 +129,13 @@ def _gemm_engines(has_torch: bool) -> dict:
     from ..ops import _engines
 
     b, f = _engines.gemm_choice(BFLOAT16), _engines.gemm_choice(FLOAT16)
-    bf16 = b.exact is not None
-    kernels = [f"bf16 operands: the exact-product bf16 kernel ({b.variant})"] if bf16 else []
-    if f.exact is not None:
-        kernels.append(f"fp16 operands: the fp32 kernel ({f.variant})")
+    kernels = [f"{n} operands: {c.describe()}" for n, c in (("bf16", b), ("fp16", f)) if c.exact is not None]
     suffix = f" ({'; '.join(kernels)})" if kernels else ""
     out = {"ops": _config.gemm_engine() + suffix}
     if has_torch:
         with _config.prefer_onednn():
-            logits = " (bf16 logits: the exact-product bf16 kernel)" if bf16 else ""
+            t = _engines.gemm_choice(BFLOAT16)
+            logits = f" (bf16 logits: {t.describe()})" if t.logits16 else ""
             out["torch_loss"] = _config.gemm_engine() + logits
     return out
 

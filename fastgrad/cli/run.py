@@ -1336,17 +1336,9 @@ def write_outputs(out_dir: str, fmt: str, tensors: dict, report: dict) -> list[s
 
 def gemm_kernel(dtype: np.dtype) -> str:
     """What the NumPy-level fused linear ops run their GEMMs on for ``dtype`` here."""
-    from ..dtypes import BFLOAT16, FLOAT16
     from ..ops import _engines
 
-    if dtype not in (BFLOAT16, FLOAT16):
-        return "BLAS sgemm"
-    c = _engines.gemm_choice(dtype)
-    if c.exact is None:
-        return "BLAS sgemm"
-    return (
-        f"bf16 exact-product kernel ({c.variant})" if c.exact == "bf16" else f"fp32 kernel ({c.variant}, fp16 operands)"
-    )
+    return _engines.gemm_choice(dtype).describe()
 
 
 def _pct_of_blas(f: float, kernel: str = "BLAS sgemm") -> str:
