@@ -34,6 +34,17 @@ def lm_head_problem(BT, H, V, seed, dtype=np.float32, ignore_index=-100):
     return x, w, b, cw, t
 
 
+def sharp_problem(rng, BT, H, V, dtype, sharpness, vocab_used=None):
+    """``(hidden [BT, H], weight [V, H], target [BT])`` for gradient filtering: hidden states near
+    their target's embedding — ``sharpness`` 0 gives a near-uniform softmax, larger values sharper
+    ones (the LLM-like regime the filter is for); targets among the first ``vocab_used`` tokens
+    (frequent tokens), so whole column blocks can be negligible."""
+    w = rng.standard_normal((V, H)).astype(np.float32) / np.sqrt(H)
+    t = rng.integers(0, vocab_used or V, BT)
+    x = (w[t] * sharpness * np.sqrt(H) + rng.standard_normal((BT, H)) * 0.3).astype(np.float32)
+    return x.astype(dtype), w.astype(dtype), t
+
+
 def bf16_lm_inputs(BT, H, V, gen, seed=0):
     """bf16 ``(hidden [BT, H], weight [V, H], target [BT])`` for the accuracy targets of the
     training loss: ``"rand"`` (all positive, |logits| ~ H/4: sharply peaked, cancelling row

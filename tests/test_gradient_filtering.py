@@ -5,6 +5,7 @@ negligible, and its refusals (strict mode, high-performance mode, bad values).""
 import ml_dtypes
 import numpy as np
 import pytest
+from common import sharp_problem
 
 import fastgrad as fg
 
@@ -14,13 +15,8 @@ UNIT = {BF16: 2.0 ** -8, np.dtype(np.float16): 2.0 ** -11, np.dtype(np.float32):
 
 
 def _problem(rng, BT, H, V, dtype, sharpness, vocab_used=None):
-    """Hidden states near their target's embedding: ``sharpness`` 0 gives a near-uniform softmax,
-    larger values sharper ones (the LLM-like regime the filter is for).  Targets are drawn from the
-    first ``vocab_used`` tokens (frequent tokens), so whole column blocks can be negligible."""
-    w = rng.standard_normal((V, H)).astype(np.float32) / np.sqrt(H)
-    t = rng.integers(0, vocab_used or V, BT)
-    x = (w[t] * sharpness * np.sqrt(H) + rng.standard_normal((BT, H)) * 0.3).astype(np.float32)
-    x, w = x.astype(dtype), w.astype(dtype)
+    """The FLCE grad's arguments for :func:`common.sharp_problem`'s inputs."""
+    x, w, t = sharp_problem(rng, BT, H, V, dtype, sharpness, vocab_used)
     f = fg.fused_linear_online_max_sum(x, w, t, 0, V, logits_dtype=np.float32)
     grad = rng.uniform(0.5, 1.5, BT).astype(np.float32)
     args = (grad, x, w, f.target_mask, f.masked_target)

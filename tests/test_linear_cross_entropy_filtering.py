@@ -6,6 +6,7 @@ features; exactness when nothing is skipped; the skipped set; refusals."""
 import ml_dtypes
 import numpy as np
 import pytest
+from common import sharp_problem as _problem
 
 import fastgrad as fg
 
@@ -18,16 +19,6 @@ FEATURES = {
     "ce_weight": {"ce_weight": True},
     "zloss_temperature": {"lse_square_scale": 1e-3, "temperature": 0.7},
 }
-
-
-def _problem(rng, BT, H, V, dtype, sharpness, vocab_used=None):
-    """Hidden states near their target's embedding: ``sharpness`` 0 gives a near-uniform softmax,
-    larger values sharper ones.  Targets among the first ``vocab_used`` tokens, so whole column
-    blocks can be negligible."""
-    w = rng.standard_normal((V, H)).astype(np.float32) / np.sqrt(H)
-    t = rng.integers(0, vocab_used or V, BT)
-    x = (w[t] * sharpness * np.sqrt(H) + rng.standard_normal((BT, H)) * 0.3).astype(np.float32)
-    return x.astype(dtype), w.astype(dtype), t
 
 
 def _kw(rng, feature, V):
