@@ -123,6 +123,27 @@ def test_refusals():
     assert e.value.status == 161002 and "filter_eps" in str(e.value)
 
 
+def test_the_flce_grad_and_the_training_loss_take_the_same_filter_eps_values():
+    """One parser (``filter_eps_value``): the same values accepted (the threshold the plan
+    carries) and refused (161002, naming ``filter_eps``) by both ops."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(3)
+    args, kw = _problem(rng, 8, 4, 130, BF16, 1.0)
+    x, w, t = args[1], args[2], np.zeros(8, np.int64)
+    for ok, want in ((1e-3, 1e-3), (Fraction(1, 1000), 1e-3), (np.float32(0.5), 0.5), (1, 1.0), ("auto", 2.0**-12)):
+        *_, plan = fg.fused_linear_cross_entropy_loss_grad(*args, **kw, filter_eps=ok, return_plan=True)
+        assert plan.filter_eps == want
+        r = fg.linear_cross_entropy(x, w, t, return_grad=True, filter_eps=ok)
+        assert r.filter_stats["filter_eps"] == want
+    for bad in (0.0, -1.0, 2.0, "fast", True, float("nan"), [1e-3]):
+        for call in (lambda: fg.fused_linear_cross_entropy_loss_grad(*args, **kw, filter_eps=bad),
+                     lambda: fg.linear_cross_entropy(x, w, t, return_grad=True, filter_eps=bad)):
+            with pytest.raises(fg.AclnnError) as e:
+                call()
+            assert e.value.status == 161002 and "filter_eps" in str(e.value)
+
+
 def test_filtered_is_deterministic_across_threads():
     rng = np.random.default_rng(4)
     args, kw = _problem(rng, 300, 16, 900, BF16, 6.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import ml_dtypes
@@ -40,24 +41,40 @@ def auto_filter_eps(dtype) -> float:
     return float(ml_dtypes.finfo(np.dtype(dtype)).eps) / 32
 
 
+#: what ``filter_eps`` takes (this op and the training loss, ``ops/linear_cross_entropy.py``)
+FILTER_EPS_VALUES = 'None, "auto" or a number in (0, 1]'
+
+
+def filter_eps_value(v, dtype) -> float | None:
+    """``filter_eps`` as a threshold: None (off, the device's behaviour), ``"auto"``
+    (:func:`auto_filter_eps` of ``dtype``) or a number in (0, 1]; raises ``ValueError`` for
+    anything else (each caller reports it as 161002 with :data:`FILTER_EPS_VALUES`)."""
+    if v is None:
+        return None
+    if isinstance(v, str) and v == "auto":
+        return auto_filter_eps(dtype)
+    if (
+        isinstance(v, (bool, np.bool_))
+        or not isinstance(v, (numbers.Real, np.floating, np.integer))
+        or not 0.0 < float(v) <= 1.0
+    ):
+        raise ValueError(FILTER_EPS_VALUES)
+    return float(v)
+
+
 def _filter_eps(c: Call) -> float | None:
-    """Parse ``filter_eps``: None (off, the device's behaviour), "auto", or a number in (0, 1]."""
+    """Parse ``filter_eps`` (:func:`filter_eps_value`); None in high-performance mode."""
     v = c.raw.get("filter_eps")
     if v is None:
         return None
     if c.a["softmax"] is not None:
         c.bad("filter_eps", "None in high-performance mode (filtering applies to memory-saving mode)", repr(v))
         return None
-    if isinstance(v, str) and v == "auto":
-        return auto_filter_eps(c.a["input"].dtype)
-    if (
-        isinstance(v, (bool, np.bool_))
-        or not isinstance(v, (int, float, np.floating, np.integer))
-        or not 0.0 < float(v) <= 1.0
-    ):
-        c.bad("filter_eps", 'None, "auto" or a number in (0, 1]', repr(v))
+    try:
+        return filter_eps_value(v, c.a["input"].dtype)
+    except ValueError:
+        c.bad("filter_eps", FILTER_EPS_VALUES, repr(v))
         return None
-    return float(v)
 
 
 def _relations(c: Call) -> None:

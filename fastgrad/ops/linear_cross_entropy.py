@@ -112,21 +112,16 @@ def _opt_float(x, name):
 def parse_filter_eps(value, dtype, op: str = OP) -> float | None:
     """``filter_eps``: None (off), "auto" (the dtype's machine epsilon / 32, as CCE's and the
     FLCE grad's) or a number in (0, 1].  Strict mode rejects anything but None (161002)."""
+    from .fused_linear_cross_entropy_loss_grad import FILTER_EPS_VALUES, filter_eps_value
+
     if value is None:
         return None
     if is_strict():
         raise invalid("filter_eps", "None (the device has no gradient filtering; strict mode)", repr(value), op)
-    if isinstance(value, str) and value == "auto":
-        from .fused_linear_cross_entropy_loss_grad import auto_filter_eps
-
-        return auto_filter_eps(dtype)
-    if (
-        isinstance(value, (bool, np.bool_))
-        or not isinstance(value, (numbers.Real, np.floating, np.integer))
-        or not 0.0 < float(value) <= 1.0
-    ):
-        raise invalid("filter_eps", 'None, "auto" or a number in (0, 1]', repr(value), op)
-    return float(value)
+    try:
+        return filter_eps_value(value, dtype)
+    except ValueError:
+        raise invalid("filter_eps", FILTER_EPS_VALUES, repr(value), op) from None
 
 
 def round_grad(grad: np.ndarray, dtype: Any, scale: float | None = None) -> np.ndarray:
