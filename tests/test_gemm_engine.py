@@ -169,10 +169,11 @@ def test_a_torch_without_the_mode_is_not_used(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-def _engine_run(name, X, W, G_blocks, vc, rows):
+def _engine_run(name, X, W, G_blocks, vc, rows, together=False):
     """The three products over chunks of ``vc`` and the row blocks ``rows`` (equal tiles of the
     plan) on engine ``name`` through the loop's engine (``_lm_head.Operands``): (logits per tile,
-    grad_weight per chunk, grad_input), accumulated as the FLCE grad does."""
+    grad_weight per chunk, grad_input), accumulated as the FLCE grad does; ``together``: the two
+    gradient products through ``grad_products`` (one task list on the fp32 engines)."""
     import dataclasses
 
     from fastgrad import tiling
@@ -205,8 +206,11 @@ def _engine_run(name, X, W, G_blocks, vc, rows):
                 e.logits(b0, b1, L)
                 logits.append(L)
                 G = np.ascontiguousarray(G_blocks[b0:b1, v0:v1])
-                e.grad_weight(G, b0, b1, gw[v0:v1], acc=k > 0)
-                e.grad_input(G, b0, b1, gi[b0:b1])  # may overwrite G: last
+                if together:
+                    e.grad_products(G, b0, b1, gw[v0:v1], k > 0, gi[b0:b1])
+                else:
+                    e.grad_weight(G, b0, b1, gw[v0:v1], acc=k > 0)
+                    e.grad_input(G, b0, b1, gi[b0:b1])  # may overwrite G: last
     return logits, gw, gi
 
 
@@ -250,6 +254,15 @@ def test_engine_interface_matches_float64_and_is_isa_independent(dtype):
             assert np.all(np.abs(got - r) <= (k + 1) * 2.0**-24 * d + 1e-30), (name, isa)
         if name == "native":
             native_bits.append([a.view(np.uint32) for a in (full, gw, gi)])
+        # grad_products (the FLCE grad's call): the same bits as the two products in turn
+        if isa is not None:
+            set_isa(isa)
+        try:
+            _, gw2, gi2 = _engine_run(name, X, W, G, vc, rows, together=True)
+        finally:
+            set_isa(None)
+        assert np.array_equal(gw2.view(np.uint32), gw.view(np.uint32)), (name, isa)
+        assert np.array_equal(gi2.view(np.uint32), gi.view(np.uint32)), (name, isa)
     for other in native_bits[1:]:  # the same bits on every ISA
         assert all(np.array_equal(a, b) for a, b in zip(native_bits[0], other))
 

@@ -34,7 +34,7 @@ from .. import dtypes as D
 from .._outcache import empty as scratch
 from ..tiling import LinearCrossEntropyPlan, fp32_operands
 from . import _bf16dot
-from ._gemm import matmul_nn, matmul_nt, matmul_tn
+from ._gemm import matmul_nt, nn_tasks, run_tasks, tn_tasks
 from ._linear import fp32_block
 
 __all__ = ["Workspace", "Operands", "Epilogue", "run"]
@@ -167,14 +167,18 @@ class Operands:
                 raise ValueError("the fp32 kernel's X is missing")
             _bf16dot.matmul(G.T, self.Xp[b0:b1], H, out, acc=acc)
         else:
-            if self.X32 is None:
-                raise ValueError("the BLAS path's fp32 X is missing (Operands made with weight_tiles='logits'?)")
-            tmp = None
-            if acc:
-                if self.gw_tmp is None:
-                    raise ValueError("a sum onto grad_weight without the plan's grad_weight_product buffer")
-                tmp = self.gw_tmp[: out.size].reshape(out.shape)
-            matmul_tn(G, self.X32[b0:b1], out, tmp=tmp, engine=self.engine)
+            run_tasks(self._grad_weight_tasks(G, b0, b1, out, acc), self.engine)
+
+    def _grad_weight_tasks(self, G: np.ndarray, b0: int, b1: int, out: np.ndarray, acc: bool) -> list:
+        """The fp32 engines' tiles of :meth:`grad_weight`, as tasks (``_gemm.tn_tasks``)."""
+        if self.X32 is None:
+            raise ValueError("the BLAS path's fp32 X is missing (Operands made with weight_tiles='logits'?)")
+        tmp = None
+        if acc:
+            if self.gw_tmp is None:
+                raise ValueError("a sum onto grad_weight without the plan's grad_weight_product buffer")
+            tmp = self.gw_tmp[: out.size].reshape(out.shape)
+        return tn_tasks(G, self.X32[b0:b1], out, tmp, self.engine)
 
     def grad_input(self, G: np.ndarray, b0: int, b1: int, out: np.ndarray) -> None:
         """``out[nb, H] += G · W[v0:v1]`` for ``G`` fp32 ``[b1-b0, nv]`` of the current tile.  On
@@ -192,10 +196,29 @@ class Operands:
                 raise ValueError("the fp32 kernel's W tile is missing (no chunk yet)")
             _bf16dot.matmul(G, self.W32p, H, out, acc=True)
         else:
-            if self.W32 is None or self.prod is None:
-                raise ValueError("the BLAS path's W tile or product buffer is missing")
-            nb = b1 - b0
-            matmul_nn(G, self.W32, out, tmp=self.prod[: nb * H].reshape(nb, H), engine=self.engine)
+            run_tasks(self._grad_input_tasks(G, b0, b1, out), self.engine)
+
+    def _grad_input_tasks(self, G: np.ndarray, b0: int, b1: int, out: np.ndarray) -> list:
+        """The fp32 engines' tiles of :meth:`grad_input`, as tasks (``_gemm.nn_tasks``)."""
+        if self.W32 is None or self.prod is None:
+            raise ValueError("the BLAS path's W tile or product buffer is missing")
+        nb = b1 - b0
+        return nn_tasks(G, self.W32, out, self.prod[: nb * self.H].reshape(nb, self.H), self.engine)
+
+    def grad_products(
+        self, G: np.ndarray, b0: int, b1: int, gw_out: np.ndarray, gw_acc: bool, gi_out: np.ndarray
+    ) -> None:
+        """:meth:`grad_weight` (onto ``gw_out``, ``gw_acc``) then :meth:`grad_input` (onto
+        ``gi_out``) of the current tile.  On the fp32 engines their tiles run as one task list,
+        one barrier: ``g·W``'s out tile ``[bt, H]`` has few 512 × 512 tiles (4 at BT 1024, H 896)
+        and would leave most threads of a many-core machine idle beside ``gᵀX``'s; the same calls
+        on the same operands into separate outputs and scratch, so the same bits."""
+        if self.kind is not None:  # the native kernel: in order (the bf16 one overwrites G)
+            self.grad_weight(G, b0, b1, gw_out, acc=gw_acc)
+            self.grad_input(G, b0, b1, gi_out)
+            return
+        tasks = self._grad_weight_tasks(G, b0, b1, gw_out, gw_acc) + self._grad_input_tasks(G, b0, b1, gi_out)
+        run_tasks(tasks, self.engine)
 
     def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
         """``out[b1-b0, v1-v0] = X[b0:b1] · W[v0:v1]ᵀ`` in fp32 for the current tile."""

@@ -278,9 +278,8 @@ class FlceGrad:
             b16_ops = None if self.fb16 is None else (ops.xinter[b0], *self.fb16)
             _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, b16_ops, eng, ops.form)
         else:  # the dense tile: the plan's GEMMs (Operands: BLAS, oneDNN or the native kernel)
-            ops.grad_weight(G, b0, b1, gwt, acc=not self.first)
+            ops.grad_products(G, b0, b1, gwt, not self.first, gi_rows)  # may overwrite G (bf16 pairs)
             self.first = False
-            ops.grad_input(G, b0, b1, gi_rows)  # last: may overwrite G (the bf16 kernel's pairs)
 
     def end(self, v0: int, v1: int) -> None:
         narrow(self.gwt, self.gw_out[v0:v1])  # on the pool: no OpenMP region (fork-safe)
