@@ -351,9 +351,11 @@ def native_isa() -> str:
 
     * ``"auto"``: the best variant this CPU runs — bf16 operands on ``vdpbf16ps`` (AVX-512 BF16),
       else AVX-512F FMAs, else AVX2 + FMA; fp16 operands on AVX-512F, else AVX2 + FMA.  Where
-      that is an AVX2 variant, the GEMM setting ``"auto"`` keeps BLAS (measured faster there:
-      :func:`fastgrad.ops._engines.bf16_kernel_in_use`); the variant runs when called for explicitly.
-    * ``"avx512"``: only the AVX-512 variants (none on an AVX2-only CPU: BLAS).
+      that is an AVX2 variant, or an AVX-512 one on a non-AMD CPU, the GEMM setting ``"auto"``
+      keeps BLAS (measured faster there: :func:`fastgrad.ops._engines.bf16_kernel_in_use`,
+      ``kernels/_bf16dot.AUTO_AVX512_VENDORS``); the variant runs when called for explicitly.
+    * ``"avx512"``: only the AVX-512 variants (none on an AVX2-only CPU: BLAS); on ``"auto"``
+      also on Intel CPUs (this explicit setting overrides the vendor rule).
     * ``"avx2"``: only the AVX2 + FMA variants, compiled with the AVX-512 features off — on an
       AVX-512 machine, the code an AVX2-only CPU runs (``FASTGRAD_NATIVE_ISA=avx2`` in CI); the
       GEMM setting ``"auto"`` runs them (this explicit setting overrides the BLAS rule above).

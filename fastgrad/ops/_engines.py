@@ -79,16 +79,18 @@ def bf16_kernel_in_use() -> bool:
     the ISA setting ``"auto"``: there ``"auto"`` keeps BLAS, which was faster (the AVX2 code
     on a Zen 4 EPYC, one thread, against OpenBLAS's Haswell sgemm path: FLCE grad 1.18x, online
     max-sum 1.12x, training loss 0.97x its CPU time; on a Zen 3 EPYC, 2 threads, FLCE grad bf16
-    at (1024, 896, 32000): native 1.60x, BLAS 1.21x the three sgemms; ``_bf16dot.AUTO_AVX2``).
-    An explicit ``set_native_isa("avx2")`` / ``FASTGRAD_NATIVE_ISA=avx2`` runs the AVX2 kernel
-    anyway."""
+    at (1024, 896, 32000): native 1.60x, BLAS 1.21x the three sgemms; ``_bf16dot.AUTO_AVX2``),
+    and a non-AMD CPU with AVX-512 (an Emerald Rapids Xeon: the BLAS path about twice as fast;
+    ``_bf16dot.AUTO_AVX512_VENDORS``).  An explicit ``set_native_isa("avx2")`` /
+    ``FASTGRAD_NATIVE_ISA=avx2`` (or ``"avx512"``) runs the kernel anyway."""
     return gemm_choice(D.BFLOAT16).exact == "bf16"
 
 
 def fp16_kernel_in_use() -> bool:
     """GEMMs of fp16 values in the NumPy-level fused linear ops go to the fp32 kernel
     (``fastgrad/kernels/_bf16dot.py``, kind ``"f32"``: the products of fp16 values are exact in
-    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on a CPU with AVX-512F,
+    fp32, summed in fp32 in a fixed order): the GEMM setting ``"auto"`` on an AMD CPU with AVX-512F,
     or with AVX2 + FMA only under an explicit ISA setting ``"avx2"`` (on ``"auto"`` an AVX2-only
-    CPU keeps BLAS: ``_bf16dot.AUTO_AVX2``)."""
+    CPU keeps BLAS: ``_bf16dot.AUTO_AVX2``; so does a non-AMD AVX-512 CPU:
+    ``_bf16dot.AUTO_AVX512_VENDORS``)."""
     return gemm_choice(D.FLOAT16).exact == "f32"
