@@ -128,13 +128,10 @@ def _numba():
         import sys
 
         t = sys.modules.get("torch")
-        if t is None or not hasattr(t, "get_num_threads"):
-            numba.get_num_threads()  # starts the threading layer
-        else:
-            n = t.get_num_threads()
-            numba.get_num_threads()
-            if t.get_num_threads() != n:
-                t.set_num_threads(n)
+        n = t.get_num_threads() if t is not None and hasattr(t, "get_num_threads") else None
+        numba.get_num_threads()  # starts the threading layer
+        if t is not None and n is not None and t.get_num_threads() != n:
+            t.set_num_threads(n)
         _numba_started = True
     return numba
 

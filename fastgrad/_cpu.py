@@ -65,14 +65,19 @@ def _from_llvm() -> frozenset:
 
 
 @functools.cache
-def flags() -> frozenset:
-    """The CPU's feature flags, in ``/proc/cpuinfo``'s names (empty when nothing can tell)."""
+def _cpuinfo() -> str:
+    """``/proc/cpuinfo``'s text, read once ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            found = _parse_cpuinfo(f.read())
+            return f.read()
     except OSError:
-        found = frozenset()
-    return found or _from_llvm()
+        return ""
+
+
+@functools.cache
+def flags() -> frozenset:
+    """The CPU's feature flags, in ``/proc/cpuinfo``'s names (empty when nothing can tell)."""
+    return _parse_cpuinfo(_cpuinfo()) or _from_llvm()
 
 
 def has(*names: str) -> bool:
@@ -87,12 +92,7 @@ def arch() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-@functools.cache
 def vendor() -> str:
     """The x86 vendor (``/proc/cpuinfo``'s ``vendor_id``: ``"GenuineIntel"``, ``"AuthenticAMD"``, ...);
     ``""`` where it cannot tell (another architecture, no ``/proc``)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return _parse_vendor(f.read())
-    except OSError:
-        return ""
+    return _parse_vendor(_cpuinfo())

@@ -34,6 +34,18 @@ set_workspace_budget = _config.set_workspace_budget
 workspace_budget = _config.workspace_budget
 
 
+#: the native kernel's operand kind per 16-bit dtype name: bf16 pairs, or fp16 on the fp32 kernel
+_NATIVE_KINDS = {"bfloat16": "bf16", "float16": "f32"}
+
+
+def native_kind(dtype) -> str | None:
+    """The native exact-product kernel's operand kind for ``dtype`` (a dtype or its name):
+    ``"bf16"`` (bf16 pairs), ``"f32"`` (fp16 values on the fp32 kernel) or None (no kernel: BLAS)."""
+    import numpy as np
+
+    return _NATIVE_KINDS.get(dtype if isinstance(dtype, str) else np.dtype(dtype).name)
+
+
 @dataclass(frozen=True)
 class GemmChoice:
     """Which GEMMs one LM-head call runs, chosen once by the op layer from the settings
@@ -69,10 +81,10 @@ class GemmChoice:
 
     def exact_for(self, a, b) -> str | None:
         """The exact-product kernel for operands ``a`` and ``b`` (both 16-bit of one dtype), or None."""
-        if a.dtype != b.dtype or a.dtype.itemsize != 2:
+        if a.dtype != b.dtype:
             return None
-        want = "bf16" if a.dtype.name == "bfloat16" else "f32" if a.dtype.name == "float16" else None
-        return self.exact if self.exact == want else None
+        want = native_kind(a.dtype)
+        return self.exact if (want is not None and self.exact == want) else None
 
     def describe(self) -> str:
         """What the GEMMs of 16-bit operands run on, in words (the command's and the bench's
@@ -173,7 +185,7 @@ def lm_head_buffers(
     pool thread, kept between calls)."""
     gemm = BLAS if gemm is None else gemm
     bt, vt = max(int(bt), 0), max(int(vt), 0)
-    want = {"bfloat16": "bf16", "float16": "f32"}.get(dtype)
+    want = native_kind(dtype)
     kind = gemm.exact if (want is not None and gemm.exact == want) else None
     b16, f16k = kind == "bf16", kind == "f32"
     wide = dtype != "float32"  # 16-bit operands: fp32 copies for BLAS

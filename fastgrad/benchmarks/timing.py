@@ -87,19 +87,16 @@ def threads(n: int | None):
         return
     from .._config import num_threads
 
-    # Numba's first thread-count change starts its threading layer, which can reset the OpenMP
-    # runtime PyTorch shares (seen: torch.get_num_threads() back at all cores): PyTorch's count
-    # is set inside, after it
-    with num_threads(int(n)):
-        t = sys.modules.get("torch")
-        old = t.get_num_threads() if t is not None else None
-        if t is not None:
-            t.set_num_threads(int(n))
-        try:
+    t = sys.modules.get("torch")
+    old = t.get_num_threads() if t is not None else None
+    if t is not None:
+        t.set_num_threads(int(n))
+    try:
+        with num_threads(int(n)):
             yield
-        finally:
-            if t is not None and old is not None:
-                t.set_num_threads(old)
+    finally:
+        if t is not None and old is not None:
+            t.set_num_threads(old)
 
 
 def default_threads() -> int:

@@ -22,8 +22,8 @@ accumulators in 12 ymm registers on AVX2) — all give the same bits (the module
 module is the layouts and the calls: ``W`` packed per vocabulary chunk as ``[ceil(H/2),
 64·⌈N/64⌉]`` 32-bit pairs — its own row-major pairs, transposed — the same ``B`` for every
 variant; ``A`` in the form the variant prefers (the plan's ``GemmChoice.a_form``, which
-``kernels/_engine.resolve`` takes from the spec; :func:`a_form` asks the same here): ``X`` read in place as 32-bit
-pairs (broadcast per row) on ``vdpbf16ps``, fp32 values on the FMA variants (``X`` widened
+``kernels/_engine.resolve`` takes from the spec): ``X`` read in place as 32-bit pairs
+(broadcast per row) on ``vdpbf16ps``, fp32 values on the FMA variants (``X`` widened
 once, ``g`` read in place, ``gᵀ`` copied transposed per task: one broadcast load per value, no
 pairing pass).  :func:`variant` picks the variant (the ISA setting :func:`select_isa`, pushed
 by ``fastgrad._config.set_native_isa`` / ``FASTGRAD_NATIVE_ISA``).  Calls go through

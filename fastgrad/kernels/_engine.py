@@ -19,11 +19,8 @@ are the plan's (``tiling.lm_head_buffers``).  This module decides which of them 
 
 from __future__ import annotations
 
-import numpy as np
-
 from .. import _onednn
-from .. import dtypes as D
-from ..tiling import GemmChoice
+from ..tiling import GemmChoice, native_kind
 from . import _bf16dot
 
 __all__ = ["engines", "choose", "resolve"]
@@ -33,11 +30,8 @@ def engines(dtype) -> list[str]:
     """The engines that can run operands of ``dtype`` on this CPU (the native kernel under the
     ISA setting of ``_bf16dot``): ``"native"`` first where it runs, then ``"blas"``,
     ``"onednn"`` (the latter needs PyTorch; only listed, not probed)."""
-    dt = np.dtype(dtype)
-    out = []
-    if (dt == D.BFLOAT16 and _bf16dot.available("bf16")) or (dt == D.FLOAT16 and _bf16dot.available("f32")):
-        out.append("native")
-    return out + ["blas", "onednn"]
+    kind = native_kind(dtype)
+    return (["native"] if kind is not None and _bf16dot.available(kind) else []) + ["blas", "onednn"]
 
 
 def choose(dtype, setting: str = "auto") -> str:
@@ -57,8 +51,7 @@ def _auto_spec(dtype):
     """``(kind, spec)``: the native kernel's operand kind for ``dtype`` (``"bf16"``, ``"f32"`` for
     fp16, None) and the variant the GEMM setting ``"auto"`` runs it on (None: BLAS) — the one rule
     :func:`choose` and :func:`resolve` share."""
-    dt = np.dtype(dtype)
-    kind = "bf16" if dt == D.BFLOAT16 else "f32" if dt == D.FLOAT16 else None
+    kind = native_kind(dtype)
     return kind, (None if kind is None else _bf16dot.auto_variant(kind))
 
 
