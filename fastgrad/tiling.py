@@ -18,7 +18,7 @@ lives in ``fastgrad._config``, with the others).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import _config
 
@@ -464,6 +464,10 @@ class TrainingPlan:
         The 16-bit weight is widened once to fp32 (when it takes at most a quarter of the budget),
         else per chunk.
     budget_bytes : int
+    buffers : tuple of Buffer
+        Every buffer the kernel allocates for this call (:func:`training_buffers`; the kernel
+        takes them by name through ``kernels/_lm_head.Workspace``, which refuses any other):
+        :attr:`workspace_bytes` is their sum — what the call holds besides its outputs.
     """
 
     BT: int
@@ -478,10 +482,16 @@ class TrainingPlan:
     recompute_rows: int
     whole_weight: bool
     budget_bytes: int
+    buffers: tuple[Buffer, ...] = ()
 
     @property
     def n_blocks(self) -> int:
         return -(-self.BT // self.block_rows) if self.BT else 0
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of :attr:`buffers`."""
+        return sum(b.nbytes for b in self.buffers)
 
     def row_blocks(self):
         """``(b0, b1)`` of the equal row blocks, in order."""
@@ -511,12 +521,19 @@ def plan_training_loss(
     logits16: bool,
     v_chunk: int,
     budget_bytes: int | None = None,
+    grads: tuple[bool, bool, bool] | None = None,
+    accum16: bool = False,
+    fast: bool = False,
+    a_form: str | None = None,
 ) -> TrainingPlan:
     """The training loss's plan (:class:`TrainingPlan`).  ``itemsize``: the compute dtype's
     (4, or 8 for fp64); ``widen``: 16-bit operands (fp32 copies of the weight);
     ``want_grad``/``recompute``/``filtered``: what the call computes (``recompute``: ``lse``
     given); ``logits16``: the logits run on the bf16 kernel (no fp32 weight for the forward alone);
-    ``v_chunk``: the row block's vocabulary chunk."""
+    ``v_chunk``: the row block's vocabulary chunk.  For the buffer list (:func:`training_buffers`):
+    ``grads`` which of (grad_input, grad_weight, grad_bias) are computed (default: all or none,
+    as ``want_grad``), ``accum16`` a 16-bit ``grad_weight`` (``accum_dtype``), ``fast``
+    ``precision="fast"`` asked, ``a_form`` the bf16 kernel's ``A`` form (``GemmChoice.a_form``)."""
     budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
     BT, K, V, H = int(BT), int(K), int(V), int(H)
     rows = training_budget_rows(max(V, 1), itemsize, budget)
@@ -527,7 +544,7 @@ def plan_training_loss(
         block = min(max(BT, 1), max(block, (budget // 2) // (vc_req * itemsize)))
     vc = max(1, min(vc_req, max(K, 1)))
     rc = min(vc, TRAIN_VM_CHUNK)
-    return TrainingPlan(
+    plan = TrainingPlan(
         BT=BT,
         K=K,
         V=V,
@@ -541,6 +558,140 @@ def plan_training_loss(
         whole_weight=widen and K * H * 4 <= budget // 4 and not (logits16 and not want_grad),
         budget_bytes=budget,
     )
+    g3 = (want_grad,) * 3 if grads is None else tuple(bool(g) for g in grads)
+    return replace(
+        plan,
+        buffers=training_buffers(
+            plan,
+            itemsize=itemsize,
+            widen=widen,
+            grads=(g3[0], g3[1], g3[2]),
+            recompute=recompute,
+            filtered=filtered,
+            logits16=logits16,
+            accum16=accum16,
+            fast=fast,
+            a_form=a_form,
+        ),
+    )
+
+
+#: rows per group of ``precision="fast"``'s partial column sums of the rounding error (fixed:
+#: bitwise at any thread count; ``kernels/linear_cross_entropy._round_g_bf16``)
+FAST_E_GROUP = 32
+
+
+def logits16_buffers(BT: int, H: int, vt: int, a_form: str | None) -> tuple[Buffer, ...]:
+    """The buffers of the bf16 logits on the native kernel (``kernels/_bf16dot.Logits``) for
+    ``[BT, H]`` rows and vocabulary tiles of ``vt`` rows: ``X`` widened once (``a_form`` "f32")
+    or paired with a zero column (odd ``H``), the packed tile, the tile's padded pairs (odd ``H``)."""
+    out = []
+    if a_form == "f32":
+        out.append(Buffer("x32", (BT, H), "float32", "call"))
+    elif H % 2:
+        out.append(Buffer("x_pairs_padded", (BT, H + 1), "uint16", "call"))
+    out.append(Buffer("w_packed", ((H + 1) // 2, b_cols(vt)), "uint32", "tile"))
+    if H % 2:
+        out.append(Buffer("w_pairs_padded", (vt, H + 1), "uint16", "tile"))
+    return tuple(out)
+
+
+def training_buffers(
+    plan: TrainingPlan,
+    *,
+    itemsize: int,
+    widen: bool,
+    grads: tuple[bool, bool, bool],
+    recompute: bool,
+    filtered: bool,
+    logits16: bool,
+    accum16: bool = False,
+    fast: bool = False,
+    a_form: str | None = None,
+) -> tuple[Buffer, ...]:
+    """Every buffer the training loss's kernel (``kernels/linear_cross_entropy.py``) allocates for
+    ``plan`` (its row blocks, chunks, vocabulary-major recompute, whole or chunked weight) and what
+    the call computes (see :func:`plan_training_loss`): the list it takes its buffers from, so
+    ``plan.workspace_bytes`` is what the call holds (tests/test_training_buffers.py measures it).
+
+    Scope ``"call"``: sized by the call (copies of ``X`` or of the whole weight, ``[BT, H]``
+    products, ``[K]`` indices); ``"tile"``: by the plan (a row block's logits, a chunk's weight
+    and products).  Not listed: ``[BT]`` row vectors (statistics, coefficients, target columns),
+    the filter's per-block index arrays (``[K]`` int64 per row block, freed before the next),
+    a non-contiguous weight's contiguous copy, and the GEMM engines' own per-thread buffers."""
+    BT, K, H = plan.BT, plan.K, plan.H
+    gi, gw, gb = grads
+    want_grad = gi or gw or gb
+    cdt = "float64" if itemsize == 8 else "float32"
+    out: list[Buffer] = []
+
+    def add(name, shape, dt, scope):
+        out.append(Buffer(name, tuple(int(d) for d in shape), dt, scope))
+
+    if BT == 0:
+        return ()
+    if plan.vocab_major:  # ``_vocab_major``: the recompute of the gradient from a saved lse
+        vc = plan.recompute_chunk
+        nblocks = -(-BT // plan.recompute_rows)
+        nr = -(-BT // nblocks)
+        if logits16:
+            out += logits16_buffers(BT, H, vc, a_form)
+        b16 = logits16 and fast  # the gradient GEMMs on the bf16 kernel too
+        widen_x = widen and not b16
+        if widen_x:
+            add("x_whole", (BT, H), cdt, "call") if nblocks == 1 else add("x_block", (nr, H), cdt, "tile")
+        if widen and not b16:
+            add("w_chunk", (vc, H), cdt, "tile")
+        add("logits_block", (nr, vc), cdt, "tile")
+        if gi and not b16:
+            add("grad_input_product", (nr, H), cdt, "tile")
+        if gw and accum16:
+            add("grad_weight_chunk", (vc, H), cdt, "tile")
+        if gw and nblocks > 1 and not b16:
+            add("grad_weight_product", (vc, H), cdt, "tile")
+        if b16:
+            nchunks = -(-K // vc)
+            add("fast_e_col", (-(-nr // FAST_E_GROUP), vc), cdt, "tile")
+            add("fast_e_row", (BT, nchunks), cdt, "call")
+            add("fast_w_mean", (nchunks, H), cdt, "call")
+            add("fast_x_mean", (nblocks, H), cdt, "call")
+            if gw:
+                add("x_pairs_block", (b_size(nr, H),), "uint32", "tile")
+            if gi:
+                add("w_pairs_chunk", (b_size(vc, H),), "uint32", "tile")
+                add("fast_product", (BT, H), cdt, "call")
+        return tuple(out)
+    # the row blocks (``linear_cross_entropy_cpu``)
+    vc = plan.v_chunk
+    fwd_only = not want_grad
+    nb_rows = -(-BT // plan.n_blocks)
+    if logits16:
+        out += logits16_buffers(BT, H, vc, a_form)
+    if widen and plan.whole_weight:
+        add("w_whole", (K, H), cdt, "call")
+    elif widen and (not logits16 or gi):  # with the bf16 logits kernel: grad_input's operand only
+        add("w_chunk", (vc, H), cdt, "tile")
+        if not logits16 and not fwd_only and not recompute:  # the staged loop's second chunk
+            add("w_chunk_next", (vc, H), cdt, "tile")
+    if widen:
+        add("x_block", (nb_rows, H), cdt, "tile")
+    add("logits_block", (nb_rows, vc if fwd_only else max(K, 1)), cdt, "tile")
+    if gi:
+        add("grad_input_product", (nb_rows, H), cdt, "tile")
+    if gw:
+        add("grad_weight_product", (vc, H), cdt, "tile")
+        if accum16:
+            add("vocab_rows", (K,), "int64", "call")
+    if filtered and want_grad and K:
+        rb = max(1, min(FILTER_ROWS, plan.block_rows))
+        add("filter_flags", (plan.block_rows, -(-K // FILTER_COLS)), "bool", "tile")
+        add("kept_g", (rb, vc), cdt, "tile")
+        if gi:
+            add("kept_w", (vc, H), cdt, "tile")
+            add("kept_product", (rb, H), cdt, "tile")
+        if gw:
+            add("kept_grad_weight", (vc, H), cdt, "tile")
+    return tuple(out)
 
 
 #: The plan type kernels take (the op_host → op_kernel contract).

@@ -218,3 +218,37 @@ def native_isa(request):
         yield request.param
     finally:
         set_isa(None)
+
+
+def least_peak(call, n: int = 3) -> int:
+    """The least, over ``n`` calls, of the memory ``call()`` allocated at its peak (``tracemalloc``:
+    NumPy reports its data buffers); the least, since another thread's allocations only add."""
+    import tracemalloc
+
+    peaks = []
+    for _ in range(n):
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            call()
+            peaks.append(tracemalloc.get_traced_memory()[1] - base)
+        finally:
+            tracemalloc.stop()
+    return min(peaks)
+
+
+def warm_calls() -> int:
+    """Untimed calls before a measured one: enough for every pool thread to have taken a task
+    (each pool thread's kept scratch, ``_bf16dot._local``, is made the first time it takes one)."""
+    import numba
+
+    return 2 + 2 * numba.get_num_threads()
+
+
+def native_transients() -> int:
+    """The native GEMM kernel's own buffers of the tasks in flight (not a loop's, not listed in a
+    plan): its column-edge tile of ≤ 512 rows × 64 fp32 (and an odd K's last column), per pool
+    thread."""
+    import numba
+
+    return numba.get_num_threads() * 2 * 512 * 64 * 4

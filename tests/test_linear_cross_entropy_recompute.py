@@ -20,7 +20,6 @@ from common import lm_head_problem  # noqa: E402
 import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
 from fastgrad import tiling  # noqa: E402
-from fastgrad.kernels import linear_cross_entropy as K  # noqa: E402
 
 IGN = -100
 
@@ -103,21 +102,29 @@ def test_recompute_16bit_grad_weight_is_the_fp32_one_rounded_once(plan, dtype):
 
 
 def test_the_recompute_step_allocates_no_fp32_weight_gradient(monkeypatch):
-    """fused=False: every large buffer of the step is smaller than an fp32 [V, H]; fused=True
-    holds one (the check can fail)."""
+    """fused=False: every large buffer of the step is smaller than an fp32 [V, H], but for the
+    weight's fp32 copy a small weight is widened into (``w_whole``, at most a quarter of the
+    budget: a copy of the operand, not a gradient); fused=True holds one (the check can fail).
+    The outputs come from ``_outcache.empty``, the kernel's buffers from the plan's list
+    (``Workspace.take``: every one of them, named)."""
     from fastgrad import _outcache
+    from fastgrad.kernels import _lm_head
 
     BT, H, V = 16, 64, 9000  # V > VM_CHUNK: the chunks' buffers are smaller than [V, H]
     x, w, b, cw, t = _data(BT, H, V, seed=2, dtype=ml_dtypes.bfloat16)
     seen = []
-    real = _outcache.empty
+    real_empty, real_take = _outcache.empty, _lm_head.Workspace.take
 
     def spy(shape, dtype):
-        seen.append((int(np.prod(shape)), np.dtype(dtype)))
-        return real(shape, dtype)
+        seen.append(("output", int(np.prod(shape)), np.dtype(dtype)))
+        return real_empty(shape, dtype)
+
+    def take(self, name, size, dtype):
+        seen.append((name, int(size), np.dtype(dtype)))
+        return real_take(self, name, size, dtype)
 
     monkeypatch.setattr(_outcache, "empty", spy)
-    monkeypatch.setattr(K, "scratch", spy)
+    monkeypatch.setattr(_lm_head.Workspace, "take", take)
     full = V * H
     for fused in (False, True):
         seen.clear()
@@ -125,7 +132,8 @@ def test_the_recompute_step_allocates_no_fp32_weight_gradient(monkeypatch):
         ww = torch.from_numpy(w.view(np.int16)).view(torch.bfloat16).requires_grad_()
         ft.linear_cross_entropy(hh, ww, torch.from_numpy(t), fused=fused).backward()
         assert ww.grad.dtype == torch.bfloat16
-        big32 = [n for n, dt in seen if dt == np.float32 and n >= full]
+        assert any(name == "logits_block" for name, _, _ in seen)  # the spy sees the kernel's buffers
+        big32 = [(name, n) for name, n, dt in seen if dt == np.float32 and n >= full and name != "w_whole"]
         assert bool(big32) == fused, (fused, seen)
 
 

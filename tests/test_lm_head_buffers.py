@@ -11,11 +11,9 @@ dtype, BLAS and the native kernel of each ISA this machine runs, H even and odd,
   tiles), and a plan made for other operands is refused by name, not overrun.
 """
 
-import tracemalloc
-
 import numpy as np
 import pytest
-from common import BF16, native_isas, record_calls, set_isa, workspace_budget
+from common import BF16, least_peak, native_isas, native_transients, record_calls, set_isa, warm_calls, workspace_budget
 
 import fastgrad as fg
 from fastgrad import _outcache, tiling
@@ -38,35 +36,9 @@ def _names(calls) -> list:
     return [a[1] for a, _, _ in calls]
 
 
-def _least_peak(call, n: int = 3) -> int:
-    """The least, over ``n`` calls, of the memory ``call()`` allocated at its peak (``tracemalloc``:
-    NumPy reports its data buffers); the least, since another thread's allocations only add."""
-    peaks = []
-    for _ in range(n):
-        tracemalloc.start()
-        try:
-            base = tracemalloc.get_traced_memory()[0]
-            call()
-            peaks.append(tracemalloc.get_traced_memory()[1] - base)
-        finally:
-            tracemalloc.stop()
-    return min(peaks)
-
-
 def _engine_transients(plan) -> int:
-    """The GEMM engine's own buffers of the tasks in flight (not the loop's, not listed): the
-    native kernel's column-edge tile of ≤ 512 rows × 64 fp32 (and an odd K's last column), per
-    pool thread."""
-    import numba
-
-    return 0 if plan.gemm.exact is None else numba.get_num_threads() * 2 * 512 * 64 * 4
-
-
-def _warm_calls() -> int:
-    """Untimed calls before a measured one: enough for every pool thread to have taken a task."""
-    import numba
-
-    return 2 + 2 * numba.get_num_threads()
+    """The GEMM engine's own buffers (``common.native_transients``) where the plan runs the native kernel."""
+    return 0 if plan.gemm.exact is None else native_transients()
 
 
 def _engine(engine):
@@ -102,7 +74,7 @@ def test_flce_grad_takes_and_holds_exactly_its_buffers(op, dt, engine, budget, H
             # warm: JIT, the pool, each pool thread's kept scratch (_bf16dot._local: made the
             # first time a thread takes a task; with 16 threads two calls left some unmade, and
             # the timed calls made them: seen on a 16-core Xeon and under NUMBA_NUM_THREADS=16)
-            for _ in range(_warm_calls()):
+            for _ in range(warm_calls()):
                 fg.fused_linear_cross_entropy_loss_grad(*args, out=(gi, gw), **kw)
             res = []
 
@@ -110,7 +82,7 @@ def test_flce_grad_takes_and_holds_exactly_its_buffers(op, dt, engine, budget, H
                 taken.clear()
                 res[:] = [fg.fused_linear_cross_entropy_loss_grad(*args, out=(gi, gw), return_plan=True, **kw)[-1]]
 
-            peak = _least_peak(call)
+            peak = least_peak(call)
             plan = res[0]
     finally:
         set_isa(None)
@@ -137,7 +109,7 @@ def test_online_max_sum_takes_and_holds_exactly_its_buffers(dt, engine, H, monke
     inits = record_calls(monkeypatch, _lm_head.Workspace, "__init__")
     try:
         with workspace_budget(400_000), _engine(engine), _outcache.output_cache(0):
-            for _ in range(_warm_calls()):  # warm (as above)
+            for _ in range(warm_calls()):  # warm (as above)
                 fg.fused_linear_online_max_sum(x, w, t, 0, V)
 
             def call():
@@ -145,7 +117,7 @@ def test_online_max_sum_takes_and_holds_exactly_its_buffers(dt, engine, H, monke
                 inits.clear()
                 fg.fused_linear_online_max_sum(x, w, t, 0, V)
 
-            peak = _least_peak(call)
+            peak = least_peak(call)
     finally:
         set_isa(None)
     plans = [a[1] for a, _, _ in inits]  # Workspace(self, plan)

@@ -19,7 +19,8 @@ device's epilogue with its roundings, gradient filtering, the two gradient GEMMs
 LM-head feature of these ops is a new epilogue in its op's kernel file; the loop, the operands
 and the GEMM choice do not change.  (The training loss, ``kernels/linear_cross_entropy.py``, keeps
 its own row-block loop for now: its blocks are planned from the global vocabulary for the
-vocabulary-parallel all-reduce.)
+vocabulary-parallel all-reduce; it takes its buffers from its plan's list through
+:class:`Workspace`, as this loop does.)
 
 Nothing here reads a setting: the GEMMs are the plan's.
 """
@@ -32,7 +33,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._outcache import empty as scratch
-from ..tiling import LinearCrossEntropyPlan, fp32_operands
+from ..tiling import LinearCrossEntropyPlan, TrainingPlan, fp32_operands
 from . import _bf16dot
 from ._gemm import matmul_nt, nn_tasks, run_tasks, tn_tasks
 from ._linear import fp32_block
@@ -41,14 +42,15 @@ __all__ = ["Workspace", "Operands", "Epilogue", "run"]
 
 
 class Workspace:
-    """The plan's buffers (``plan.buffers``: ``tiling.lm_head_buffers``), handed out by name —
-    the only memory the loop allocates, so the plan's ``workspace_bytes`` is what a call holds.
+    """The plan's buffers (``plan.buffers``: ``tiling.lm_head_buffers``, or for the training loss's
+    kernel ``tiling.training_buffers``), handed out by name — the only memory the loop allocates,
+    so the plan's ``workspace_bytes`` is what a call holds.
 
     :meth:`take` returns a flat array of the listed size (recycled scratch, ``fastgrad._outcache``);
     a name the plan does not list, or a larger size, is a ``ValueError``
     (a plan made for other operands or another GEMM choice)."""
 
-    def __init__(self, plan: LinearCrossEntropyPlan):
+    def __init__(self, plan: LinearCrossEntropyPlan | TrainingPlan):
         self._listed = {b.name: b for b in plan.buffers}
 
     def take(self, name: str, size: int, dtype) -> np.ndarray:

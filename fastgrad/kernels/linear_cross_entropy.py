@@ -50,8 +50,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
-from .._outcache import empty as scratch
-from ..tiling import BLAS, TrainingPlan
+from ..tiling import BLAS, FAST_E_GROUP, TrainingPlan
 from . import _bf16dot
 from ._gemm import (
     _spans,
@@ -68,6 +67,7 @@ from ._gemm import (
     tn_tasks,
 )
 from ._linear import fp32_block, fp32_block_tasks, kept_blocks
+from ._lm_head import Workspace
 from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
 
 __all__ = ["linear_cross_entropy_cpu"]
@@ -311,8 +311,9 @@ def _round_rows(lo, hi, dst, src, code):
             dst[q, j] = D.from_f32(src[q, j], code)
 
 
-#: rows per group of the rounding pass's partial column sums (fixed: bitwise at any thread count)
-_E_GROUP = 32
+#: rows per group of the rounding pass's partial column sums (fixed: bitwise at any thread count;
+#: the plan sizes its buffer from it)
+_E_GROUP = FAST_E_GROUP
 
 
 @tjit
@@ -507,12 +508,13 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
     return fp32_block(a, r0, r1, buf)
 
 
-def _bf16_logits(input, W, cdt, vc, gemm):
-    """A :class:`_bf16dot.Logits` when both operands are bf16 and the plan's GEMM choice runs
-    the logits on the kernel (``GemmChoice.logits16``, in its ``a_form``), else None."""
+def _bf16_logits(input, W, cdt, vc, gemm, ws):
+    """A :class:`_bf16dot.Logits` (its buffers from the plan's ``ws``) when both operands are
+    bf16 and the plan's GEMM choice runs the logits on the kernel (``GemmChoice.logits16``, in
+    its ``a_form``), else None."""
     if cdt != np.float32 or input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16 or not gemm.logits16:
         return None
-    return _bf16dot.Logits(input, W, vc, form=gemm.a_form)
+    return _bf16dot.Logits(input, W, vc, take=ws.take, form=gemm.a_form)
 
 
 #: Run the row block's chunks in stages (one stage: chunk c's GEMM tiles beside chunk c + 1's
@@ -521,7 +523,7 @@ def _bf16_logits(input, W, cdt, vc, gemm):
 STAGED = True
 
 
-def _vocab_major(input, W, cdt, grads, rows, consts, vc, nr, round_grad=False, gemm=BLAS):
+def _vocab_major(input, W, cdt, grads, rows, consts, vc, nr, ws, round_grad=False, gemm=BLAS):
     """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk.
 
     For each chunk of ``vc`` columns: the weight's rows widened once; for each row block of at
@@ -539,7 +541,8 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, nr, round_grad=False, g
 
     ``grads``: (grad_input, grad_weight, its 16-bit bits or itself, its dtype code or None,
     grad_bias); ``rows``: the per-row arrays of ``_grad_pass`` (target column, target weight,
-    lse, upstream coefficients, μ); ``consts``: (class weights, bias, par, flags).
+    lse, upstream coefficients, μ); ``consts``: (class weights, bias, par, flags); ``ws``: the
+    plan's buffers (``tiling.training_buffers``).
     """
     gi, gw, gw_acc, gw_code, gb = grads
     tcol, wt_c, lse, coef_ce, coef_z, coef_h, zmean = rows
@@ -549,34 +552,43 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, nr, round_grad=False, g
     nblocks = -(-BT // nr)
     nr = -(-BT // nblocks)  # equal blocks
     blocks = [((k * BT) // nblocks, ((k + 1) * BT) // nblocks) for k in range(nblocks)]
-    bfl = _bf16_logits(input, W, cdt, vc, gemm)
+    bfl = _bf16_logits(input, W, cdt, vc, gemm, ws)
     eng = gemm.engine
     # precision="fast": the gradient GEMMs on the kernel too, g rounded and compensated
     b16 = bfl is not None and round_grad
     widen_x = input.dtype != cdt and not b16
-    xall = _block(input, 0, BT, cdt, scratch(BT * H, cdt) if widen_x else None) if nblocks == 1 and not b16 else None
-    xbuf = scratch(nr * H, cdt) if (xall is None and widen_x) else None
-    wbuf = scratch(vc * H, cdt) if W.dtype != cdt and not b16 else None
-    Lt = scratch(nr * vc, cdt)
-    th = scratch(nr * H, cdt) if gi is not None and not b16 else None
+    take = ws.take
+    xall = None
+    if nblocks == 1 and not b16:
+        xall = _block(input, 0, BT, cdt, take("x_whole", BT * H, cdt) if widen_x else None)
+    xbuf = take("x_block", nr * H, cdt) if (xall is None and widen_x) else None
+    wbuf = take("w_chunk", vc * H, cdt) if W.dtype != cdt and not b16 else None
+    Lt = take("logits_block", nr * vc, cdt)
+    th = take("grad_input_product", nr * H, cdt) if gi is not None and not b16 else None
     # a 16-bit grad_weight: the chunk summed in fp32 here, then rounded once
-    tw = scratch(vc * H, cdt) if (gw is not None and gw_code is not None) else None
-    tw2 = scratch(vc * H, cdt) if (gw is not None and nblocks > 1 and not b16) else None
+    tw = take("grad_weight_chunk", vc * H, cdt) if (gw is not None and gw_code is not None) else None
+    tw2 = take("grad_weight_product", vc * H, cdt) if (gw is not None and nblocks > 1 and not b16) else None
     offs = np.zeros(1, np.int64)
     if b16:
         nchunks = -(-K // vc)
         ngrp = -(-nr // _E_GROUP)
-        e_col = scratch(ngrp * vc, cdt)  # the rounding error's partial column sums
-        e_row = np.zeros((BT, nchunks), cdt)  # its row sums, per chunk
-        w_bar = np.zeros((nchunks, H), cdt)  # the chunk's mean row of W
-        x_bar = np.zeros((nblocks, H), cdt)  # the block's mean row of X
+
+        def zeros(name, shape):
+            a = take(name, shape[0] * shape[1], cdt)[: shape[0] * shape[1]].reshape(shape)
+            a[...] = 0
+            return a
+
+        e_col = take("fast_e_col", ngrp * vc, cdt)  # the rounding error's partial column sums
+        e_row = zeros("fast_e_row", (BT, nchunks))  # its row sums, per chunk
+        w_bar = zeros("fast_w_mean", (nchunks, H))  # the chunk's mean row of W
+        x_bar = zeros("fast_x_mean", (nblocks, H))  # the block's mean row of X
         xu = input.view(np.uint16)
         for k, (b0, b1) in enumerate(blocks):
             run_rows(_col_mean16, H, xu[b0:b1], D.BF16, x_bar[k])
         # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
-        xi_buf = scratch(_bf16dot.b_size(nr, H), np.uint32) if gw is not None else None
+        xi_buf = take("x_pairs_block", _bf16dot.b_size(nr, H), np.uint32) if gw is not None else None
         xint = _bf16dot.interleave(input, xi_buf) if (gw is not None and nblocks == 1) else None
-        wi_buf = scratch(_bf16dot.b_size(vc, H), np.uint32) if gi is not None else None
+        wi_buf = take("w_pairs_chunk", _bf16dot.b_size(vc, H), np.uint32) if gi is not None else None
     for c, v0 in enumerate(range(0, K, vc)):
         v1 = min(K, v0 + vc)
         w = v1 - v0
@@ -648,7 +660,7 @@ def _vocab_major(input, W, cdt, grads, rows, consts, vc, nr, round_grad=False, g
         if tw is not None:
             run_rows(_round_rows, w, gw_acc[v0:v1], tw[: w * H].reshape(w, H), gw_code)
     if b16 and gi is not None:
-        matmul_nn(e_row, w_bar, gi, tmp=scratch(BT * H, cdt).reshape(BT, H), engine=eng)
+        matmul_nn(e_row, w_bar, gi, tmp=take("fast_product", BT * H, cdt)[: BT * H].reshape(BT, H), engine=eng)
 
 
 @blas_for(lambda kw: kw["params"].get("gemm", BLAS).engine)
@@ -694,7 +706,6 @@ def linear_cross_entropy_cpu(
     # grad_weight in a 16-bit dtype (``accum_dtype``): its bits, accumulated with rounding
     gw_code = D.code_of(gw.dtype) if (gw is not None and gw.dtype != cdt) else None
     gw_acc = gw.view(np.uint16) if gw_code is not None else gw
-    all_rows = np.arange(K, dtype=np.int64) if gw_code is not None else None
     want_grad = gi is not None or gw is not None or gb is not None
     recompute = lse is not None
     softcap = params.get("softcap")
@@ -768,6 +779,9 @@ def linear_cross_entropy_cpu(
     widen = W.dtype != cdt
     if vmajor != plan.vocab_major:
         raise ValueError(f"plan.vocab_major is {plan.vocab_major}, the call's arguments say {vmajor}")
+    # every buffer from the plan's list (tiling.training_buffers): the memory estimate is what runs
+    ws = Workspace(plan)
+    take = ws.take
     if vmajor:
         _vocab_major(
             input,
@@ -778,29 +792,35 @@ def linear_cross_entropy_cpu(
             (cw_c, bias_c, par, flags),
             plan.recompute_chunk,
             plan.recompute_rows,
+            ws,
             bool(params.get("round_grad")),
             gemm,
         )
         return
     # the logits of bf16 operands on the exact-product bf16 kernel where it may run; the weight
     # then needs no widening for the forward alone
-    bfl = _bf16_logits(input, W, cdt, vc, gemm)
-    # keep the whole weight in the compute dtype when it is small, else widen per chunk
-    wfull = _block(W, 0, K, cdt, None) if (widen and plan.whole_weight) else None
-    # scratch on recycled memory (fastgrad._outcache): a training loop's next step takes no
+    bfl = _bf16_logits(input, W, cdt, vc, gemm, ws)
+    # keep the whole weight in the compute dtype when it is small, else widen per chunk; the
+    # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
     # fresh pages
-    wbuf = scratch(vc * H, cdt) if (widen and wfull is None) else None
+    wfull = _block(W, 0, K, cdt, take("w_whole", K * H, cdt)) if (widen and plan.whole_weight) else None
+    # (with the logits on the bf16 kernel the chunk is read by grad_input's GEMM alone)
+    wbuf = take("w_chunk", vc * H, cdt) if (widen and wfull is None and (bfl is None or gi is not None)) else None
     # pipelined stages (``_pipelined_*``): one stage's GEMM tiles run beside the next chunk's
     # element-wise pass and widening, one barrier per stage; the widened chunks double-buffered
     pipe = STAGED and bfl is None and not fwd_only and not recompute
     pipe_grad = pipe and gw_code is None and params.get("filter_eps") is None and K > 0
-    wbufs = (wbuf, scratch(vc * H, cdt)) if (pipe and wbuf is not None) else None
+    wbufs = (wbuf, take("w_chunk_next", vc * H, cdt)) if (pipe and wbuf is not None) else None
     # the equal row blocks' largest (at most nb_max rows): the row-block buffers' size
     nb_rows = -(-BT // plan.n_blocks)
-    xbuf = scratch(nb_rows * H, cdt) if input.dtype != cdt else None
-    Lbuf = scratch(nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
-    tmp_h = scratch(nb_rows * H, cdt) if gi is not None else None
-    tmp_w = scratch(vc * H, cdt) if gw is not None else None
+    xbuf = take("x_block", nb_rows * H, cdt) if input.dtype != cdt else None
+    Lbuf = take("logits_block", nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
+    tmp_h = take("grad_input_product", nb_rows * H, cdt) if gi is not None else None
+    tmp_w = take("grad_weight_product", vc * H, cdt) if gw is not None else None
+    all_rows = None
+    if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
+        all_rows = take("vocab_rows", K, np.int64)[:K]
+        all_rows[:] = np.arange(K, dtype=np.int64)
 
     def wchunk(v0, v1):
         if not widen:
@@ -826,7 +846,7 @@ def linear_cross_entropy_cpu(
         fb = int(params["filter_cols"])
         rb = max(1, min(int(params["filter_rows"]), nb_max))
         nblk = -(-K // fb)
-        fflags = np.empty((nb_max, nblk), np.bool_)
+        fflags = take("filter_flags", nb_max * nblk, np.bool_)[: nb_max * nblk].reshape(nb_max, nblk)
         # the row scale: |upstream grad · 1/Σw| (coef_ce); a row whose gradient is identically 0
         # (ignored, or a zero upstream grad) is negligible everywhere
         thr_all = np.where((coef_ce == 0) & (coef_z == 0), np.inf, float(feps) * np.abs(coef_ce)).astype(cdt)
@@ -837,10 +857,10 @@ def linear_cross_entropy_cpu(
         else:
             fwsrc, fwcode = W.view(np.uint16), D.code_of(W.dtype)
         fbufs = (
-            scratch(min(rb, nb_max) * vc, cdt),
-            scratch(vc * H, cdt) if gi is not None else None,
-            scratch(min(rb, nb_max) * H, cdt) if gi is not None else None,
-            scratch(vc * H, cdt) if gw is not None else None,
+            take("kept_g", min(rb, nb_max) * vc, cdt),
+            take("kept_w", vc * H, cdt) if gi is not None else None,
+            take("kept_product", min(rb, nb_max) * H, cdt) if gi is not None else None,
+            take("kept_grad_weight", vc * H, cdt) if gw is not None else None,
         )
     else:
         feps = None

@@ -434,7 +434,8 @@ def linear_cross_entropy(
         "filter_stats": fstats,
     }
     # the plan (tiling.plan_training_loss): row blocks from the global V and the budget, chunks,
-    # the vocabulary-major recompute, whether the weight is widened once
+    # the vocabulary-major recompute, whether the weight is widened once, and every buffer the
+    # kernel takes (tiling.training_buffers)
     logits16 = cdt == np.float32 and x.dtype == D.BFLOAT16 and w.dtype == D.BFLOAT16 and bool(params["gemm"].logits16)
     plan = tiling.plan_training_loss(
         BT,
@@ -449,6 +450,10 @@ def linear_cross_entropy(
         logits16=logits16,
         v_chunk=V_CHUNK,
         budget_bytes=st.workspace_bytes,
+        grads=(need[0], need[1], need[2]),
+        accum16=gw_dt != np.dtype(cdt),
+        fast=precision == "fast",
+        a_form=params["gemm"].a_form,
     )
     _impl()(
         input=x,
