@@ -21,7 +21,7 @@ import fastgrad as fg  # noqa: E402
 from fastgrad import dtypes as D  # noqa: E402
 from fastgrad import tiling  # noqa: E402
 from fastgrad.backends import _BACKENDS, dispatch  # noqa: E402
-from fastgrad.ops import linear_cross_entropy as lce_op  # noqa: E402
+from fastgrad.ops import _opdef  # noqa: E402
 from fastgrad.reference import linear_cross_entropy as golden  # noqa: E402
 
 BT, H, V = 13, 7, 29
@@ -321,7 +321,7 @@ def test_reference_backend_runs_the_golden(monkeypatch):
 def test_acl_backend_falls_back_to_cpu_with_one_warning(monkeypatch):
     """The device has no such op: the acl backend runs the cpu kernel and says so once."""
     monkeypatch.setattr(_BACKENDS["acl"], "probe", lambda: None)  # "available", without a device
-    monkeypatch.setattr(lce_op, "_FALLBACK_WARNED", set())
+    monkeypatch.setattr(_opdef, "_FALLBACK_WARNED", set())
     x, w, b, cw, t = _data(4, np.float32)
     ref = _run("cpu", x, w, t, return_grad=True)
     with warnings.catch_warnings(record=True) as caught:

@@ -71,12 +71,14 @@ class AttrDef:
     """One attribute of an op."""
 
     name: str
-    kind: str  # "float" | "int" | "bool" | "reduction" | "dtype"
+    kind: str  # "float" | "int" | "bool" | "reduction" | "dtype" | "choice"
     lo: float | None = None  # inclusive bounds, always enforced
     hi: float | None = None
     finite: bool = True  # floats: NaN/Inf rejected
     device: tuple | None = None  # values the device accepts (strict mode)
     device_why: str = ""
+    optional: bool = False  # None is accepted (and passed on as None)
+    choices: tuple = ()  # "choice": the accepted values (strings)
 
 
 @dataclass
@@ -138,6 +140,13 @@ class OpDef:
     plan: Callable[[Call], Any] | None = None
     result: Callable[[Call, dict], Any] | None = None
     source: str = ""
+    #: the backend's arguments, when they are not the inputs and attributes by name (the
+    #: training loss: per-row coefficients, its outputs as a dict); the plan is then made for
+    #: every backend (``call.info["plan"]``) and ``kernel_args`` passes it on
+    kernel_args: Callable[[Call], dict] | None = None
+    #: ``(backend, why)``: a backend without an implementation of this op runs ``backend``'s,
+    #: with a ``RuntimeWarning`` once per process and backend (None: 361001, as for the aclnn ops)
+    fallback: tuple[str, str] | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,6 +166,13 @@ def parse_attr(d: AttrDef, value: Any, call: Call) -> Any:
     """Parse one attribute; records a reason and returns None when it is out of range."""
     v = _scalar(value)
     name = d.name
+    if value is None and d.optional:
+        return None
+    if d.kind == "choice":
+        if isinstance(v, str) and v in d.choices:
+            return v
+        call.bad(name, " or ".join(repr(c) for c in d.choices), repr(value))
+        return None
     if d.kind == "dtype":
         if value is None:
             return None
@@ -365,6 +381,27 @@ def _allocate(call: Call, users: list, checked: list) -> list[arrays.Out | None]
     return bufs
 
 
+#: (op, backend) pairs whose fallback was reported (``OpDef.fallback``: once per process each)
+_FALLBACK_WARNED: set[tuple[str, str]] = set()
+
+
+def _implementation(op: OpDef, backend: str) -> Callable:
+    """``op``'s implementation on ``backend``, or on its declared fallback (``OpDef.fallback``,
+    with one ``RuntimeWarning`` per process and backend)."""
+    try:
+        return dispatch(op.name, backend)
+    except AclnnError:
+        if op.fallback is None or op.fallback[0] == backend:
+            raise
+    fb, why = op.fallback
+    if (op.name, backend) not in _FALLBACK_WARNED:
+        import warnings
+
+        _FALLBACK_WARNED.add((op.name, backend))
+        warnings.warn(f"{op.name} has no {backend!r} implementation ({why}): ran the {fb!r} kernel", RuntimeWarning, 4)
+    return dispatch(op.name, fb)
+
+
 def execute(op: OpDef, args: dict, out: Any = None) -> Any:
     """Run ``op`` on ``args`` (its inputs and attributes by name): check, plan, compute, wrap."""
     s = _config.settings()  # every setting, read once for this call
@@ -388,6 +425,7 @@ def execute(op: OpDef, args: dict, out: Any = None) -> Any:
         raise AclnnError(status, f"{op.name}: {msg} (device: {call.soc.name})", param, [m for _, _, m in call.inner])
 
     kind = arrays.kind_of(*[v for v in (args.get(t.name) for t in op.inputs) if not _is_number(v)])
+    call.info["kind"] = kind  # the caller's array kind (a result builder wraps its values in it)
     names = list(op.outputs)
     users = [None] * len(names) if out is None else (list(out) if len(names) > 1 else [out])
     bufs = _allocate(call, users, checked)
@@ -404,6 +442,11 @@ def execute(op: OpDef, args: dict, out: Any = None) -> Any:
             if op.result
             else (results[names[0]] if len(names) == 1 else tuple(results[n] for n in names))
         )
+    elif op.kernel_args is not None:  # the op's own arguments (and its plan, on every backend)
+        impl = _implementation(op, backend)
+        if op.plan is not None:
+            call.info["plan"] = op.plan(call)
+        impl(**op.kernel_args(call))
     else:
         kw = {t.name: call.a[t.name] for t in op.inputs}
         kw.update(call.attrs)
@@ -415,7 +458,7 @@ def execute(op: OpDef, args: dict, out: Any = None) -> Any:
             kw["progress"] = s.progress
             if call.info.get("want_stats"):
                 kw["stats"] = call.info["stats"] = {}
-        dispatch(op.name, backend)(**kw)
+        _implementation(op, backend)(**kw)
     results = {n: (b.result(kind) if b is not None else None) for n, b in zip(names, bufs)}
     if op.result is not None:
         return op.result(call, results)

@@ -1,26 +1,29 @@
 """op: ``linear_cross_entropy`` — the training LM-head loss (not an aclnn op; docs/spec.md "Training loss").
 
-Validates its arguments (``AclnnError`` 161001/161002), makes the row-block plan from the shapes
-and the memory budget (never from BT's parity with the thread count), computes the per-row
-coefficients of the gradient, calls the backend, and forms the per-row and reduced losses from
-the kernel's row statistics.
+One declaration (``DECL``, an :class:`~fastgrad.ops._opdef.OpDef`) on the generic path
+(``_opdef.execute``): the inputs and attributes checked there (every reason in one
+``AclnnError`` 161001/161002), the relations between them and the per-row coefficients of the
+gradient (``_relations``), what strict mode rejects (``_device_limits``), the row-block plan
+from the shapes and the memory budget (``_plan``: ``tiling.plan_training_loss``, never from the
+thread count), the backend's arguments (``_kernel_args``: the cpu kernel and the float64 golden
+take the same), and the per-row and reduced losses formed from the kernel's row statistics
+(``_result``).  A backend without the op (``"acl"``: not an aclnn op) runs the cpu kernel, with one
+warning (``OpDef.fallback``).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _config, _outcache, arrays, tiling
+from .. import _outcache, arrays, tiling
 from .. import dtypes as D
-from .._config import is_strict
 from ..arrays import ArrayLike
-from ..errors import AclnnError, invalid
+from ..errors import AclnnError
 from ._engines import gemm_choice
+from ._opdef import AttrDef, Call, OpDef, TensorDef, execute
 
 OP = "linear_cross_entropy"
 
@@ -28,33 +31,6 @@ OP = "linear_cross_entropy"
 V_CHUNK = 8192
 _FLOATS = (D.BFLOAT16, D.FLOAT16, D.FLOAT32, D.FLOAT64)
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-
-
-def parse_float(value, name: str, op: str) -> float:
-    if isinstance(value, (bool, np.bool_)) or value is None:
-        raise invalid(name, "a real number", repr(value), op)
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        value = value.item()
-    if isinstance(value, (numbers.Real, np.floating, np.integer)):
-        return float(value)
-    raise invalid(name, "a real number", repr(value), op)
-
-
-def parse_int(value, name: str, op: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
-        raise invalid(name, "an integer", repr(value), op)
-    v = int(value)
-    if not -(2**63) <= v < 2**63:
-        raise invalid(name, "an integer within int64", v, op)
-    return v
-
-
-def parse_reduction(reduction, op: str) -> str:
-    if isinstance(reduction, str) and reduction.strip().lower() in ("none", "mean", "sum"):
-        return reduction.strip().lower()
-    if isinstance(reduction, numbers.Integral) and not isinstance(reduction, bool) and 0 <= int(reduction) <= 2:
-        return ("none", "mean", "sum")[int(reduction)]
-    raise invalid("reduction", "'mean' | 'sum' | 'none' (or 1 | 2 | 0)", repr(reduction), op)
 
 
 class LinearCrossEntropyResult(NamedTuple):
@@ -75,55 +51,6 @@ class LinearCrossEntropyResult(NamedTuple):
     z_mean: Any = None  #: with ``return_entropy``: [BT] ``μ = Σ_v p_v·z_v`` (compute dtype; for the recompute)
 
 
-#: the backends whose missing implementation was reported (once per process each)
-_FALLBACK_WARNED: set[str] = set()
-
-
-def _impl() -> Callable:
-    """The selected backend's implementation: ``"cpu"`` the Numba kernel, ``"reference"`` the
-    float64 golden (``fastgrad/reference/linear_cross_entropy.py``).  A backend without one (the
-    ``"acl"`` device backend: this is a training tool, not an aclnn op) runs the cpu kernel and
-    says so with a ``RuntimeWarning``, once per process and backend.  An unknown or unavailable
-    backend raises ``AclnnError`` 361001, as for every op."""
-    import warnings
-
-    from ..backends import dispatch, get_backend
-
-    name = get_backend()
-    try:
-        return dispatch(OP, name)
-    except AclnnError:
-        if name not in _FALLBACK_WARNED:
-            _FALLBACK_WARNED.add(name)
-            warnings.warn(
-                f"{OP} has no {name!r} implementation (not an aclnn op): ran the 'cpu' kernel",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return dispatch(OP, "cpu")
-
-
-def _opt_float(x, name):
-    if x is None:
-        return None
-    return parse_float(x, name, OP)
-
-
-def parse_filter_eps(value, dtype, op: str = OP) -> float | None:
-    """``filter_eps``: None (off), "auto" (the dtype's machine epsilon / 32, as CCE's and the
-    FLCE grad's) or a number in (0, 1].  Strict mode rejects anything but None (161002)."""
-    from .fused_linear_cross_entropy_loss_grad import FILTER_EPS_VALUES, filter_eps_value
-
-    if value is None:
-        return None
-    if is_strict():
-        raise invalid("filter_eps", "None (the device has no gradient filtering; strict mode)", repr(value), op)
-    try:
-        return filter_eps_value(value, dtype)
-    except ValueError:
-        raise invalid("filter_eps", FILTER_EPS_VALUES, repr(value), op) from None
-
-
 def round_grad(grad: np.ndarray, dtype: Any, scale: float | None = None) -> np.ndarray:
     """A 2-D fp32 gradient rounded to the 16-bit ``dtype`` (bf16 or fp16; RNE, bitwise
     ``ml_dtypes``), times ``scale`` in fp32 first when given (two roundings: PyTorch's
@@ -135,6 +62,344 @@ def round_grad(grad: np.ndarray, dtype: Any, scale: float | None = None) -> np.n
     from ..kernels._linear import narrow  # validates: 2-D float32 grad, a bf16/fp16 dtype
 
     return narrow(grad, _outcache.empty(grad.shape, np.dtype(dtype)), scale)
+
+
+def _relations(call: Call) -> None:
+    """The shape relations and value checks between the arguments (reasons collected), then the
+    call's derived values in ``call.info``: the target columns of this shard, the per-row
+    weights and upstream coefficients of the gradient, the kernel's parameters and outputs."""
+    a, at, raw = call.a, call.attrs, call.raw
+    x, w, t, b, cw = (a[n] for n in ("input", "weight", "target", "bias", "ce_weight"))
+    if w.dtype != x.dtype:
+        call.bad("weight", f"the dtype of input ({D.dtype_name(x.dtype)})", D.dtype_name(w.dtype))
+    BT, H = x.shape
+    K = w.shape[0]
+    if w.shape[1] != H:
+        call.bad("weight", f"weight.shape[1] == input.shape[1] == {H}", f"shape {w.shape}")
+    if t.shape[0] != BT:
+        call.bad("target", f"target.shape[0] == input.shape[0] == {BT}", f"shape {t.shape}")
+    if b is not None:
+        if b.dtype != x.dtype:
+            call.bad("bias", f"the dtype of input ({D.dtype_name(x.dtype)})", D.dtype_name(b.dtype))
+        call.expect_shape("bias", (K,))
+    start = at["vocab_start_index"]
+    V = K if at["vocab_size"] is None else at["vocab_size"]
+    if start is not None and V is not None and (start < 0 or start + K > V):
+        call.bad("vocab_start_index", f"a shard [start, start + {K}) inside [0, vocab_size={V})", start)
+    if cw is not None and V is not None:
+        call.expect_shape("ce_weight", (V,))
+    cap, temp = at["softcap"], at["temperature"]
+    if cap is not None and not cap > 0:
+        call.bad("softcap", "a finite float > 0 or None", cap)
+    if temp is not None and not temp > 0:
+        call.bad("temperature", "a finite float > 0", temp)
+    rg = raw.get("return_grad", False)
+    need = (False, False, False)
+    if isinstance(rg, (bool, np.bool_)):
+        need = (bool(rg),) * 3
+    elif isinstance(rg, (tuple, list)) and len(rg) == 3:
+        need = (bool(rg[0]), bool(rg[1]), bool(rg[2]))
+    else:
+        call.bad("return_grad", "a bool or a (input, weight, bias) triple of bools", repr(rg))
+    need = (need[0], need[1], need[2] and b is not None)
+    combine = raw.get("combine")
+    if combine is not None and not callable(combine):
+        call.bad("combine", "a callable or None", type(combine).__name__)
+    feps = None
+    if raw.get("filter_eps") is not None:
+        from .fused_linear_cross_entropy_loss_grad import FILTER_EPS_VALUES, filter_eps_value
+
+        try:
+            feps = filter_eps_value(raw["filter_eps"], x.dtype)
+        except ValueError:
+            call.bad("filter_eps", FILTER_EPS_VALUES, repr(raw["filter_eps"]))
+    if raw.get("grad_entropy") is not None and feps is not None:
+        call.bad("filter_eps", "None with grad_entropy (the filter is on the cross-entropy term)", feps)
+    cdt = np.float64 if x.dtype == D.FLOAT64 else np.float32
+    gw_dt = np.dtype(cdt) if at["accum_dtype"] is None else at["accum_dtype"]
+    if gw_dt not in (np.dtype(cdt), np.dtype(x.dtype)):
+        allowed = " / ".join(sorted({D.dtype_name(cdt), D.dtype_name(x.dtype)}))
+        call.bad("accum_dtype", f"None or {allowed}", D.dtype_name(gw_dt))
+    if call.reasons or V is None or start is None:  # (None: a reason is recorded)
+        return
+    ign, red, eps, zsc = at["ignore_index"], at["reduction"], at["label_smoothing"], at["lse_square_scale"]
+    tl = np.asarray(t).astype(np.int64, copy=False)
+    valid = tl != ign
+    bad = valid & ((tl < 0) | (tl >= V))
+    if bad.any():
+        first = int(tl[np.flatnonzero(bad)[0]])
+        call.bad("target", f"class ids in [0, {V}) or ignore_index ({ign})", f"Target {first} is out of bounds")
+        return
+    owned = valid & (tl >= start) & (tl < start + K)
+    tcol = np.where(owned, tl - start, -1).astype(np.int64)
+    n_valid = int(valid.sum())
+    if cw is None:
+        wt = valid.astype(np.float64)
+        wsum_all = float(V)
+        cw_local = None
+    else:
+        cw64 = np.asarray(cw, dtype=np.float64)
+        wt = np.where(valid, cw64[np.where(valid, tl, 0)], 0.0)
+        wsum_all = float(cw64.sum())
+        cw_local = np.ascontiguousarray(cw64[start : start + K])
+    weight_sum = float(wt.sum())
+
+    recompute = raw.get("lse") is not None
+    coef_ce = coef_z = coef_h = None
+    want = () if red != "none" else (BT,)
+
+    def upstream(name):
+        """An upstream gradient (scalar; [BT] for 'none') as float64, or None (not given / bad)."""
+        try:
+            g = np.asarray(arrays.as_numpy(raw[name], name, op=OP), dtype=np.float64)
+        except AclnnError as e:
+            call.reasons.append((name, e.message.split(": ", 1)[-1]))
+            return None
+        except (TypeError, ValueError):
+            call.bad(name, "a number or an array of numbers", type(raw[name]).__name__)
+            return None
+        if g.shape != want:
+            call.bad(name, f"shape {want}", f"shape {g.shape}")
+            return None
+        return g
+
+    if any(need):
+        if raw.get("grad_output") is None:
+            go = np.float64(1.0) if red != "none" else np.ones(BT)
+        else:
+            go = upstream("grad_output")
+        gh = None if raw.get("grad_entropy") is None else upstream("grad_entropy")
+
+        def per_row(g, denom):
+            """The upstream gradient on each valid row: divided by ``denom`` for mean."""
+            if red == "mean":
+                g = g / denom if denom else g * np.inf
+            return np.where(valid, g, 0.0)
+
+        if go is not None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                coef_ce = per_row(go, weight_sum)
+                coef_z = per_row(go, n_valid) if zsc else np.zeros(BT)  # z-loss: mean over the rows
+                coef_h = None if gh is None else per_row(gh, n_valid)  # entropy: likewise
+    lse_a = zm_a = None
+    if recompute:
+        lse_a = _row_vector(call, "lse", BT)
+        if coef_h is not None:
+            if raw.get("z_mean") is None:
+                call.bad("z_mean", "the saved z_mean with grad_entropy and lse", None)
+            else:
+                zm_a = _row_vector(call, "z_mean", BT)
+    if call.reasons:
+        return
+    params = {
+        "softcap": cap,
+        "temperature": temp,
+        "eps": eps,
+        "eps_over_V": eps / V if V else 0.0,
+        "eps_wsum_over_V": eps * wsum_all / V if V else 0.0,
+        "z_scale2": 2.0 * zsc,
+        "need_zsum": eps != 0.0 and not recompute,
+        "vocab_start_index": start,
+        "filter_eps": feps,
+        "round_grad": at["precision"] == "fast",
+        "filter_rows": tiling.FILTER_ROWS,
+        "filter_cols": tiling.FILTER_COLS,
+        # the GEMMs, chosen once from the settings (the kernel reads none): ops/_engines.py
+        "gemm": gemm_choice(x.dtype, call.settings),
+    }
+    want_grad = any(need)
+    fstats: dict | None = {} if (feps is not None and want_grad) else None
+    ent = at["return_entropy"] and not recompute
+    out: dict = {
+        "lse": None if recompute else np.empty(BT, cdt),
+        "z_target": None if recompute else np.empty(BT, cdt),
+        "z_sum": None if recompute else np.empty(BT, cdt),
+        "argmax": None if recompute else np.empty(BT, np.int64),
+        "z_mean": np.empty(BT, cdt) if ent else None,
+        "entropy": np.empty(BT, np.float64) if ent else None,
+        # the gradients on recycled memory (a training loop calls this with the same shapes
+        # every step: no fresh pages, whose clearing costs a pass each)
+        "grad_input": _outcache.empty((BT, H), cdt) if need[0] else None,
+        "grad_weight": _outcache.empty((K, H), gw_dt) if need[1] else None,
+        "grad_bias": np.empty(K, cdt) if need[2] else None,
+        "filter_stats": fstats,
+    }
+    call.info.update(
+        BT=BT, H=H, K=K, V=V, cdt=cdt, gw_dt=gw_dt, need=need, feps=feps, recompute=recompute, tl=tl,
+        valid=valid, tcol=tcol, n_valid=n_valid, wt=wt, wsum_all=wsum_all, cw_local=cw_local,
+        weight_sum=weight_sum, coef_ce=coef_ce, coef_z=coef_z, coef_h=coef_h, lse=lse_a, z_mean=zm_a,
+        params=params, out=out, combine=combine,
+    )  # fmt: skip
+
+
+def _row_vector(call: Call, name: str, BT: int) -> np.ndarray | None:
+    """A saved ``[BT]`` row vector (``lse``, ``z_mean``), or None with the reason recorded."""
+    try:
+        v = np.asarray(arrays.as_numpy(call.raw[name], name, op=OP))
+    except AclnnError as e:
+        call.reasons.append((name, e.message.split(": ", 1)[-1]))
+        return None
+    if v.shape != (BT,):
+        call.bad(name, f"shape ({BT},)", f"shape {v.shape}")
+        return None
+    return v
+
+
+def _device_limits(call: Call) -> None:
+    """Strict mode: the device has no gradient filtering, and rounds no gradient as
+    ``precision="fast"`` does."""
+    if call.raw.get("filter_eps") is not None:
+        call.bad("filter_eps", "None (the device has no gradient filtering; strict mode)", repr(call.raw["filter_eps"]))
+    if call.attrs["precision"] == "fast":
+        call.bad("precision", "'accurate' (the device rounds no gradient this way; strict mode)", "'fast'")
+
+
+def _plan(call: Call) -> tiling.TrainingPlan:
+    """The plan (``tiling.plan_training_loss``): row blocks from the global V and the budget,
+    chunks, the vocabulary-major recompute, whether the weight is widened once, and every buffer
+    the kernel takes (``tiling.training_buffers``)."""
+    i, x, w = call.info, call.a["input"], call.a["weight"]
+    cdt, need, gemm = i["cdt"], i["need"], i["params"]["gemm"]
+    budget = None if call.settings is None else call.settings.workspace_bytes  # (execute sets them)
+    logits16 = cdt == np.float32 and x.dtype == D.BFLOAT16 and w.dtype == D.BFLOAT16 and bool(gemm.logits16)
+    return tiling.plan_training_loss(
+        i["BT"],
+        i["K"],
+        max(i["V"], 1),
+        i["H"],
+        itemsize=np.dtype(cdt).itemsize,
+        widen=w.dtype != cdt,
+        want_grad=any(need),
+        recompute=i["recompute"],
+        filtered=i["feps"] is not None,
+        logits16=logits16,
+        v_chunk=V_CHUNK,
+        budget_bytes=budget,
+        grads=need,
+        accum16=i["gw_dt"] != np.dtype(cdt),
+        fast=call.attrs["precision"] == "fast",
+        a_form=gemm.a_form,
+    )
+
+
+def _kernel_args(call: Call) -> dict:
+    """The backend's arguments (``kernels/linear_cross_entropy.linear_cross_entropy_cpu`` and
+    ``reference/linear_cross_entropy.linear_cross_entropy`` take the same)."""
+    i = call.info
+    return dict(
+        input=call.a["input"],
+        weight=call.a["weight"],
+        target_cols=i["tcol"],
+        bias=call.a["bias"],
+        class_weight=i["cw_local"],
+        target_weight=i["wt"],
+        coef_ce=i["coef_ce"],
+        coef_z=i["coef_z"],
+        coef_h=i["coef_h"],
+        z_mean=i["z_mean"] if i["coef_h"] is not None else None,
+        params=i["params"],
+        plan=i["plan"],
+        lse=i["lse"],
+        combine=i["combine"],
+        out=i["out"],
+    )
+
+
+def _result(call: Call, _results: dict) -> LinearCrossEntropyResult:
+    """The per-row and reduced losses from the kernel's row statistics (the op's docstring)."""
+    i = call.info
+    out, kind, BT, V, cdt = i["out"], i["kind"], i["BT"], i["V"], i["cdt"]
+    red, eps, zsc = call.attrs["reduction"], call.attrs["label_smoothing"], call.attrs["lse_square_scale"]
+    valid, wt, n_valid, weight_sum = i["valid"], i["wt"], i["n_valid"], i["weight_sum"]
+    wrap = lambda a: arrays.wrap(a, kind)  # noqa: E731
+    grads = (wrap(out["grad_input"]), wrap(out["grad_weight"]), wrap(out["grad_bias"]))
+    fstats = out["filter_stats"]
+    if fstats is not None:
+        fstats = {
+            "filter_eps": i["feps"],
+            "blocks_total": int(fstats.get("blocks_total", 0)),
+            "blocks_skipped": int(fstats.get("blocks_skipped", 0)),
+        }
+    if i["recompute"]:
+        return LinearCrossEntropyResult(None, None, None, None, None, *grads, n_valid, weight_sum, fstats)
+
+    lse_r = out["lse"].astype(np.float64)
+    zt = out["z_target"].astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ce = wt * (1.0 - eps) * (lse_r - zt)
+        if eps:
+            ce = ce + np.where(valid, (eps / V) * (i["wsum_all"] * lse_r - out["z_sum"].astype(np.float64)), 0.0)
+        ce = np.where(valid, ce, 0.0)
+        zl = np.where(valid, zsc * lse_r * lse_r, 0.0) if zsc else np.zeros(BT)
+    am = out["argmax"]
+    hit = (valid & (am == i["tl"])).astype(np.float64)
+    return_entropy = call.attrs["return_entropy"]
+    ent_r = np.where(valid, out["entropy"], 0.0) if return_entropy else np.zeros(BT)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if red == "mean":
+            ce_red = ce.sum() / weight_sum if weight_sum else np.float64(np.nan)
+            z_red = zl.sum() / n_valid if n_valid else (np.float64(np.nan) if zsc else np.float64(0.0))
+            loss = np.asarray(ce_red + z_red, cdt)
+            zred = np.asarray(z_red, cdt)
+            acc = np.asarray(hit.sum() / n_valid if n_valid else np.nan, cdt)
+            ent = np.asarray(ent_r.sum() / n_valid if n_valid else np.nan, cdt)
+        elif red == "sum":
+            loss = np.asarray(ce.sum() + zl.sum(), cdt)
+            zred = np.asarray(zl.sum(), cdt)
+            acc = np.asarray(hit.sum() / n_valid if n_valid else np.nan, cdt)
+            ent = np.asarray(ent_r.sum(), cdt)
+        else:
+            loss = (ce + zl).astype(cdt)
+            zred = zl.astype(cdt)
+            acc = hit.astype(cdt)
+            ent = ent_r.astype(cdt)
+    return LinearCrossEntropyResult(
+        wrap(loss),
+        wrap(zred),
+        wrap(out["lse"]),
+        wrap(am),
+        wrap(acc),
+        *grads,
+        n_valid,
+        weight_sum,
+        fstats,
+        wrap(ent) if return_entropy else None,
+        None if out["z_mean"] is None else wrap(out["z_mean"]),
+    )
+
+
+DECL = OpDef(
+    name=OP,
+    aclnn="(none: the training loss, not an aclnn op)",
+    inputs=(
+        TensorDef("input", _FLOATS, ndim=(2, 2)),
+        TensorDef("weight", _FLOATS, ndim=(2, 2)),
+        TensorDef("target", INDEX_DTYPES, ndim=(1, 1)),
+        TensorDef("bias", _FLOATS, ndim=(1, 1), optional=True),
+        TensorDef("ce_weight", _FLOATS, ndim=(1, 1), optional=True),
+    ),
+    attrs=(
+        AttrDef("ignore_index", "int"),
+        AttrDef("reduction", "reduction"),
+        AttrDef("label_smoothing", "float", lo=0.0, hi=1.0),
+        AttrDef("softcap", "float", optional=True),
+        AttrDef("temperature", "float"),
+        AttrDef("lse_square_scale", "float", lo=0.0),
+        AttrDef("vocab_start_index", "int"),
+        AttrDef("vocab_size", "int", optional=True),
+        AttrDef("return_entropy", "bool"),
+        AttrDef("accum_dtype", "dtype"),
+        AttrDef("precision", "choice", choices=("accurate", "fast")),
+    ),
+    outputs=(),
+    relations=_relations,
+    device_limits=_device_limits,
+    plan=_plan,
+    result=_result,
+    source="docs/spec.md (Training loss); kernels/linear_cross_entropy.py; reference/linear_cross_entropy.py",
+    kernel_args=_kernel_args,
+    fallback=("cpu", "not an aclnn op"),
+)
 
 
 def linear_cross_entropy(
@@ -265,264 +530,36 @@ def linear_cross_entropy(
     ------
     AclnnError 161001 (input, weight or target None) / 161002 (dtypes, shapes, ranges, targets,
     ``filter_eps`` not None/"auto"/(0, 1], or given in strict mode; ``precision`` not
-    "accurate"/"fast", or "fast" in strict mode).
+    "accurate"/"fast", or "fast" in strict mode; NumPy arrays and torch tensors mixed) — every
+    reason found in one error (``reasons``; ``param`` the first), as for the aclnn ops
+    (``DECL``, ``ops/_opdef.execute``); nothing is computed.  361001: the backend is unavailable
+    (``"acl"`` without a device; with one, ``"acl"`` runs the cpu kernel and warns once).
     """
-    st = _config.settings()  # every setting, read once for this call
-    kind = arrays.kind_of(input, weight, target)
-    x = arrays.as_numpy(input, "input", op=OP)
-    w = arrays.as_numpy(weight, "weight", op=OP)
-    t = arrays.as_numpy(target, "target", op=OP)
-    b = arrays.as_numpy(bias, "bias", required=False, op=OP)
-    cw = arrays.as_numpy(ce_weight, "ce_weight", required=False, op=OP)
-    arrays.check_dtype(x, "input", _FLOATS, OP)
-    if w.dtype != x.dtype:
-        raise invalid("weight", f"the dtype of input ({D.dtype_name(x.dtype)})", D.dtype_name(w.dtype), OP)
-    arrays.check_dtype(t, "target", INDEX_DTYPES, OP)
-    arrays.check_ndim(x, "input", 2, OP)
-    arrays.check_ndim(w, "weight", 2, OP)
-    arrays.check_ndim(t, "target", 1, OP)
-    BT, H = x.shape
-    K = w.shape[0]
-    if w.shape[1] != H:
-        raise invalid("weight", f"weight.shape[1] == input.shape[1] == {H}", f"shape {w.shape}", OP)
-    if t.shape[0] != BT:
-        raise invalid("target", f"target.shape[0] == input.shape[0] == {BT}", f"shape {t.shape}", OP)
-    if b is not None:
-        if b.dtype != x.dtype:
-            raise invalid("bias", f"the dtype of input ({D.dtype_name(x.dtype)})", D.dtype_name(b.dtype), OP)
-        arrays.check_shape(b, "bias", (K,), OP)
-    start = parse_int(vocab_start_index, "vocab_start_index", OP)
-    V = K if vocab_size is None else parse_int(vocab_size, "vocab_size", OP)
-    if start < 0 or start + K > V:
-        raise invalid("vocab_start_index", f"a shard [start, start + {K}) inside [0, vocab_size={V})", start, OP)
-    if cw is not None:
-        arrays.check_dtype(cw, "ce_weight", _FLOATS, OP)
-        arrays.check_shape(cw, "ce_weight", (V,), OP)
-    ign = parse_int(ignore_index, "ignore_index", OP)
-    red = parse_reduction(reduction, OP)
-    eps = parse_float(label_smoothing, "label_smoothing", OP)
-    if not 0.0 <= eps <= 1.0:
-        raise invalid("label_smoothing", "a float in [0, 1]", eps, OP)
-    cap = _opt_float(softcap, "softcap")
-    if cap is not None and not (cap > 0 and math.isfinite(cap)):
-        raise invalid("softcap", "a finite float > 0 or None", cap, OP)
-    temp = parse_float(temperature, "temperature", OP)
-    if not (temp > 0 and math.isfinite(temp)):
-        raise invalid("temperature", "a finite float > 0", temp, OP)
-    zsc = parse_float(lse_square_scale, "lse_square_scale", OP)
-    if not (zsc >= 0 and math.isfinite(zsc)):
-        raise invalid("lse_square_scale", "a finite float >= 0", zsc, OP)
-    if isinstance(return_grad, (bool, np.bool_)):
-        need: tuple[bool, ...] = (bool(return_grad),) * 3
-    elif isinstance(return_grad, (tuple, list)) and len(return_grad) == 3:
-        need = tuple(bool(v) for v in return_grad)
-    else:
-        raise invalid("return_grad", "a bool or a (input, weight, bias) triple of bools", repr(return_grad), OP)
-    need = (need[0], need[1], need[2] and b is not None)
-    if combine is not None and not callable(combine):
-        raise invalid("combine", "a callable or None", type(combine).__name__, OP)
-    feps = parse_filter_eps(filter_eps, x.dtype)
-    if precision not in ("accurate", "fast"):
-        raise invalid("precision", "'accurate' or 'fast'", repr(precision), OP)
-    if precision == "fast" and st.strict:
-        raise invalid("precision", "'accurate' (the device rounds no gradient this way; strict mode)", "'fast'", OP)
-    if not isinstance(return_entropy, (bool, np.bool_)):
-        raise invalid("return_entropy", "a bool", repr(return_entropy), OP)
-    if grad_entropy is not None and feps is not None:
-        raise invalid("filter_eps", "None with grad_entropy (the filter is on the cross-entropy term)", feps, OP)
-
-    cdt = np.float64 if x.dtype == D.FLOAT64 else np.float32
-    gw_dt = np.dtype(cdt)
-    if accum_dtype is not None:
-        try:
-            gw_dt = D.parse_dtype(accum_dtype)
-        except Exception:
-            raise invalid("accum_dtype", "None or a dtype", repr(accum_dtype), OP) from None
-        if gw_dt not in (np.dtype(cdt), np.dtype(x.dtype)):
-            allowed = " / ".join(sorted({D.dtype_name(cdt), D.dtype_name(x.dtype)}))
-            raise invalid("accum_dtype", f"None or {allowed}", D.dtype_name(gw_dt), OP)
-    tl = np.asarray(t).astype(np.int64, copy=False)
-    valid = tl != ign
-    bad = valid & ((tl < 0) | (tl >= V))
-    if bad.any():
-        first = int(tl[np.flatnonzero(bad)[0]])
-        raise invalid(
-            "target", f"class ids in [0, {V}) or ignore_index ({ign})", f"Target {first} is out of bounds", OP
-        )
-    owned = valid & (tl >= start) & (tl < start + K)
-    tcol = np.where(owned, tl - start, -1).astype(np.int64)
-    n_valid = int(valid.sum())
-    cw64 = None if cw is None else np.asarray(cw, dtype=np.float64)
-    if cw64 is None:
-        wt = valid.astype(np.float64)
-        wsum_all = float(V)
-        cw_local = None
-    else:
-        wt = np.where(valid, cw64[np.where(valid, tl, 0)], 0.0)
-        wsum_all = float(cw64.sum())
-        cw_local = np.ascontiguousarray(cw64[start : start + K])
-    weight_sum = float(wt.sum())
-
-    recompute = lse is not None
-    want_grad = any(need)
-    coef_ce = coef_z = coef_h = None
-    want = () if red != "none" else (BT,)
-    if want_grad:
-
-        def upstream(g, name):
-            a = np.asarray(arrays.as_numpy(g, name, op=OP), dtype=np.float64)
-            if a.shape != want:
-                raise invalid(name, f"shape {want}", f"shape {a.shape}", OP)
-            return a
-
-        if grad_output is None:
-            go = np.float64(1.0) if red != "none" else np.ones(BT)
-        else:
-            go = upstream(grad_output, "grad_output")
-        gh = None if grad_entropy is None else upstream(grad_entropy, "grad_entropy")
-
-        def per_row(g, denom):
-            """The upstream gradient on each valid row: divided by ``denom`` for mean."""
-            if red == "mean":
-                g = g / denom if denom else g * np.inf
-            return np.where(valid, g, 0.0)
-
-        with np.errstate(divide="ignore", invalid="ignore"):
-            coef_ce = per_row(go, weight_sum)
-            coef_z = per_row(go, n_valid) if zsc else np.zeros(BT)  # z-loss: mean over the rows
-            coef_h = None if gh is None else per_row(gh, n_valid)  # entropy: likewise
-    if recompute:
-        lse_a = np.asarray(arrays.as_numpy(lse, "lse", op=OP))
-        if lse_a.shape != (BT,):
-            raise invalid("lse", f"shape ({BT},)", f"shape {lse_a.shape}", OP)
-        if coef_h is not None:
-            if z_mean is None:
-                raise invalid("z_mean", "the saved z_mean with grad_entropy and lse", None, OP)
-            zm_a = np.asarray(arrays.as_numpy(z_mean, "z_mean", op=OP))
-            if zm_a.shape != (BT,):
-                raise invalid("z_mean", f"shape ({BT},)", f"shape {zm_a.shape}", OP)
-
-    params = {
-        "softcap": cap,
-        "temperature": temp,
-        "eps": eps,
-        "eps_over_V": eps / V if V else 0.0,
-        "eps_wsum_over_V": eps * wsum_all / V if V else 0.0,
-        "z_scale2": 2.0 * zsc,
-        "need_zsum": eps != 0.0 and not recompute,
-        "vocab_start_index": start,
-        "filter_eps": feps,
-        "round_grad": precision == "fast",
-        "filter_rows": tiling.FILTER_ROWS,
-        "filter_cols": tiling.FILTER_COLS,
-        # the GEMMs, chosen once from the settings (the kernel reads none): ops/_engines.py
-        "gemm": gemm_choice(x.dtype, st),
-    }
-    fstats: dict | None = {} if (feps is not None and want_grad) else None
-    out: dict = {
-        "lse": None if recompute else np.empty(BT, cdt),
-        "z_target": None if recompute else np.empty(BT, cdt),
-        "z_sum": None if recompute else np.empty(BT, cdt),
-        "argmax": None if recompute else np.empty(BT, np.int64),
-        "z_mean": np.empty(BT, cdt) if (return_entropy and not recompute) else None,
-        "entropy": np.empty(BT, np.float64) if (return_entropy and not recompute) else None,
-        # the gradients on recycled memory (a training loop calls this with the same shapes
-        # every step: no fresh pages, whose clearing costs a pass each)
-        "grad_input": _outcache.empty((BT, H), cdt) if need[0] else None,
-        "grad_weight": _outcache.empty((K, H), gw_dt) if need[1] else None,
-        "grad_bias": np.empty(K, cdt) if need[2] else None,
-        "filter_stats": fstats,
-    }
-    # the plan (tiling.plan_training_loss): row blocks from the global V and the budget, chunks,
-    # the vocabulary-major recompute, whether the weight is widened once, and every buffer the
-    # kernel takes (tiling.training_buffers)
-    logits16 = cdt == np.float32 and x.dtype == D.BFLOAT16 and w.dtype == D.BFLOAT16 and bool(params["gemm"].logits16)
-    plan = tiling.plan_training_loss(
-        BT,
-        K,
-        max(V, 1),
-        H,
-        itemsize=np.dtype(cdt).itemsize,
-        widen=w.dtype != cdt,
-        want_grad=any(need),
-        recompute=recompute,
-        filtered=params.get("filter_eps") is not None,
-        logits16=logits16,
-        v_chunk=V_CHUNK,
-        budget_bytes=st.workspace_bytes,
-        grads=(need[0], need[1], need[2]),
-        accum16=gw_dt != np.dtype(cdt),
-        fast=precision == "fast",
-        a_form=params["gemm"].a_form,
-    )
-    _impl()(
-        input=x,
-        weight=w,
-        target_cols=tcol,
-        bias=b,
-        class_weight=cw_local,
-        target_weight=wt,
-        coef_ce=coef_ce,
-        coef_z=coef_z,
-        coef_h=coef_h,
-        z_mean=zm_a if (recompute and coef_h is not None) else None,
-        params=params,
-        plan=plan,
-        lse=None if not recompute else lse_a,
-        combine=combine,
-        out=out,
-    )
-
-    wrap = lambda a: arrays.wrap(a, kind)  # noqa: E731
-    grads = (wrap(out["grad_input"]), wrap(out["grad_weight"]), wrap(out["grad_bias"]))
-    if fstats is not None:
-        fstats = {
-            "filter_eps": feps,
-            "blocks_total": int(fstats.get("blocks_total", 0)),
-            "blocks_skipped": int(fstats.get("blocks_skipped", 0)),
-        }
-    if recompute:
-        return LinearCrossEntropyResult(None, None, None, None, None, *grads, n_valid, weight_sum, fstats)
-
-    lse_r = out["lse"].astype(np.float64)
-    zt = out["z_target"].astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        ce = wt * (1.0 - eps) * (lse_r - zt)
-        if eps:
-            ce = ce + np.where(valid, (eps / V) * (wsum_all * lse_r - out["z_sum"].astype(np.float64)), 0.0)
-        ce = np.where(valid, ce, 0.0)
-        zl = np.where(valid, zsc * lse_r * lse_r, 0.0) if zsc else np.zeros(BT)
-    am = out["argmax"]
-    hit = (valid & (am == tl)).astype(np.float64)
-    ent_r = np.where(valid, out["entropy"], 0.0) if return_entropy else np.zeros(BT)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if red == "mean":
-            ce_red = ce.sum() / weight_sum if weight_sum else np.float64(np.nan)
-            z_red = zl.sum() / n_valid if n_valid else (np.float64(np.nan) if zsc else np.float64(0.0))
-            loss = np.asarray(ce_red + z_red, cdt)
-            zred = np.asarray(z_red, cdt)
-            acc = np.asarray(hit.sum() / n_valid if n_valid else np.nan, cdt)
-            ent = np.asarray(ent_r.sum() / n_valid if n_valid else np.nan, cdt)
-        elif red == "sum":
-            loss = np.asarray(ce.sum() + zl.sum(), cdt)
-            zred = np.asarray(zl.sum(), cdt)
-            acc = np.asarray(hit.sum() / n_valid if n_valid else np.nan, cdt)
-            ent = np.asarray(ent_r.sum(), cdt)
-        else:
-            loss = (ce + zl).astype(cdt)
-            zred = zl.astype(cdt)
-            acc = hit.astype(cdt)
-            ent = ent_r.astype(cdt)
-    return LinearCrossEntropyResult(
-        wrap(loss),
-        wrap(zred),
-        wrap(out["lse"]),
-        wrap(am),
-        wrap(acc),
-        *grads,
-        n_valid,
-        weight_sum,
-        fstats,
-        wrap(ent) if return_entropy else None,
-        None if out["z_mean"] is None else wrap(out["z_mean"]),
+    return execute(
+        DECL,
+        dict(
+            input=input,
+            weight=weight,
+            target=target,
+            bias=bias,
+            ce_weight=ce_weight,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            softcap=softcap,
+            temperature=temperature,
+            lse_square_scale=lse_square_scale,
+            vocab_start_index=vocab_start_index,
+            vocab_size=vocab_size,
+            return_grad=return_grad,
+            grad_output=grad_output,
+            lse=lse,
+            combine=combine,
+            filter_eps=filter_eps,
+            accum_dtype=accum_dtype,
+            return_entropy=return_entropy,
+            grad_entropy=grad_entropy,
+            z_mean=z_mean,
+            precision=precision,
+        ),
     )
