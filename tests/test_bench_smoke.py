@@ -2,6 +2,7 @@
 the documented schema, rendering/comparison/plotting work."""
 
 import json
+import os
 
 import pytest
 
@@ -165,3 +166,20 @@ def test_filter_sweep_cases_skip_what_they_claim():
             assert inp["mean_entropy"] > 5.0
         else:
             assert abs(inp["mean_entropy"] - np.log(20000)) < 1e-3
+
+
+def test_the_avx2_train_step_script_runs_its_rows():
+    """``bench/avx2_train_step.py`` (the issue-28 measurement an AVX2 user repeats) on the quick
+    train-step case: every row it names exists in the case, and each one ran."""
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mod = runpy.run_path(os.path.join(root, "bench", "avx2_train_step.py"), run_name="avx2_train_step")
+    from fastgrad.benchmarks import cases as C
+
+    assert set(mod["ROWS"]) <= {r.name for r in C.find_case(mod["CASE"], False).runners}  # not built
+    quick = "linear_cross_entropy[train-step]/bf16/BT=128,H=64,V=2048"
+    best = mod["main"](quick, quick=True, rounds=1)
+    have = {r.name for r in C.find_case(quick, True).runners}
+    assert set(best) == (set(mod["ROWS"]) & have) | {"bound (3 fp32 sgemms)"} and "fastgrad" in best
+    assert all(v > 0 for v in best.values())
