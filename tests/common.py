@@ -252,3 +252,16 @@ def native_transients() -> int:
     import numba
 
     return numba.get_num_threads() * 2 * 512 * 64 * 4
+
+
+def training_logits(h, w, bias, softcap, temperature):
+    """The training loss's logits from its contract, on torch tensors (an oracle's, float64):
+    ``softcap·tanh((h·wᵀ + bias)/softcap) / temperature`` (no softcap: ``(h·wᵀ + bias)/T``)."""
+    import torch
+
+    z = h @ w.T
+    if bias is not None:
+        z = z + bias
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
-from common import bf16_grad_errors, bf16_lm_inputs, grads_in, native_isa  # noqa: E402, F401
+from common import bf16_grad_errors, bf16_lm_inputs, grads_in, native_isa, training_logits  # noqa: E402, F401
 
 import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
@@ -64,12 +64,7 @@ def _oracle(h, w, t, bias, cw, softcap, temperature, eps, zscale, reduction):
     """float64 autograd of the features' contract: z = softcap(h·wᵀ + b)/T, PyTorch's
     cross_entropy (weight, ignore_index, label_smoothing) plus z-loss ``zscale·lse²`` averaged
     over the non-ignored rows."""
-    z = h @ w.T
-    if bias is not None:
-        z = z + bias
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    z = z / temperature
+    z = training_logits(h, w, bias, softcap, temperature)
     loss = F.cross_entropy(z, t, weight=cw, ignore_index=IGN, label_smoothing=eps, reduction=reduction)
     if zscale:
         valid = t != IGN
