@@ -307,8 +307,10 @@ def progress(callback: Callable[[int, int], object] | None) -> Iterator[None]:
     """Context manager: ops that run over a tile plan call ``callback(done, total)`` per tile.
 
     ``fused_linear_cross_entropy_loss_grad`` and ``fused_linear_online_max_sum`` report tiles
-    of their plan (``fastgrad.tiling.plan_linear_cross_entropy``) on the cpu backend; other
-    ops and backends do not call it.
+    of their plan (``fastgrad.tiling.plan_linear_cross_entropy``) on the cpu backend;
+    ``linear_cross_entropy`` (the training loss) its row blocks (``tiling.TrainingPlan``), or
+    with ``lse`` the tiles of its recompute (``TrainingPlan.recompute_grid``), on the cpu and
+    reference backends (the reference: row blocks); other ops and backends do not call it.
 
     >>> with fg.progress(lambda done, total: print(done, "/", total)):
     ...     fg.fused_linear_cross_entropy_loss_grad(...)

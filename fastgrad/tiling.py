@@ -438,6 +438,30 @@ TRAIN_VM_CHUNK = 2048
 
 
 @dataclass(frozen=True)
+class TileGrid:
+    """Tiles of the LM-head loop (``kernels/_lm_head.run``) over ``[BT, V]``: vocabulary tiles of
+    ``v_tile`` rows (the last one shorter) outer, ``n_bt`` equal row blocks inner — the training
+    loss's recompute (:attr:`TrainingPlan.recompute_grid`)."""
+
+    BT: int
+    V: int
+    v_tile: int
+    n_bt: int
+
+    @property
+    def n_tiles(self) -> int:
+        return (-(-self.V // self.v_tile) if self.v_tile else 0) * self.n_bt
+
+    def v_ranges(self):
+        for v0 in range(0, self.V, self.v_tile):
+            yield v0, min(v0 + self.v_tile, self.V)
+
+    def bt_ranges(self):
+        for k in range(self.n_bt):
+            yield (k * self.BT) // self.n_bt, ((k + 1) * self.BT) // self.n_bt
+
+
+@dataclass(frozen=True)
 class TrainingPlan:
     """The training loss's plan (``kernels/linear_cross_entropy.py``), made by the op layer
     (``ops/linear_cross_entropy.py``) from the shapes, the budget and what the call computes —
@@ -492,6 +516,12 @@ class TrainingPlan:
     def workspace_bytes(self) -> int:
         """Bytes of :attr:`buffers`."""
         return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def recompute_grid(self) -> TileGrid:
+        """The recompute's tiles: ``recompute_chunk`` vocabulary rows × ``ceil(BT /
+        recompute_rows)`` equal row blocks (``kernels/linear_cross_entropy._vocab_major``)."""
+        return TileGrid(self.BT, self.K, self.recompute_chunk, -(-self.BT // self.recompute_rows) if self.BT else 0)
 
     def row_blocks(self):
         """``(b0, b1)`` of the equal row blocks, in order."""

@@ -92,3 +92,29 @@ def test_a_plan_that_contradicts_the_call_is_refused():
             combine=None,
             out=out,
         )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_the_training_loss_reports_progress(backend):
+    """``fg.progress``: the fused step after each row block of its plan, the recompute (cpu: on the
+    LM-head loop) after each tile of ``plan.recompute_grid``; the golden after each row block."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((40, 16)).astype(BF16)
+    w = rng.standard_normal((300, 16)).astype(BF16)
+    t = rng.integers(0, 300, 40)
+    seen: list = []
+    with workspace_budget(40 * 300 * 4 // 4), fg.use_backend(backend), fg.progress(lambda d, n: seen.append((d, n))):
+        r = fg.linear_cross_entropy(x, w, t, return_grad=True)
+        step = list(seen)
+        seen.clear()
+        fg.linear_cross_entropy(x, w, t, return_grad=True, lse=r.lse)
+        rec = list(seen)
+    assert step == [(k, 5) for k in range(1, 6)]  # 5 row blocks of 8 rows (test above)
+    if backend == "cpu":
+        grid = tiling.plan_training_loss(40, 300, 300, 16, itemsize=4, widen=True, want_grad=True, recompute=True,
+                                         filtered=False, logits16=False, v_chunk=8192,
+                                         budget_bytes=40 * 300 * 4 // 4).recompute_grid
+        assert (grid.n_bt, grid.n_tiles) == (8, 8)  # one 300-column chunk, blocks of 5 rows
+        assert rec == [(k, grid.n_tiles) for k in range(1, grid.n_tiles + 1)]
+    else:
+        assert rec == [(k, 5) for k in range(1, 6)]

@@ -17,16 +17,19 @@ An epilogue is an object with ``begin(v0, v1)``, ``tile(b0, b1, v0, v1)`` and ``
 online max/sum and the target's logit) and ``fused_linear_cross_entropy_loss_grad.FlceGrad`` (the
 device's epilogue with its roundings, gradient filtering, the two gradient GEMMs).  A new
 LM-head feature of these ops is a new epilogue in its op's kernel file; the loop, the operands
-and the GEMM choice do not change.  (The training loss, ``kernels/linear_cross_entropy.py``, keeps
-its own row-block loop for now: its blocks are planned from the global vocabulary for the
-vocabulary-parallel all-reduce; it takes its buffers from its plan's list through
-:class:`Workspace`, as this loop does.)
+and the GEMM choice do not change.  The training loss (``kernels/linear_cross_entropy.py``) runs its
+recompute from a saved log-sum-exp on this loop (``_RecomputeGrad``: its operands and epilogue
+over ``TrainingPlan.recompute_grid``); its fused step and forward keep their own row-block loop
+for now (row blocks outer: the statistics of a whole row, the vocabulary-parallel all-reduce per
+block, then the gradient).  It takes its buffers from its plan's list through :class:`Workspace`,
+as this loop does.
 
 Nothing here reads a setting: the GEMMs are the plan's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -232,7 +235,25 @@ class Operands:
         matmul_nt(self.X32[b0:b1], self.W32, out, engine=self.engine)
 
 
-def run(plan: LinearCrossEntropyPlan, operands: Operands, epilogue: Epilogue, progress=None) -> None:
+class TilePlan(Protocol):
+    """What the loop reads of a plan: ``tiling.LinearCETiling`` (the aclnn ops) or
+    ``tiling.TileGrid`` (the training loss's recompute)."""
+
+    @property
+    def n_tiles(self) -> int: ...
+
+    def v_ranges(self) -> Iterable[tuple[int, int]]: ...
+
+    def bt_ranges(self) -> Iterable[tuple[int, int]]: ...
+
+
+class ChunkOperands(Protocol):
+    """What the loop calls of the operands (:class:`Operands`; the training loss's recompute)."""
+
+    def chunk(self, v0: int, v1: int) -> None: ...
+
+
+def run(plan: TilePlan, operands: ChunkOperands, epilogue: Epilogue, progress=None) -> None:
     """The loop (module doc): the plan's tiles in its order, ``progress(done, total)`` after each."""
     done = 0
     for v0, v1 in plan.v_ranges():

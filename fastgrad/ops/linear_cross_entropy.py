@@ -302,6 +302,7 @@ def _kernel_args(call: Call) -> dict:
         lse=i["lse"],
         combine=i["combine"],
         out=i["out"],
+        progress=None if call.settings is None else call.settings.progress,
     )
 
 

@@ -98,6 +98,7 @@ def linear_cross_entropy(
     lse: np.ndarray | None,
     combine: Callable | None,
     out: dict,
+    progress: Callable[[int, int], object] | None = None,
 ) -> None:
     """The ``reference`` backend's ``linear_cross_entropy`` (module docstring): the cpu kernel's
     interface (``kernels/linear_cross_entropy.py``, ``linear_cross_entropy_cpu``) in float64.
@@ -110,6 +111,7 @@ def linear_cross_entropy(
     receiving ``blocks_total = blocks_skipped = 0``: the golden never filters).  ``plan``
     (``tiling.TrainingPlan``): the golden takes its row blocks (``budget_rows``, from the global
     V: the per-block ``combine`` of every rank) and its chunk width, nothing else.
+    ``progress(done, total)``: after each row block.
     """
     BT, H = input.shape
     K = weight.shape[0]
@@ -154,6 +156,8 @@ def linear_cross_entropy(
     nb_max = max(1, min(int(plan.budget_rows), BT)) if BT else 1
     nblocks = -(-BT // nb_max) if BT else 0
     for k in range(nblocks):
+        if progress is not None and k:
+            progress(k, nblocks)
         b0, b1 = (k * BT) // nblocks, ((k + 1) * BT) // nblocks
         nb = b1 - b0
         X = _f64(input[b0:b1])
@@ -235,6 +239,8 @@ def linear_cross_entropy(
         if gb_acc is not None:
             gb_acc += G.sum(axis=0)
 
+    if progress is not None and nblocks:
+        progress(nblocks, nblocks)
     if gi is not None and BT == 0:
         gi[...] = 0
     if gw is not None and gw_acc is not None:
