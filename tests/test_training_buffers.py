@@ -144,3 +144,19 @@ def test_the_buffers_follow_what_the_call_computes():
     fast = names(recompute=True, logits16=True, fast=True, a_form="f32", itemsize=4)
     assert {"x32", "w_packed", "x_pairs_block", "w_pairs_chunk", "fast_e_row"} <= fast
     assert not fast & {"x_block", "x_whole", "w_chunk"}  # the kernel's forms only
+
+
+def test_the_result_carries_the_plan_it_ran():
+    """``r.plan``: the plan the op made for this call (the one ``tiling.plan_training_loss``
+    returned), so a user reads the memory the call held besides its outputs."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 32)).astype(BF16)
+    w = rng.standard_normal((500, 32)).astype(BF16)
+    t = rng.integers(0, 500, 64)
+    with workspace_budget(64 * 500 * 4 // 2):
+        r = fg.linear_cross_entropy(x, w, t, return_grad=True)
+        q = fg.linear_cross_entropy(x, w, t, return_grad=True, lse=r.lse)
+    assert isinstance(r.plan, tiling.TrainingPlan) and not r.plan.vocab_major and r.plan.n_blocks == 2
+    assert q.plan.vocab_major and q.plan.buffers != r.plan.buffers
+    assert r.plan.workspace_bytes == sum(b.nbytes for b in r.plan.buffers) > 0
+    assert {"logits_block", "grad_weight_product"} <= {b.name for b in r.plan.buffers}

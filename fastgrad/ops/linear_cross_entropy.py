@@ -49,6 +49,7 @@ class LinearCrossEntropyResult(NamedTuple):
     filter_stats: Any = None  #: with ``filter_eps`` and a gradient: {filter_eps, blocks_total, blocks_skipped}
     entropy: Any = None  #: with ``return_entropy``: the entropy of softmax(z), reduced like ``z_loss``
     z_mean: Any = None  #: with ``return_entropy``: [BT] ``μ = Σ_v p_v·z_v`` (compute dtype; for the recompute)
+    plan: Any = None  #: the ``tiling.TrainingPlan`` the call ran: row blocks, chunks, its ``buffers``
 
 
 def round_grad(grad: np.ndarray, dtype: Any, scale: float | None = None) -> np.ndarray:
@@ -322,7 +323,9 @@ def _result(call: Call, _results: dict) -> LinearCrossEntropyResult:
             "blocks_skipped": int(fstats.get("blocks_skipped", 0)),
         }
     if i["recompute"]:
-        return LinearCrossEntropyResult(None, None, None, None, None, *grads, n_valid, weight_sum, fstats)
+        return LinearCrossEntropyResult(
+            None, None, None, None, None, *grads, n_valid, weight_sum, fstats, plan=i.get("plan")
+        )
 
     lse_r = out["lse"].astype(np.float64)
     zt = out["z_target"].astype(np.float64)
@@ -366,6 +369,7 @@ def _result(call: Call, _results: dict) -> LinearCrossEntropyResult:
         fstats,
         wrap(ent) if return_entropy else None,
         None if out["z_mean"] is None else wrap(out["z_mean"]),
+        plan=i.get("plan"),
     )
 
 
@@ -526,6 +530,9 @@ def linear_cross_entropy(
         chained through the temperature and the softcap; accumulated in the compute dtype
         (fp32; fp64 for fp64 inputs), not rounded to the input dtype.  ``filter_stats``: with
         ``filter_eps`` and a gradient, ``{"filter_eps", "blocks_total", "blocks_skipped"}``.
+        ``plan``: the ``tiling.TrainingPlan`` the call ran (row blocks, chunks, the recompute's
+        grid) with every buffer its kernel allocated (``plan.buffers``; ``plan.workspace_bytes``
+        bytes besides the outputs, ``tiling.training_buffers``).
 
     Raises
     ------
