@@ -208,13 +208,7 @@ def lm_head_buffers(
                 add("x32", (BT, npad(H)), "float32", "call")
             add("w_packed", (H, b_cols(vt)), "float32", "tile")
         else:
-            if gemm.a_form == "f32":
-                add("x32", (BT, H), "float32", "call")
-            elif H % 2:
-                add("x_pairs_padded", (BT, H + 1), "uint16", "call")
-            add("w_packed", ((H + 1) // 2, b_cols(vt)), "uint32", "tile")
-            if H % 2:
-                add("w_pairs_padded", (vt, H + 1), "uint16", "tile")
+            out.extend(logits16_buffers(BT, H, vt, gemm.a_form))
     if not grad:  # the online max-sum's epilogue
         add("logits_tile", (bt, vt), "float32", "tile")
         return tuple(out)
@@ -668,8 +662,10 @@ def training_buffers(
             out += logits16_buffers(BT, H, vc, a_form)
         b16 = logits16 and fast  # the gradient GEMMs on the bf16 kernel too
         widen_x = widen and not b16
-        if widen_x:
-            add("x_whole", (BT, H), cdt, "call") if nblocks == 1 else add("x_block", (nr, H), cdt, "tile")
+        if widen_x and nblocks == 1:
+            add("x_whole", (BT, H), cdt, "call")
+        elif widen_x:
+            add("x_block", (nr, H), cdt, "tile")
         if widen and not b16:
             add("w_chunk", (vc, H), cdt, "tile")
         add("logits_block", (nr, vc), cdt, "tile")

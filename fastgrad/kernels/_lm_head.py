@@ -41,7 +41,7 @@ from . import _bf16dot
 from ._gemm import matmul_nt, nn_tasks, run_tasks, tn_tasks
 from ._linear import fp32_block
 
-__all__ = ["Workspace", "Operands", "Epilogue", "run"]
+__all__ = ["Workspace", "Operands", "Epilogue", "TilePlan", "ChunkOperands", "run"]
 
 
 class Workspace:

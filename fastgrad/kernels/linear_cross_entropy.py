@@ -569,7 +569,8 @@ class _RecomputeGrad:
     Arguments as :func:`_vocab_major`'s; ``grid``: ``plan.recompute_grid``."""
 
     def __init__(self, input, W, cdt, grads, rows, consts, grid, ws, round_grad, gemm):
-        self.gi, self.gw, self.gw_acc, self.gw_code, self.gb = gi, gw, _, _, _ = grads
+        self.gi, self.gw, self.gw_acc, self.gw_code, self.gb = grads
+        gi, gw = self.gi, self.gw
         self.rows, self.consts = rows, consts
         self.input, self.W, self.cdt, self.gemm = input, W, cdt, gemm
         BT, H = input.shape
