@@ -699,7 +699,7 @@ def training_buffers(
         add("w_chunk", (vc, H), cdt, "tile")
         if not logits16 and not fwd_only and not recompute:  # the staged loop's second chunk
             add("w_chunk_next", (vc, H), cdt, "tile")
-    if widen:
+    if widen and (not logits16 or want_grad):  # the forward alone on the bf16 logits kernel reads no X
         add("x_block", (nb_rows, H), cdt, "tile")
     add("logits_block", (nb_rows, vc if fwd_only else max(K, 1)), cdt, "tile")
     if gi:

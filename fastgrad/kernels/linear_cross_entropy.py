@@ -867,7 +867,10 @@ def linear_cross_entropy_cpu(
     wbufs = (wbuf, take("w_chunk_next", vc * H, cdt)) if (pipe and wbuf is not None) else None
     # the equal row blocks' largest (at most nb_max rows): the row-block buffers' size
     nb_rows = -(-BT // plan.n_blocks)
-    xbuf = take("x_block", nb_rows * H, cdt) if input.dtype != cdt else None
+    # the row block's X in the compute dtype: for the BLAS logits and the gradient GEMMs (the
+    # forward alone on the bf16 logits kernel reads none)
+    need_x = bfl is None or want_grad
+    xbuf = take("x_block", nb_rows * H, cdt) if (input.dtype != cdt and need_x) else None
     Lbuf = take("logits_block", nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
     tmp_h = take("grad_input_product", nb_rows * H, cdt) if gi is not None else None
     tmp_w = take("grad_weight_product", vc * H, cdt) if gw is not None else None
@@ -981,7 +984,7 @@ def linear_cross_entropy_cpu(
     # equal row blocks of at most nb_max rows (balanced; from BT and the budget only)
     for b0, b1 in _reporting(list(plan.row_blocks()), progress):
         nb = b1 - b0
-        X = _block(input, b0, b1, cdt, xbuf)
+        X = _block(input, b0, b1, cdt, xbuf) if need_x else input[b0:b1]  # (else: a view nothing reads)
         offs = np.array([0 if fwd_only else nb * v0 for v0, _ in chunks], np.int64) if chunks else empty_i
         widths = np.array([v1 - v0 for v0, v1 in chunks], np.int64) if chunks else empty_i
         # dense gradient, chunk by chunk while the chunk is hot in cache
