@@ -81,9 +81,11 @@ class GemmChoice:
 
     def exact_for(self, a, b) -> str | None:
         """The exact-product kernel for operands ``a`` and ``b`` (both 16-bit of one dtype), or None."""
-        if a.dtype != b.dtype:
-            return None
-        want = native_kind(a.dtype)
+        return self.exact_for_dtype(a.dtype) if a.dtype == b.dtype else None
+
+    def exact_for_dtype(self, dtype) -> str | None:
+        """The exact-product kernel this choice runs for operands of ``dtype`` (or its name), or None."""
+        want = native_kind(dtype)
         return self.exact if (want is not None and self.exact == want) else None
 
     def describe(self) -> str:
@@ -185,8 +187,7 @@ def lm_head_buffers(
     pool thread, kept between calls)."""
     gemm = BLAS if gemm is None else gemm
     bt, vt = max(int(bt), 0), max(int(vt), 0)
-    want = native_kind(dtype)
-    kind = gemm.exact if (want is not None and gemm.exact == want) else None
+    kind = gemm.exact_for_dtype(dtype)
     b16, f16k = kind == "bf16", kind == "f32"
     wide = dtype != "float32"  # 16-bit operands: fp32 copies for BLAS
     grad = mode != "forward"
@@ -454,6 +455,11 @@ class TileGrid:
         for k in range(self.n_bt):
             yield (k * self.BT) // self.n_bt, ((k + 1) * self.BT) // self.n_bt
 
+    @property
+    def largest_bt(self) -> int:
+        """Rows of the largest row block (the row-block buffers' size)."""
+        return -(-self.BT // self.n_bt) if self.n_bt else 0
+
 
 @dataclass(frozen=True)
 class TrainingPlan:
@@ -486,6 +492,8 @@ class TrainingPlan:
         Every buffer the kernel allocates for this call (:func:`training_buffers`; the kernel
         takes them by name through ``kernels/_lm_head.Workspace``, which refuses any other):
         :attr:`workspace_bytes` is their sum — what the call holds besides its outputs.
+    logits16 : bool
+        The logits run on the native bf16 kernel (``GemmChoice.logits16`` with bf16 operands).
     """
 
     BT: int
@@ -500,6 +508,7 @@ class TrainingPlan:
     recompute_rows: int
     whole_weight: bool
     budget_bytes: int
+    logits16: bool = False
     buffers: tuple[Buffer, ...] = ()
 
     @property
@@ -510,6 +519,11 @@ class TrainingPlan:
     def workspace_bytes(self) -> int:
         """Bytes of :attr:`buffers`."""
         return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def largest_block(self) -> int:
+        """Rows of the largest of :meth:`row_blocks` (the row-block buffers' size)."""
+        return -(-self.BT // self.n_blocks) if self.BT else 0
 
     @property
     def recompute_grid(self) -> TileGrid:
@@ -581,6 +595,7 @@ def plan_training_loss(
         recompute_rows=max(1, min(BT, budget // 2 // max(1, rc * itemsize))),
         whole_weight=widen and K * H * 4 <= budget // 4 and not (logits16 and not want_grad),
         budget_bytes=budget,
+        logits16=bool(logits16),
     )
     g3 = (want_grad,) * 3 if grads is None else tuple(bool(g) for g in grads)
     return replace(
@@ -592,7 +607,6 @@ def plan_training_loss(
             grads=(g3[0], g3[1], g3[2]),
             recompute=recompute,
             filtered=filtered,
-            logits16=logits16,
             accum16=accum16,
             fast=fast,
             a_form=a_form,
@@ -628,7 +642,6 @@ def training_buffers(
     grads: tuple[bool, bool, bool],
     recompute: bool,
     filtered: bool,
-    logits16: bool,
     accum16: bool = False,
     fast: bool = False,
     a_form: str | None = None,
@@ -643,7 +656,7 @@ def training_buffers(
     and products).  Not listed: ``[BT]`` row vectors (statistics, coefficients, target columns),
     the filter's per-block index arrays (``[K]`` int64 per row block, freed before the next),
     a non-contiguous weight's contiguous copy, and the GEMM engines' own per-thread buffers."""
-    BT, K, H = plan.BT, plan.K, plan.H
+    BT, K, H, logits16 = plan.BT, plan.K, plan.H, plan.logits16
     gi, gw, gb = grads
     want_grad = gi or gw or gb
     cdt = "float64" if itemsize == 8 else "float32"
@@ -655,9 +668,8 @@ def training_buffers(
     if BT == 0:
         return ()
     if plan.vocab_major:  # ``_vocab_major``: the recompute of the gradient from a saved lse
-        vc = plan.recompute_chunk
-        nblocks = -(-BT // plan.recompute_rows)
-        nr = -(-BT // nblocks)
+        grid = plan.recompute_grid
+        vc, nblocks, nr = grid.v_tile, grid.n_bt, grid.largest_bt
         if logits16:
             out += logits16_buffers(BT, H, vc, a_form)
         b16 = logits16 and fast  # the gradient GEMMs on the bf16 kernel too
@@ -690,7 +702,7 @@ def training_buffers(
     # the row blocks (``linear_cross_entropy_cpu``)
     vc = plan.v_chunk
     fwd_only = not want_grad
-    nb_rows = -(-BT // plan.n_blocks)
+    nb_rows = plan.largest_block
     if logits16:
         out += logits16_buffers(BT, H, vc, a_form)
     if widen and plan.whole_weight:

@@ -509,12 +509,14 @@ def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
     return fp32_block(a, r0, r1, buf)
 
 
-def _bf16_logits(input, W, cdt, vc, gemm, ws):
-    """A :class:`_bf16dot.Logits` (its buffers from the plan's ``ws``) when both operands are
-    bf16 and the plan's GEMM choice runs the logits on the kernel (``GemmChoice.logits16``, in
-    its ``a_form``), else None."""
-    if cdt != np.float32 or input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16 or not gemm.logits16:
+def _bf16_logits(input, W, vc, plan, gemm, ws):
+    """A :class:`_bf16dot.Logits` (its buffers from the plan's ``ws``) where the plan runs the
+    logits on the bf16 kernel (``plan.logits16``, in the GEMM choice's ``a_form``), else None;
+    a ``ValueError`` for such a plan on other operands."""
+    if not plan.logits16:
         return None
+    if input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16:
+        raise ValueError(f"plan.logits16 with {input.dtype} / {W.dtype} operands (bf16 expected)")
     return _bf16dot.Logits(input, W, vc, take=ws.take, form=gemm.a_form)
 
 
@@ -548,7 +550,7 @@ def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False,
     plan's buffers (``tiling.training_buffers``); ``progress(done, total)`` after each tile.
     """
     grid = plan.recompute_grid
-    rc = _RecomputeGrad(input, W, cdt, grads, rows, consts, grid, ws, round_grad, gemm)
+    rc = _RecomputeGrad(input, W, cdt, grads, rows, consts, plan, ws, round_grad, gemm)
     run_tiles(grid, rc, rc, progress)
     rc.finish()
 
@@ -566,9 +568,9 @@ class _RecomputeGrad:
     """The recompute's operands (:meth:`chunk`: the weight's chunk in the forms its GEMMs take)
     and its epilogue (:meth:`begin`, :meth:`tile`, :meth:`end`) for ``_lm_head.run``, then
     :meth:`finish` (``precision="fast"``: the rounding error's mean part of ``grad_input``).
-    Arguments as :func:`_vocab_major`'s; ``grid``: ``plan.recompute_grid``."""
+    Arguments as :func:`_vocab_major`'s (its tiles: ``plan.recompute_grid``)."""
 
-    def __init__(self, input, W, cdt, grads, rows, consts, grid, ws, round_grad, gemm):
+    def __init__(self, input, W, cdt, grads, rows, consts, plan, ws, round_grad, gemm):
         self.gi, self.gw, self.gw_acc, self.gw_code, self.gb = grads
         gi, gw = self.gi, self.gw
         self.rows, self.consts = rows, consts
@@ -576,12 +578,12 @@ class _RecomputeGrad:
         BT, H = input.shape
         self.BT, self.H = BT, H
         K = W.shape[0]
-        vc, nblocks = grid.v_tile, grid.n_bt
-        nr = -(-BT // nblocks)  # the equal blocks' largest
+        grid = plan.recompute_grid
+        vc, nblocks, nr = grid.v_tile, grid.n_bt, grid.largest_bt
         self.block_of = {b0: k for k, (b0, _) in enumerate(grid.bt_ranges())}
         self.nblocks = nblocks
         self.vc = vc
-        self.bfl = bfl = _bf16_logits(input, W, cdt, vc, gemm, ws)
+        self.bfl = bfl = _bf16_logits(input, W, vc, plan, gemm, ws)
         self.eng = gemm.engine
         # precision="fast": the gradient GEMMs on the kernel too, g rounded and compensated
         self.b16 = b16 = bfl is not None and round_grad
@@ -853,7 +855,7 @@ def linear_cross_entropy_cpu(
         return
     # the logits of bf16 operands on the exact-product bf16 kernel where it may run; the weight
     # then needs no widening for the forward alone
-    bfl = _bf16_logits(input, W, cdt, vc, gemm, ws)
+    bfl = _bf16_logits(input, W, vc, plan, gemm, ws)
     # keep the whole weight in the compute dtype when it is small, else widen per chunk; the
     # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
     # fresh pages
@@ -866,7 +868,7 @@ def linear_cross_entropy_cpu(
     pipe_grad = pipe and gw_code is None and params.get("filter_eps") is None and K > 0
     wbufs = (wbuf, take("w_chunk_next", vc * H, cdt)) if (pipe and wbuf is not None) else None
     # the equal row blocks' largest (at most nb_max rows): the row-block buffers' size
-    nb_rows = -(-BT // plan.n_blocks)
+    nb_rows = plan.largest_block
     # the row block's X in the compute dtype: for the BLAS logits and the gradient GEMMs (the
     # forward alone on the bf16 logits kernel reads none)
     need_x = bfl is None or want_grad

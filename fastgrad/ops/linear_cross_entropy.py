@@ -259,10 +259,10 @@ def _plan(call: Call) -> tiling.TrainingPlan:
     """The plan (``tiling.plan_training_loss``): row blocks from the global V and the budget,
     chunks, the vocabulary-major recompute, whether the weight is widened once, and every buffer
     the kernel takes (``tiling.training_buffers``)."""
-    i, x, w = call.info, call.a["input"], call.a["weight"]
+    i, w = call.info, call.a["weight"]
     cdt, need, gemm = i["cdt"], i["need"], i["params"]["gemm"]
     budget = None if call.settings is None else call.settings.workspace_bytes  # (execute sets them)
-    logits16 = cdt == np.float32 and x.dtype == D.BFLOAT16 and w.dtype == D.BFLOAT16 and bool(gemm.logits16)
+    logits16 = bool(gemm.logits16)  # the choice for this dtype: set for bf16 operands only (kernels/_engine.resolve)
     return tiling.plan_training_loss(
         i["BT"],
         i["K"],
