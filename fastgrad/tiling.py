@@ -494,6 +494,13 @@ class TrainingPlan:
         :attr:`workspace_bytes` is their sum — what the call holds besides its outputs.
     logits16 : bool
         The logits run on the native bf16 kernel (``GemmChoice.logits16`` with bf16 operands).
+    staged_statistics, staged_gradient : bool
+        The row block's statistics sweep (resp. gradient sweep) runs in stages
+        (``kernels/_lm_head.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
+        and chunk ``c - 1``'s (resp. ``c + 1``'s) element-wise pass, one barrier per stage — the
+        same calls on the same operands as chunk by chunk, so the same bits.  Staged where the
+        logits run on BLAS and the gradient follows in the same call (the statistics), and then
+        where nothing is filtered and ``grad_weight`` is summed in the compute dtype (the gradient).
     """
 
     BT: int
@@ -509,6 +516,8 @@ class TrainingPlan:
     whole_weight: bool
     budget_bytes: int
     logits16: bool = False
+    staged_statistics: bool = False
+    staged_gradient: bool = False
     buffers: tuple[Buffer, ...] = ()
 
     @property
@@ -563,6 +572,7 @@ def plan_training_loss(
     accum16: bool = False,
     fast: bool = False,
     a_form: str | None = None,
+    staged: bool = True,
 ) -> TrainingPlan:
     """The training loss's plan (:class:`TrainingPlan`).  ``itemsize``: the compute dtype's
     (4, or 8 for fp64); ``widen``: 16-bit operands (fp32 copies of the weight);
@@ -571,7 +581,9 @@ def plan_training_loss(
     ``v_chunk``: the row block's vocabulary chunk.  For the buffer list (:func:`training_buffers`):
     ``grads`` which of (grad_input, grad_weight, grad_bias) are computed (default: all or none,
     as ``want_grad``), ``accum16`` a 16-bit ``grad_weight`` (``accum_dtype``), ``fast``
-    ``precision="fast"`` asked, ``a_form`` the bf16 kernel's ``A`` form (``GemmChoice.a_form``)."""
+    ``precision="fast"`` asked, ``a_form`` the bf16 kernel's ``A`` form (``GemmChoice.a_form``).
+    ``staged``: the row blocks' sweeps may run in stages (``staged_statistics``/``staged_gradient``
+    where the call allows them; False: chunk by chunk — the same bits)."""
     budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
     BT, K, V, H = int(BT), int(K), int(V), int(H)
     rows = training_budget_rows(max(V, 1), itemsize, budget)
@@ -582,6 +594,12 @@ def plan_training_loss(
         block = min(max(BT, 1), max(block, (budget // 2) // (vc_req * itemsize)))
     vc = max(1, min(vc_req, max(K, 1)))
     rc = min(vc, TRAIN_VM_CHUNK)
+    g3 = (want_grad,) * 3 if grads is None else tuple(bool(g) for g in grads)
+    vocab_major = recompute and want_grad and not filtered and K > 0 and BT > 0
+    # the row blocks' stages: the statistics where the logits run on BLAS with a gradient to
+    # follow; the gradient where it is dense and grad_weight summed in the compute dtype
+    staged_stats = bool(staged) and not logits16 and want_grad and not recompute
+    staged_grad = staged_stats and not filtered and not (accum16 and g3[1]) and K > 0
     plan = TrainingPlan(
         BT=BT,
         K=K,
@@ -590,14 +608,15 @@ def plan_training_loss(
         budget_rows=rows,
         block_rows=block,
         v_chunk=vc,
-        vocab_major=recompute and want_grad and not filtered and K > 0 and BT > 0,
+        vocab_major=vocab_major,
         recompute_chunk=rc,
         recompute_rows=max(1, min(BT, budget // 2 // max(1, rc * itemsize))),
         whole_weight=widen and K * H * 4 <= budget // 4 and not (logits16 and not want_grad),
         budget_bytes=budget,
         logits16=bool(logits16),
+        staged_statistics=staged_stats,
+        staged_gradient=staged_grad,
     )
-    g3 = (want_grad,) * 3 if grads is None else tuple(bool(g) for g in grads)
     return replace(
         plan,
         buffers=training_buffers(
@@ -709,7 +728,7 @@ def training_buffers(
         add("w_whole", (K, H), cdt, "call")
     elif widen and (not logits16 or gi):  # with the bf16 logits kernel: grad_input's operand only
         add("w_chunk", (vc, H), cdt, "tile")
-        if not logits16 and not fwd_only and not recompute:  # the staged loop's second chunk
+        if plan.staged_statistics:  # the staged sweeps' second chunk
             add("w_chunk_next", (vc, H), cdt, "tile")
     if widen and (not logits16 or want_grad):  # the forward alone on the bf16 logits kernel reads no X
         add("x_block", (nb_rows, H), cdt, "tile")

@@ -1,7 +1,8 @@
 """The training loss's staged row-block loop gives the bits of the chunk-by-chunk loop.
 
-``kernels/linear_cross_entropy.STAGED`` runs one chunk's GEMM tiles beside the next chunk's
-widening and element-wise pass (one barrier per stage); with ``STAGED = False`` the same calls run
+``ops/linear_cross_entropy.STAGED`` (read into the plan: ``TrainingPlan.staged_statistics`` /
+``staged_gradient``) runs one chunk's GEMM tiles beside the next chunk's widening and element-wise
+pass (one barrier per stage, ``kernels/_lm_head.sweep``); with ``STAGED = False`` the same calls run
 chunk by chunk.  The grid crosses several vocabulary chunks (``V_CHUNK`` made small), several row
 blocks (a small workspace budget), every output (grad_input, grad_weight, grad_bias), the features
 that change the passes (softcap, smoothing, class weights, z-loss, entropy), the three input
@@ -14,7 +15,6 @@ import pytest
 from common import BF16, workspace_budget
 
 import fastgrad as fg
-from fastgrad.kernels import linear_cross_entropy as K
 from fastgrad.ops import linear_cross_entropy as op
 
 torch = pytest.importorskip("torch")
@@ -44,7 +44,7 @@ def _call(dtype, feats, budget, vchunk, monkeypatch, staged):
     if feats.get("ce_weight"):
         kw["ce_weight"] = rng.uniform(0.5, 1.5, w.shape[0])
     monkeypatch.setattr(op, "V_CHUNK", vchunk)
-    monkeypatch.setattr(K, "STAGED", staged)
+    monkeypatch.setattr(op, "STAGED", staged)
     with workspace_budget(budget):
         r = fg.linear_cross_entropy(x, w, t, return_grad=(True, True, "bias" in kw), **kw)
     return (x, w, t, kw), r
@@ -56,6 +56,9 @@ def _call(dtype, feats, budget, vchunk, monkeypatch, staged):
 def test_staged_equals_chunk_by_chunk(dtype, feat, budget, vchunk, monkeypatch):
     (x, w, t, kw), a = _call(dtype, FEATURES[feat], budget, vchunk, monkeypatch, True)
     _, b = _call(dtype, FEATURES[feat], budget, vchunk, monkeypatch, False)
+    # the two runs took the two schedules (the bf16 logits kernel runs its statistics unstaged)
+    assert a.plan.staged_gradient == a.plan.staged_statistics == (not a.plan.logits16)
+    assert not b.plan.staged_statistics and not b.plan.staged_gradient
     names = ["loss", "lse", "grad_input", "grad_weight", "grad_bias", "entropy"]
     for n in names:
         u, v = getattr(a, n, None), getattr(b, n, None)
@@ -98,7 +101,7 @@ def test_staged_shard_equals_chunk_by_chunk(monkeypatch):
     monkeypatch.setattr(op, "V_CHUNK", 200)
     out = []
     for staged in (True, False):
-        monkeypatch.setattr(K, "STAGED", staged)
+        monkeypatch.setattr(op, "STAGED", staged)
         with workspace_budget(60_000):
             r = fg.linear_cross_entropy(x, w[lo:], t, vocab_start_index=lo, vocab_size=V, return_grad=True)
         out.append(r)

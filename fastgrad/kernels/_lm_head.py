@@ -19,17 +19,27 @@ device's epilogue with its roundings, gradient filtering, the two gradient GEMMs
 LM-head feature of these ops is a new epilogue in its op's kernel file; the loop, the operands
 and the GEMM choice do not change.  The training loss (``kernels/linear_cross_entropy.py``) runs its
 recompute from a saved log-sum-exp on this loop (``_RecomputeGrad``: its operands and epilogue
-over ``TrainingPlan.recompute_grid``); its fused step and forward keep their own row-block loop
-for now (row blocks outer: the statistics of a whole row, the vocabulary-parallel all-reduce per
-block, then the gradient).  It takes its buffers from its plan's list through :class:`Workspace`,
-as this loop does.
+over ``TrainingPlan.recompute_grid``).
+
+Its fused step and forward take the other order, :func:`run_row_blocks` — row blocks outer, because a
+row's gradient needs the row's statistics over the whole vocabulary first (and, vocabulary-
+parallel, the all-reduce of each block's statistics): per row block, a **statistics sweep** over
+the vocabulary chunks, ``end_statistics`` (the row's statistics complete), a **gradient sweep**,
+``end_rows``.  A sweep (:class:`Sweep`) is per-chunk steps given as task lists; :func:`sweep` runs
+them chunk by chunk or in stages (software pipelining: chunk ``c``'s GEMM tiles beside chunk
+``c + 1``'s widening and the element-wise pass of its neighbour, one barrier per stage), the same
+tasks either way, so the same bits.  The epilogue (``linear_cross_entropy._RowStep``) says what
+each step computes; the loop, the stage schedule and the barriers are here.
+
+Both orders take their buffers from the plan's list through :class:`Workspace`.
 
 Nothing here reads a setting: the GEMMs are the plan's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -41,7 +51,19 @@ from . import _bf16dot
 from ._gemm import matmul_nt, nn_tasks, run_tasks, tn_tasks
 from ._linear import fp32_block
 
-__all__ = ["Workspace", "Operands", "Epilogue", "TilePlan", "ChunkOperands", "run"]
+__all__ = [
+    "Workspace",
+    "Operands",
+    "Epilogue",
+    "TilePlan",
+    "ChunkOperands",
+    "run",
+    "Sweep",
+    "sweep",
+    "RowPlan",
+    "RowEpilogue",
+    "run_row_blocks",
+]
 
 
 class Workspace:
@@ -265,3 +287,73 @@ def run(plan: TilePlan, operands: ChunkOperands, epilogue: Epilogue, progress=No
             if progress is not None:
                 progress(done, plan.n_tiles)
         epilogue.end(v0, v1)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One pass of :func:`run_row_blocks` over a row block's ``n`` vocabulary chunks.
+
+    ``steps[k](c)`` returns the tasks of step ``k`` for chunk ``c`` (callables of no argument,
+    ``_gemm.row_tasks`` / ``nt_tasks`` / ...); step ``k`` of a chunk reads what its step ``k - 1``
+    wrote, and a step's tasks are independent of each other.  A step is asked for its tasks once
+    per chunk, in the order the sweep runs them (a step may record what a later step of the same
+    chunk reads, e.g. the chunk's widened weight).  ``staged``: stage ``t`` runs step ``k`` of chunk
+    ``t - k`` for every ``k`` as one task list, the ``lead`` step's tasks first (the GEMM tiles,
+    the longest), one barrier per stage; else chunk by chunk, step by step, one barrier each."""
+
+    n: int
+    steps: tuple[Callable[[int], list], ...]
+    staged: bool = False
+    lead: int = 0
+
+
+def sweep(s: Sweep, engine: str) -> None:
+    """Run ``s`` (:class:`Sweep`) on the GEMM pool (``_gemm.run_tasks``, ``engine``'s threads)."""
+    if not s.staged:
+        for c in range(s.n):
+            for step in s.steps:
+                run_tasks(step(c), engine)
+        return
+    if not 0 <= s.lead < len(s.steps):
+        raise ValueError(f"Sweep.lead must index its {len(s.steps)} steps, got {s.lead}")
+    order = [s.lead] + [k for k in range(len(s.steps)) if k != s.lead]
+    for t in range(s.n + len(s.steps) - 1 if s.n else 0):
+        tasks: list = []
+        for k in order:
+            if 0 <= t - k < s.n:
+                tasks += s.steps[k](t - k)
+        run_tasks(tasks, engine)
+
+
+class RowPlan(Protocol):
+    """What :func:`run_row_blocks` reads of a plan (``tiling.TrainingPlan``)."""
+
+    def row_blocks(self) -> Iterable[tuple[int, int]]: ...
+
+
+class RowEpilogue(Protocol):
+    """What :func:`run_row_blocks` calls (the module doc; ``linear_cross_entropy._RowStep``)."""
+
+    def begin_rows(self, b0: int, b1: int) -> None: ...
+
+    def statistics(self) -> Sweep: ...
+
+    def end_statistics(self) -> Sweep | None: ...
+
+    def end_rows(self) -> None: ...
+
+
+def run_row_blocks(plan: RowPlan, epilogue: RowEpilogue, engine: str, progress=None) -> None:
+    """The row-major loop (module doc): per row block of ``plan.row_blocks()``, ``begin_rows``,
+    the statistics sweep, ``end_statistics`` (which returns the gradient sweep, or None), that
+    sweep, ``end_rows``; ``progress(done, total)`` after each row block."""
+    blocks = list(plan.row_blocks())
+    for k, (b0, b1) in enumerate(blocks):
+        epilogue.begin_rows(b0, b1)
+        sweep(epilogue.statistics(), engine)
+        grad = epilogue.end_statistics()
+        if grad is not None:
+            sweep(grad, engine)
+        epilogue.end_rows()
+        if progress is not None:
+            progress(k + 1, len(blocks))

@@ -15,11 +15,15 @@ memory budget, never from BT or the thread count):
    logits as the statistics, not rounded; ``h·p·(μ - z)`` the entropy's term, ``μ = Σ p·z``) and two
    GEMMs accumulate ``grad_input[b] = G·W`` and ``grad_weight += Gᵀ·X[b]`` in the compute dtype.
 
-Three GEMMs per row block, run in stages (``STAGED``): the logits tiles of chunk ``c`` beside
-the widening of chunk ``c + 1`` and the statistics of chunk ``c - 1``; then chunk ``c``'s two
-gradient GEMMs beside chunk ``c + 1``'s gradient pass and widening — one barrier per stage, the
-same calls on the same operands as chunk by chunk (the same bits), the element-wise passes and
-the widening hidden behind the GEMMs (Qwen2.5-0.5B head, bf16, Zen 3, 2 cores: 15.5 → 14.9 s).
+The row blocks run on the LM-head loop's row-major order (``_lm_head.run_row_blocks``;
+:class:`_RowStep` is its epilogue: steps 1-2 its statistics sweep, 3 ``end_statistics``, 4 its
+gradient sweep).  Three GEMMs per row block, run in stages where the plan says so
+(``TrainingPlan.staged_statistics`` / ``staged_gradient``, ``_lm_head.sweep``): the logits tiles of
+chunk ``c`` beside the widening of chunk ``c + 1`` and the statistics of chunk ``c - 1``; then chunk
+``c``'s two gradient GEMMs beside chunk ``c + 1``'s gradient pass and widening — one barrier per
+stage, the same calls on the same operands as chunk by chunk (the same bits), the element-wise
+passes and the widening hidden behind the GEMMs (Qwen2.5-0.5B head, bf16, Zen 3, 2 cores: 15.5 →
+14.9 s).
 The forward alone (no gradient) keeps one chunk of ``tiling.TRAIN_VM_CHUNK``
 columns at a time instead of the block's whole row, with all rows in one block while
 ``[BT, TRAIN_VM_CHUNK]`` fits half the workspace (the weight widened once).  With ``lse`` given (the
@@ -45,6 +49,7 @@ Pure: imports only dtypes helpers, the JIT helpers, the allocator, the vector ma
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -67,7 +72,7 @@ from ._gemm import (
     tn_tasks,
 )
 from ._linear import fp32_block, fp32_block_tasks, kept_blocks
-from ._lm_head import Workspace
+from ._lm_head import Sweep, Workspace, run_row_blocks, sweep
 from ._lm_head import run as run_tiles
 from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
 
@@ -520,12 +525,6 @@ def _bf16_logits(input, W, vc, plan, gemm, ws):
     return _bf16dot.Logits(input, W, vc, take=ws.take, form=gemm.a_form)
 
 
-#: Run the row block's chunks in stages (one stage: chunk c's GEMM tiles beside chunk c + 1's
-#: widening and element-wise pass, one barrier).  False: chunk by chunk, one barrier per step —
-#: the same calls on the same operands, so the same bits (tests/test_linear_cross_entropy_staged.py).
-STAGED = True
-
-
 def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False, gemm=BLAS, progress=None):
     """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk, on the LM-head
     loop (``_lm_head.run`` over ``plan.recompute_grid``: vocabulary chunks outer, equal row blocks
@@ -799,7 +798,6 @@ def linear_cross_entropy_cpu(
     coef_ce = coef_ce.astype(cdt) if coef_ce is not None else np.zeros(BT, cdt)
     coef_z = coef_z.astype(cdt) if coef_z is not None else np.zeros(BT, cdt)
     coef_h = coef_h.astype(cdt) if coef_h is not None else np.zeros(BT, cdt)
-    col0 = int(params["vocab_start_index"])
     tcol = np.ascontiguousarray(target_cols, dtype=np.int64)
     # the dense products write every element of grad_input / grad_weight (the first chunk, the
     # first row block) in parallel: no serial first touch of fresh memory; zeros only where
@@ -827,17 +825,11 @@ def linear_cross_entropy_cpu(
     # forward alone keeps one chunk at a time, for all rows while they fit half the budget; with
     # the gradient, the row block's whole row; from the global V, so every rank of a
     # vocabulary-parallel group plans the same row blocks (the combine runs per block)
-    nb_max = plan.block_rows
-    fwd_only = not want_grad
-    vc = plan.v_chunk
-    chunks = [(v0, min(K, v0 + vc)) for v0 in range(0, K, vc)]
     W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
-    widen = W.dtype != cdt
     if vmajor != plan.vocab_major:
         raise ValueError(f"plan.vocab_major is {plan.vocab_major}, the call's arguments say {vmajor}")
     # every buffer from the plan's list (tiling.training_buffers): the memory estimate is what runs
     ws = Workspace(plan)
-    take = ws.take
     if vmajor:
         _vocab_major(
             input,
@@ -853,245 +845,336 @@ def linear_cross_entropy_cpu(
             progress,
         )
         return
-    # the logits of bf16 operands on the exact-product bf16 kernel where it may run; the weight
-    # then needs no widening for the forward alone
-    bfl = _bf16_logits(input, W, vc, plan, gemm, ws)
-    # keep the whole weight in the compute dtype when it is small, else widen per chunk; the
-    # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
-    # fresh pages
-    wfull = _block(W, 0, K, cdt, take("w_whole", K * H, cdt)) if (widen and plan.whole_weight) else None
-    # (with the logits on the bf16 kernel the chunk is read by grad_input's GEMM alone)
-    wbuf = take("w_chunk", vc * H, cdt) if (widen and wfull is None and (bfl is None or gi is not None)) else None
-    # pipelined stages (``_pipelined_*``): one stage's GEMM tiles run beside the next chunk's
-    # element-wise pass and widening, one barrier per stage; the widened chunks double-buffered
-    pipe = STAGED and bfl is None and not fwd_only and not recompute
-    pipe_grad = pipe and gw_code is None and params.get("filter_eps") is None and K > 0
-    wbufs = (wbuf, take("w_chunk_next", vc * H, cdt)) if (pipe and wbuf is not None) else None
-    # the equal row blocks' largest (at most nb_max rows): the row-block buffers' size
-    nb_rows = plan.largest_block
-    # the row block's X in the compute dtype: for the BLAS logits and the gradient GEMMs (the
-    # forward alone on the bf16 logits kernel reads none)
-    need_x = bfl is None or want_grad
-    xbuf = take("x_block", nb_rows * H, cdt) if (input.dtype != cdt and need_x) else None
-    Lbuf = take("logits_block", nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
-    tmp_h = take("grad_input_product", nb_rows * H, cdt) if gi is not None else None
-    tmp_w = take("grad_weight_product", vc * H, cdt) if gw is not None else None
-    all_rows = None
-    if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
-        all_rows = take("vocab_rows", K, np.int64)[:K]
-        all_rows[:] = np.arange(K, dtype=np.int64)
+    # the fused step / the forward: row blocks outer on the LM-head loop's row-major order
+    step = _RowStep(
+        input,
+        W,
+        cdt,
+        plan,
+        gemm,
+        ws,
+        grads=(gi, gw, gw_acc, gw_code, gb),
+        rows=(tcol, wt_c, lse_all, coef_ce, coef_z, coef_h, zmean_all),
+        consts=(cw_c, bias_c, par, flags),
+        out=out,
+        params=params,
+        combine=combine,
+        recompute=recompute,
+        need_ent=need_ent,
+    )
+    run_row_blocks(plan, step, eng, progress)
 
-    def wchunk(v0, v1):
-        if not widen:
-            return W[v0:v1]
-        if wfull is not None:
-            return wfull[v0:v1]
-        return _block(W, v0, v1, cdt, wbuf)
 
-    def wchunk_staged(c):
-        """Chunk ``c`` of the weight in the compute dtype and the tasks that fill it (double
-        buffered: chunk ``c`` may be widened while chunk ``c - 1`` is read)."""
-        v0, v1 = chunks[c]
-        if wbufs is None:
-            return wchunk(v0, v1), []
-        return fp32_block_tasks(W, v0, v1, wbufs[c % 2])
+class _RowStep:
+    """The fused step's and the forward's epilogue of the LM-head loop's row-major order
+    (``_lm_head.run_row_blocks`` over ``plan.row_blocks()``; the module doc's steps 1-4).  Per row block:
 
-    feps = params.get("filter_eps")
-    fstats = out.get("filter_stats")
-    if fstats is not None:
-        fstats.setdefault("blocks_total", 0)
-        fstats.setdefault("blocks_skipped", 0)
-    if feps is not None and want_grad and K:
-        fb = int(params["filter_cols"])
-        rb = max(1, min(int(params["filter_rows"]), nb_max))
+    * :meth:`statistics` — the sweep over the vocabulary chunks: the chunk's weight widened
+      (16-bit, unless the whole weight was widened once), its logits (BLAS tiles, or the bf16
+      kernel), its statistics (``_stats_chunk``; none with a saved ``lse``);
+    * :meth:`end_statistics` — the row's statistics made global (``combine``) and written (lse,
+      max, sum_exp, z_target, z_sum, argmax, z_mean, entropy); returns the gradient sweep:
+      dense — the gradient pass (``_grad_pass``) and the chunk's weight, then the two gradient
+      GEMMs and ``grad_bias``'s column sums (a 16-bit ``grad_weight``: its product, then its rounded
+      scatter-add) — or, filtered, the gradient pass then ``grad_bias`` and the block flags;
+    * :meth:`end_rows` — filtered: the kept blocks' products (``_filtered_products``), or the
+      dense products where every block is kept.
+
+    The sweeps run in stages where the plan says so (``plan.staged_statistics`` /
+    ``plan.staged_gradient``).  Every buffer from the plan's list (``ws``).  Arguments after
+    ``ws`` as :func:`_vocab_major`'s, and ``out``/``params``/``combine`` as
+    :func:`linear_cross_entropy_cpu`'s; ``need_ent``: the entropy's statistic is computed."""
+
+    def __init__(
+        self, input, W, cdt, plan, gemm, ws, *, grads, rows, consts, out, params, combine, recompute, need_ent
+    ):
+        self.input, self.W, self.cdt, self.plan = input, W, cdt, plan
+        self.gi, self.gw, self.gw_acc, self.gw_code, self.gb = grads
+        gi, gw, gw_code = self.gi, self.gw, self.gw_code
+        self.tcol, self.wt_c, self.lse_all, self.coef_ce, self.coef_z, self.coef_h, self.zmean_all = rows
+        self.rows = rows
+        self.cw_c, self.bias_c, self.par, self.flags = cw_c, bias_c, par, flags = consts
+        self.out, self.combine, self.recompute, self.need_ent = out, combine, recompute, need_ent
+        self.col0 = int(params["vocab_start_index"])
+        self.eng = gemm.engine
+        BT, H = input.shape
+        K = W.shape[0]
+        self.H, self.K = H, K
+        self.want_grad = gi is not None or gw is not None or self.gb is not None
+        self.fwd_only = fwd_only = not self.want_grad
+        vc = plan.v_chunk
+        self.chunks = [(v0, min(K, v0 + vc)) for v0 in range(0, K, vc)]
+        self.widen = widen = W.dtype != cdt
+        take = ws.take
+        # the logits of bf16 operands on the exact-product bf16 kernel where the plan says so;
+        # the weight then needs no widening for the forward alone
+        self.bfl = bfl = _bf16_logits(input, W, vc, plan, gemm, ws)
+        # the whole weight in the compute dtype when it is small, else widened per chunk (double
+        # buffered where a sweep runs in stages: chunk c + 1 widened while chunk c is read); the
+        # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
+        # fresh pages
+        self.wfull = _block(W, 0, K, cdt, take("w_whole", K * H, cdt)) if (widen and plan.whole_weight) else None
+        # (with the logits on the bf16 kernel the chunk is read by grad_input's GEMM alone)
+        chunked = widen and self.wfull is None and (bfl is None or gi is not None)
+        wbuf = take("w_chunk", vc * H, cdt) if chunked else None
+        self.wbufs: tuple = ()
+        if wbuf is not None:
+            self.wbufs = (wbuf, take("w_chunk_next", vc * H, cdt)) if plan.staged_statistics else (wbuf,)
+        nb_rows = plan.largest_block  # the equal row blocks' largest: the row-block buffers' size
+        # the row block's X in the compute dtype: for the BLAS logits and the gradient GEMMs (the
+        # forward alone on the bf16 logits kernel reads none)
+        self.need_x = bfl is None or self.want_grad
+        self.xbuf = take("x_block", nb_rows * H, cdt) if (input.dtype != cdt and self.need_x) else None
+        self.Lbuf = take("logits_block", nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
+        self.tmp_h = take("grad_input_product", nb_rows * H, cdt) if gi is not None else None
+        self.tmp_w = take("grad_weight_product", vc * H, cdt) if gw is not None else None
+        self.all_rows = None
+        if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
+            self.all_rows = take("vocab_rows", K, np.int64)[:K]
+            self.all_rows[:] = np.arange(K, dtype=np.int64)
+        self.transform = bool(flags[0] or flags[1] or par[2] != 1)
+        self.first = True  # the first row block: grad_weight written, not summed onto
+        self._filters(params, ws)
+        self._w: dict[int, np.ndarray] = {}
+
+    def _filters(self, params, ws) -> None:
+        """Gradient filtering's state (module doc): on when ``filter_eps`` is given with a gradient."""
+        cdt, K, H, take = self.cdt, self.K, self.H, ws.take
+        feps = params.get("filter_eps")
+        self.fstats = self.out.get("filter_stats")
+        if self.fstats is not None:
+            self.fstats.setdefault("blocks_total", 0)
+            self.fstats.setdefault("blocks_skipped", 0)
+        self.filtered = feps is not None and self.want_grad and K > 0
+        if not self.filtered:
+            return
+        nb_max, vc = self.plan.block_rows, self.plan.v_chunk
+        self.fb = fb = int(params["filter_cols"])
+        self.rb = rb = max(1, min(int(params["filter_rows"]), nb_max))
         nblk = -(-K // fb)
-        fflags = take("filter_flags", nb_max * nblk, np.bool_)[: nb_max * nblk].reshape(nb_max, nblk)
+        self.fflags = take("filter_flags", nb_max * nblk, np.bool_)[: nb_max * nblk].reshape(nb_max, nblk)
         # the row scale: |upstream grad · 1/Σw| (coef_ce); a row whose gradient is identically 0
         # (ignored, or a zero upstream grad) is negligible everywhere
-        thr_all = np.where((coef_ce == 0) & (coef_z == 0), np.inf, float(feps) * np.abs(coef_ce)).astype(cdt)
-        if not widen:
-            fwsrc, fwcode = W, None
-        elif wfull is not None:
-            fwsrc, fwcode = wfull, None
+        coef_ce, coef_z = self.coef_ce, self.coef_z
+        self.thr_all = np.where((coef_ce == 0) & (coef_z == 0), np.inf, float(feps) * np.abs(coef_ce)).astype(cdt)
+        if not self.widen:
+            self.fwsrc, self.fwcode = self.W, None
+        elif self.wfull is not None:
+            self.fwsrc, self.fwcode = self.wfull, None
         else:
-            fwsrc, fwcode = W.view(np.uint16), D.code_of(W.dtype)
-        fbufs = (
+            self.fwsrc, self.fwcode = self.W.view(np.uint16), D.code_of(self.W.dtype)
+        gi, gw = self.gi, self.gw
+        self.fbufs = (
             take("kept_g", min(rb, nb_max) * vc, cdt),
             take("kept_w", vc * H, cdt) if gi is not None else None,
             take("kept_product", min(rb, nb_max) * H, cdt) if gi is not None else None,
             take("kept_grad_weight", vc * H, cdt) if gw is not None else None,
         )
-    else:
-        feps = None
-    empty_i = np.zeros(0, np.int64)
-    transform = bool(flags[0] or flags[1] or par[2] != 1)
-    first_w = True
 
-    def product_tasks(b0, b1, v0, v1, off, first, X, Wc):
-        """Dense, as tasks: ``grad_input[b] (+)= G·W[v]`` and (in the compute dtype)
-        ``grad_weight[v] (+)= Gᵀ·X[b]`` for one chunk."""
-        nb = b1 - b0
-        Gc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
+    # -- the row block
+    def begin_rows(self, b0: int, b1: int) -> None:
+        nb, cdt = b1 - b0, self.cdt
+        self.b0, self.b1, self.nb = b0, b1, nb
+        self.X = _block(self.input, b0, b1, cdt, self.xbuf) if self.need_x else self.input[b0:b1]
+        ch = self.chunks
+        self.offs = np.array([0 if self.fwd_only else nb * v0 for v0, _ in ch], np.int64) if ch else _EMPTY_I
+        self.widths = np.array([v1 - v0 for v0, v1 in ch], np.int64) if ch else _EMPTY_I
+        self._w = {}
+        if not self.recompute:
+            self.m = np.full(nb, -np.inf, cdt)
+            self.s = np.zeros(nb, cdt)
+            self.zt = np.zeros(nb, cdt)
+            self.zs = np.zeros(nb, cdt)
+            self.am = np.full(nb, -1, np.int64)
+            self.sz = np.zeros(nb, cdt)
+
+    def _chunk_block(self, c: int) -> np.ndarray:
+        """Chunk ``c``'s part of the row block's logits (or gradient): ``[nb, v1 - v0]``."""
+        v0, v1 = self.chunks[c]
+        off = self.offs[c]
+        return self.Lbuf[off : off + self.nb * (v1 - v0)].reshape(self.nb, v1 - v0)
+
+    def _weight(self, c: int) -> list:
+        """Chunk ``c``'s weight rows in the compute dtype (recorded for the chunk's GEMMs) and the
+        tasks that widen them (none: already in the compute dtype, or widened whole)."""
+        v0, v1 = self.chunks[c]
+        if not self.widen:
+            self._w[c] = self.W[v0:v1]
+            return []
+        if self.wfull is not None:
+            self._w[c] = self.wfull[v0:v1]
+            return []
+        Wc, tasks = fp32_block_tasks(self.W, v0, v1, self.wbufs[c % len(self.wbufs)])
+        self._w[c] = Wc
+        return tasks
+
+    # -- the statistics sweep
+    def statistics(self) -> Sweep:
+        """Per chunk: its weight, its logits, its statistics (the logits' GEMM tiles lead a stage)."""
+        steps = (self._logits_weight, self._logits, self._stats)
+        return Sweep(len(self.chunks), steps, staged=self.plan.staged_statistics, lead=1)
+
+    def _logits_weight(self, c: int) -> list:
+        return [] if self.bfl is not None else self._weight(c)
+
+    def _logits(self, c: int) -> list:
+        Lc = self._chunk_block(c)
+        if self.bfl is not None:  # one task: the kernel's own parallel call, on this thread
+            v0, v1 = self.chunks[c]
+            return [functools.partial(self._logits16, v0, v1, Lc)]
+        return nt_tasks(self.X, self._w[c], Lc, engine=self.eng)
+
+    def _logits16(self, v0: int, v1: int, Lc: np.ndarray) -> None:
+        self.bfl.chunk(v0, v1)
+        self.bfl.logits(self.b0, self.b1, Lc)
+
+    def _stats(self, c: int) -> list:
+        """``_stats_chunk``'s tasks for chunk ``c`` (its last argument: the column shift — the forward
+        alone keeps one chunk at a time at offset 0)."""
+        if self.recompute:
+            return []
+        nb, b0, b1 = self.nb, self.b0, self.b1
+        stats = (self.m, self.s, self.zt, self.zs, self.am, self.sz)
+        shift = self.chunks[c][0] if self.fwd_only else 0
+        consts = (self.bias_c, self.cw_c, self.tcol[b0:b1], self.par, self.flags, self.transform)
+        return row_tasks(_stats_chunk, nb, self.Lbuf, self.offs[c], self.widths[c], nb, *consts, *stats, shift)
+
+    def end_statistics(self) -> Sweep | None:
+        """The row's statistics complete (made global, written); the gradient sweep, or None."""
+        if not self.recompute:
+            self._row_statistics()
+        if not self.want_grad or not self.K:
+            return None
+        if self.filtered:
+            self.fflags[: self.nb] = False
+            return Sweep(len(self.chunks), (self._grad, self._colsum_flags))
+        return self._gradient_sweep(with_pass=True, staged=self.plan.staged_gradient)
+
+    def _row_statistics(self) -> None:
+        b0, b1, cdt, out = self.b0, self.b1, self.cdt, self.out
+        m, s, zt, zs, am, sz = self.m, self.s, self.zt, self.zs, self.am, self.sz
+        zs[m == -np.inf] = 0  # a row without a finite logit: Σ w z is 0, as Σ exp
+        am = np.where(am >= 0, am + self.col0, -1)
+        if self.combine is not None:
+            if self.need_ent:
+                m, s, zt, zs, am, sz = self.combine(m, s, zt, zs, am, sz)
+            else:
+                m, s, zt, zs, am = self.combine(m, s, zt, zs, am)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lse_b = (m + np.log(s)).astype(cdt)
+            if self.need_ent:  # μ = Σ p·z = max + Σ e·(z - max) / Σ e; entropy = lse - μ
+                dz = np.asarray(sz) / s
+                self.zmean_all[b0:b1] = (m + dz).astype(cdt)
+                if out.get("entropy") is not None:
+                    out["entropy"][b0:b1] = np.log(s) - dz
+        self.lse_all[b0:b1] = lse_b
+        for key, val in (("max", m), ("sum_exp", s), ("z_target", zt), ("z_sum", zs), ("argmax", am)):
+            if out.get(key) is not None:
+                out[key][b0:b1] = val
+
+    # -- the gradient sweep
+    def _gradient_sweep(self, *, with_pass: bool, staged: bool) -> Sweep:
+        """Per chunk: (``with_pass``) its gradient pass, and its weight; its two gradient GEMMs
+        (and ``grad_bias``'s column sums, ``with_pass``); a 16-bit ``grad_weight``'s product, then
+        its rounded scatter-add.  The GEMM tiles lead a stage."""
+        steps: list[Callable[[int], list]] = [
+            functools.partial(self._pass_and_weight, with_pass),
+            functools.partial(self._products, with_pass),
+        ]
+        if self.gw is not None and self.gw_code is not None:
+            steps += [self._grad_weight16, self._grad_weight16_add]
+        return Sweep(len(self.chunks), tuple(steps), staged=staged, lead=1)
+
+    def _grad(self, c: int) -> list:
+        """``_grad_pass``'s tasks: chunk ``c``'s logits overwritten by the gradient ``G``."""
+        b0, b1, nb = self.b0, self.b1, self.nb
+        rows = tuple(a[b0:b1] for a in self.rows)
+        args = (self.Lbuf, self.offs[c : c + 1], self.widths[c : c + 1], nb, self.cw_c, *rows)
+        return row_tasks(_grad_pass, nb, *args, self.par, self.flags, self.recompute, self.bias_c, 0)
+
+    def _colsum(self, c: int) -> list:
+        if self.gb is None:
+            return []
+        nb, off, w = self.nb, self.offs[c], self.widths[c]
+        return row_tasks(_colsum_into, w, self.Lbuf, off, w, nb, self.gb, off // nb)
+
+    def _pass_and_weight(self, with_pass: bool, c: int) -> list:
+        return (self._grad(c) if with_pass else []) + (self._weight(c) if self.gi is not None else [])
+
+    def _products(self, with_colsum: bool, c: int) -> list:
+        """``grad_input[b] (+)= G·W[v]`` and (in the compute dtype) ``grad_weight[v] (+)= Gᵀ·X[b]``
+        for chunk ``c``, as tasks (and ``grad_bias``'s column sums, ``with_colsum``)."""
+        v0, v1 = self.chunks[c]
+        nb, H, eng, b0, b1 = self.nb, self.H, self.eng, self.b0, self.b1
+        Gc = self._chunk_block(c)
         t = []
-        if gi is not None:
-            t += nn_tasks(Gc, Wc, gi[b0:b1], None if v0 == 0 else tmp_h[: nb * H].reshape(nb, H), eng)
-        if gw is not None and gw_code is None:
-            t += tn_tasks(Gc, X, gw[v0:v1], None if first else tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H), eng)
-        return t
+        if self.gi is not None:
+            tmp = None if v0 == 0 else self.tmp_h[: nb * H].reshape(nb, H)
+            t += nn_tasks(Gc, self._w[c], self.gi[b0:b1], tmp, eng)
+        if self.gw is not None and self.gw_code is None:
+            tmp = None if self.first else self.tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
+            t += tn_tasks(Gc, self.X, self.gw[v0:v1], tmp, eng)
+        return t + (self._colsum(c) if with_colsum else [])
 
-    def products(b0, b1, v0, v1, off, first, X):
-        """:func:`product_tasks` run; a 16-bit ``grad_weight`` (``accum_dtype``) accumulated
-        (rounded) in the output itself (zeroed)."""
-        run_tasks(product_tasks(b0, b1, v0, v1, off, first, X, wchunk(v0, v1) if gi is not None else None), eng)
-        if gw is not None and gw_code is not None:
-            nb = b1 - b0
-            Gc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
-            tw = tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
-            matmul_tn(Gc, X, tw, engine=eng)
-            run_rows(_scatter_add_rounded, v1 - v0, gw_acc, all_rows[v0:v1], tw, gw_code)
+    def _grad_weight16(self, c: int) -> list:
+        """A 16-bit ``grad_weight`` (``accum_dtype``): chunk ``c``'s ``Gᵀ·X[b]`` into scratch."""
+        v0, v1 = self.chunks[c]
+        tw = self.tmp_w[: (v1 - v0) * self.H].reshape(v1 - v0, self.H)
+        return tn_tasks(self._chunk_block(c), self.X, tw, None, self.eng)
 
-    def grad_args(b0, b1, offs, widths):
-        """``_grad_pass``'s arguments after ``(lo, hi)`` for rows ``b0:b1`` and the chunks ``offs``/``widths``."""
-        rows = (tcol, wt_c, lse_all, coef_ce, coef_z, coef_h, zmean_all)
-        return (Lbuf, offs, widths, b1 - b0, cw_c, *(a[b0:b1] for a in rows), par, flags, recompute, bias_c, 0)
+    def _grad_weight16_add(self, c: int) -> list:
+        """... then summed onto the output's rows with rounding (the output zeroed first)."""
+        v0, v1 = self.chunks[c]
+        tw = self.tmp_w[: (v1 - v0) * self.H].reshape(v1 - v0, self.H)
+        return row_tasks(_scatter_add_rounded, v1 - v0, self.gw_acc, self.all_rows[v0:v1], tw, self.gw_code)
 
-    def grad(b0, b1, offs, widths):
-        run_rows(_grad_pass, b1 - b0, *grad_args(b0, b1, offs, widths))
-        if gb is not None:
-            for off, w in zip(offs, widths):
-                run_rows(_colsum_into, w, Lbuf, off, w, b1 - b0, gb, off // (b1 - b0))
+    def _colsum_flags(self, c: int) -> list:
+        """Filtered: ``grad_bias``'s column sums and the block flags of chunk ``c`` (read-only on ``G``)."""
+        nb, b0, b1 = self.nb, self.b0, self.b1
+        F = self.fflags[:nb]
+        thr = self.thr_all[b0:b1]
+        flags = row_tasks(_filter_flags, nb, self.Lbuf, self.offs[c], self.widths[c], nb, thr, self.fb, F)
+        return self._colsum(c) + flags
 
-    def _staged_products(b0, b1, offs, widths, X, first):
-        """``grad`` and ``products`` of every chunk, in stages: chunk c's two gradient GEMMs
-        (and ``grad_bias``'s column sums) beside chunk c + 1's gradient pass and widening.
-        The same calls on the same operands as ``grad`` + ``products`` chunk by chunk, and
-        ``grad_input`` still takes the chunks in order (one stage holds one chunk's products)."""
-        nb = b1 - b0
+    def end_rows(self) -> None:
+        """Filtered: the kept blocks' products (or the dense ones where every block is kept)."""
+        if self.filtered:
+            self._kept_products()
+        self.first = False
 
-        def grad_tasks(c):
-            return row_tasks(_grad_pass, nb, *grad_args(b0, b1, offs[c : c + 1], widths[c : c + 1]))
-
-        Wn, wt = wchunk_staged(0)
-        run_tasks(grad_tasks(0) + wt, eng)
-        for c, (v0, v1) in enumerate(chunks):
-            Wc, w = Wn, v1 - v0
-            tasks = product_tasks(b0, b1, v0, v1, offs[c], first, X, Wc)
-            if gb is not None:
-                tasks += row_tasks(_colsum_into, w, Lbuf, offs[c], w, nb, gb, offs[c] // nb)
-            if c + 1 < len(chunks):
-                Wn, wt = wchunk_staged(c + 1)
-                tasks += grad_tasks(c + 1) + wt
-            run_tasks(tasks, eng)
-
-    # equal row blocks of at most nb_max rows (balanced; from BT and the budget only)
-    for b0, b1 in _reporting(list(plan.row_blocks()), progress):
-        nb = b1 - b0
-        X = _block(input, b0, b1, cdt, xbuf) if need_x else input[b0:b1]  # (else: a view nothing reads)
-        offs = np.array([0 if fwd_only else nb * v0 for v0, _ in chunks], np.int64) if chunks else empty_i
-        widths = np.array([v1 - v0 for v0, v1 in chunks], np.int64) if chunks else empty_i
-        # dense gradient, chunk by chunk while the chunk is hot in cache
-        interleave = want_grad and K > 0 and feps is None
-        if not recompute:
-            m = np.full(nb, -np.inf, cdt)
-            s = np.zeros(nb, cdt)
-            zt = np.zeros(nb, cdt)
-            zs = np.zeros(nb, cdt)
-            am = np.full(nb, -1, np.int64)
-            sz = np.zeros(nb, cdt)
-        # the statistics pass's arguments after the chunk (its last: the column shift)
-        stat_args = () if recompute else (bias_c, cw_c, tcol[b0:b1], par, flags, transform, m, s, zt, zs, am, sz)
-        if pipe:
-            # the same calls as the loop below, in stages: the logits tiles of chunk c beside
-            # the widening of chunk c + 1 and the statistics of chunk c - 1
-            Wc, wt = wchunk_staged(0) if chunks else (None, [])
-            run_tasks(wt, eng)
-            for c in range(len(chunks) + 1):
-                tasks = []
-                if c < len(chunks):
-                    v0, v1 = chunks[c]
-                    Lc = Lbuf[offs[c] : offs[c] + nb * (v1 - v0)].reshape(nb, v1 - v0)
-                    tasks += nt_tasks(X, Wc, Lc, engine=eng)
-                    if c + 1 < len(chunks):
-                        Wc, wt = wchunk_staged(c + 1)
-                        tasks += wt
-                if c > 0:
-                    tasks += row_tasks(_stats_chunk, nb, Lbuf, offs[c - 1], widths[c - 1], nb, *stat_args, 0)
-                run_tasks(tasks, eng)
-        else:
-            # (with lse the gradient is vocabulary-major unless filtered: here the logits only)
-            for (v0, v1), off in zip(chunks, offs):
-                Lc = Lbuf[off : off + nb * (v1 - v0)].reshape(nb, v1 - v0)
-                if bfl is not None:
-                    bfl.chunk(v0, v1)
-                    bfl.logits(b0, b1, Lc)
-                else:
-                    matmul_nt(X, wchunk(v0, v1), Lc, engine=eng)
-                if not recompute:
-                    run_rows(_stats_chunk, nb, Lbuf, off, v1 - v0, nb, *stat_args, v0 if fwd_only else 0)
-        if not recompute:
-            zs[m == -np.inf] = 0  # a row without a finite logit: Σ w z is 0, as Σ exp
-            am = np.where(am >= 0, am + col0, -1)
-            if combine is not None:
-                if need_ent:
-                    m, s, zt, zs, am, sz = combine(m, s, zt, zs, am, sz)
-                else:
-                    m, s, zt, zs, am = combine(m, s, zt, zs, am)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                lse_b = (m + np.log(s)).astype(cdt)
-                if need_ent:  # μ = Σ p·z = max + Σ e·(z - max) / Σ e; entropy = lse - μ
-                    dz = np.asarray(sz) / s
-                    zmean_all[b0:b1] = (m + dz).astype(cdt)
-                    if out.get("entropy") is not None:
-                        out["entropy"][b0:b1] = np.log(s) - dz
-            lse_all[b0:b1] = lse_b
-            for key, val in (("max", m), ("sum_exp", s), ("z_target", zt), ("z_sum", zs), ("argmax", am)):
-                if out.get(key) is not None:
-                    out[key][b0:b1] = val
-            if interleave and pipe_grad:
-                _staged_products(b0, b1, offs, widths, X, first_w)
-            elif interleave:
-                for c, ((v0, v1), off) in enumerate(zip(chunks, offs)):
-                    grad(b0, b1, offs[c : c + 1], widths[c : c + 1])
-                    products(b0, b1, v0, v1, off, first_w, X)
-        if interleave:
-            first_w = False
-            continue
-        if not want_grad or not K:
-            continue
-        # chunk by chunk, the flags read the gradient just written (still in cache)
-        F = fflags[:nb]
-        F[...] = False
-        for c, off in enumerate(offs):
-            grad(b0, b1, offs[c : c + 1], widths[c : c + 1])
-            run_rows(_filter_flags, nb, Lbuf, off, widths[c], nb, thr_all[b0:b1], fb, F)
-        own = np.flatnonzero(tcol[b0:b1] >= 0)
-        F[own, tcol[b0:b1][own] // fb] = True  # the target column is never filtered
+    def _kept_products(self) -> None:
+        nb, b0, b1, fb, rb, K = self.nb, self.b0, self.b1, self.fb, self.rb, self.K
+        F = self.fflags[:nb]
+        tc = self.tcol[b0:b1]
+        own = np.flatnonzero(tc >= 0)
+        F[own, tc[own] // fb] = True  # the target column is never filtered
         keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
         n_keep = int(keep.sum())
-        if fstats is not None:
-            fstats["blocks_total"] += keep.size
-            fstats["blocks_skipped"] += keep.size - n_keep
-        if n_keep < keep.size:
-            _filtered_products(
-                Lbuf,
-                offs,
-                widths,
-                nb,
-                keep,
-                fb,
-                rb,
-                K,
-                vc,
-                fwsrc,
-                fwcode,
-                X,
-                None if gi is None else gi[b0:b1],
-                gw_acc,
-                fbufs,
-                gw_code,
-                eng,
-            )
-        else:
-            for (v0, v1), off in zip(chunks, offs):
-                products(b0, b1, v0, v1, off, first_w, X)
-        first_w = False
+        if self.fstats is not None:
+            self.fstats["blocks_total"] += keep.size
+            self.fstats["blocks_skipped"] += keep.size - n_keep
+        if n_keep == keep.size:  # every block kept: the dense path, unchanged (bitwise)
+            sweep(self._gradient_sweep(with_pass=False, staged=False), self.eng)
+            return
+        _filtered_products(
+            self.Lbuf,
+            self.offs,
+            self.widths,
+            nb,
+            keep,
+            fb,
+            rb,
+            K,
+            self.plan.v_chunk,
+            self.fwsrc,
+            self.fwcode,
+            self.X,
+            None if self.gi is None else self.gi[b0:b1],
+            self.gw_acc,
+            self.fbufs,
+            self.gw_code,
+            self.eng,
+        )
+
+
+_EMPTY_I = np.zeros(0, np.int64)

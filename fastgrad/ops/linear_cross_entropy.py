@@ -29,6 +29,10 @@ OP = "linear_cross_entropy"
 
 #: vocabulary columns per GEMM chunk inside a row block
 V_CHUNK = 8192
+#: the row blocks' sweeps run in stages where the call allows (``TrainingPlan.staged_statistics`` /
+#: ``staged_gradient``); False: chunk by chunk, one barrier per step — the same calls on the same
+#: operands, so the same bits (tests/test_linear_cross_entropy_staged.py)
+STAGED = True
 _FLOATS = (D.BFLOAT16, D.FLOAT16, D.FLOAT32, D.FLOAT64)
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
@@ -280,6 +284,7 @@ def _plan(call: Call) -> tiling.TrainingPlan:
         accum16=i["gw_dt"] != np.dtype(cdt),
         fast=call.attrs["precision"] == "fast",
         a_form=gemm.a_form,
+        staged=STAGED,
     )
 
 
