@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
-from ._gemm import row_tasks, run_rows, run_tasks
+from ._gemm import matmul_nn, matmul_tn, row_tasks, run_rows, run_tasks
 
 
 @tjit
@@ -63,6 +63,51 @@ def kept_blocks(keep: np.ndarray, fb: int, rb: int, nrows: int, ncols: int):
             continue
         cols = (kb[:, None] * fb + np.arange(fb)[None, :]).reshape(-1)
         yield k * rb, min((k + 1) * rb, nrows), cols[cols < ncols]
+
+
+def kept_products(
+    keep: np.ndarray,
+    fb: int,
+    rb: int,
+    nrows: int,
+    ncols: int,
+    *,
+    group: int,
+    gather_g,
+    gather_w,
+    X: np.ndarray,
+    gi_rows: np.ndarray | None,
+    add_gw,
+    bufs: tuple,
+    engine: str = "blas",
+) -> None:
+    """Gradient filtering's two GEMMs over the kept blocks only — the one rule of both LM-head
+    kernels on the fp32 engines (the FLCE grad's tile, the training loss's row block).
+
+    For each row block of ``keep`` with a kept column block (:func:`kept_blocks`; rows
+    ``r0:r1``, kept columns ``cols``), ``group`` columns at a time (``cq``):
+    ``Gc = gather_g(r0, r1, cq, out)`` — the gradient's kept columns, fp32 ``[r1 - r0, len(cq)]``
+    written into ``out`` and returned —, then ``gi_rows[r0:r1] += Gc · gather_w(cq, out)``
+    (the kept weight rows, fp32 ``[len(cq), H]``) and ``add_gw(cq, Gcᵀ · X[r0:r1])``.  The products
+    on ``_gemm.matmul_nn`` / ``matmul_tn`` (fixed tiles: bitwise at any thread count).
+    ``gi_rows`` / ``add_gw`` None: that gradient is not computed.  ``bufs``: fp32 scratch
+    ``(g [rb·group], w [group·H], product [rb·H], grad_weight rows [group·H])`` (the plans'
+    ``kept_g``, ``kept_w``, ``kept_product``, ``kept_grad_weight``)."""
+    g_buf, w_buf, p_buf, q_buf = bufs
+    H = X.shape[1]
+    for r0, r1, cols in kept_blocks(keep, fb, rb, nrows, ncols):
+        nr = r1 - r0
+        for q0 in range(0, cols.size, group):
+            cq = cols[q0 : q0 + group]
+            nq = cq.size
+            Gc = gather_g(r0, r1, cq, g_buf[: nr * nq].reshape(nr, nq))
+            if gi_rows is not None:
+                Wc = gather_w(cq, w_buf[: nq * H].reshape(nq, H))
+                matmul_nn(Gc, Wc, gi_rows[r0:r1], tmp=p_buf[: nr * H].reshape(nr, H), engine=engine)
+            if add_gw is not None:
+                Q = q_buf[: nq * H].reshape(nq, H)
+                matmul_tn(Gc, X[r0:r1], Q, engine=engine)
+                add_gw(cq, Q)
 
 
 @tjit

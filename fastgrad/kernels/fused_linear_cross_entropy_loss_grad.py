@@ -57,8 +57,8 @@ from .._jit import tjit
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import live_filter_eps, megatron_smoothing, target_columns, unpack_target_mask
 from . import _bf16dot
-from ._gemm import blas_for, matmul_nn, matmul_tn, run_rows
-from ._linear import kept_blocks, narrow
+from ._gemm import blas_for, run_rows
+from ._linear import kept_blocks, kept_products, narrow
 from ._lm_head import Operands
 from ._lm_head import run as run_tiles
 from ._vmath import exp_f32
@@ -135,7 +135,9 @@ def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flag
 
 
 def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, engine="blas", form=None) -> None:
-    """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc).
+    """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc): on
+    the fp32 engines ``_linear.kept_products`` (the rule the training loss's filter shares), the
+    tile's kept columns of ``G`` and rows of ``W32`` gathered.
 
     ``b16``: None (fp32 operands ``Xb``, ``W32`` on BLAS) or ``(xinter, W16, w16_buf, wi_buf)``
     for the exact-product bf16 kernel: the row tile interleaved as ``B``
@@ -145,26 +147,39 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, e
     (the epilogue rounds it), so both ways compute every product exactly."""
     nb, nv = G.shape
     g_c, w_c, q_c, p_c = bufs
+    if b16 is None:
+
+        def add_gw(cols, Q):
+            gwt[cols] += Q
+
+        kept_products(
+            keep,
+            fb,
+            rb,
+            nb,
+            nv,
+            group=nv,
+            gather_g=lambda r0, r1, cols, out: np.take(G[r0:r1], cols, axis=1, out=out),
+            gather_w=lambda cols, out: np.take(W32, cols, axis=0, out=out),
+            X=Xb,
+            gi_rows=gi_rows,
+            add_gw=add_gw,
+            bufs=(g_c, w_c, p_c, q_c),
+            engine=engine,
+        )
+        return
+    xinter, W16, w16_buf, wi_buf = b16
+    H = W16.shape[1]
     for r0, r1, cols in kept_blocks(keep, fb, rb, nb, nv):
         nk, nr = cols.size, r1 - r0
         Gc = g_c[: nr * nk].reshape(nr, nk)
         np.take(G[r0:r1], cols, axis=1, out=Gc)
-        if b16 is not None:
-            xinter, W16, w16_buf, wi_buf = b16
-            H = W16.shape[1]
-            Q = q_c[: nk * H].reshape(nk, H)
-            _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q, form=form)
-            Wg = w16_buf[: nk * H].reshape(nk, H)
-            np.take(W16, cols, axis=0, out=Wg)
-            wp = _bf16dot.interleave(Wg, wi_buf)
-            _bf16dot.matmul(_bf16dot.pairs_in_place(Gc, form), wp, H, gi_rows[r0:r1], acc=True)
-        else:
-            H = W32.shape[1]
-            Wc = w_c[: nk * H].reshape(nk, H)
-            np.take(W32, cols, axis=0, out=Wc)
-            matmul_nn(Gc, Wc, gi_rows[r0:r1], tmp=p_c[: nr * H].reshape(nr, H), engine=engine)
-            Q = q_c[: nk * H].reshape(nk, H)
-            matmul_tn(Gc, Xb[r0:r1], Q, engine=engine)
+        Q = q_c[: nk * H].reshape(nk, H)
+        _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q, form=form)
+        Wg = w16_buf[: nk * H].reshape(nk, H)
+        np.take(W16, cols, axis=0, out=Wg)
+        wp = _bf16dot.interleave(Wg, wi_buf)
+        _bf16dot.matmul(_bf16dot.pairs_in_place(Gc, form), wp, H, gi_rows[r0:r1], acc=True)
         gwt[cols] += Q
 
 

@@ -58,20 +58,17 @@ from .._jit import FASTMATH_SAFE, njit, tjit
 from ..tiling import BLAS, FAST_E_GROUP, TrainingPlan
 from . import _bf16dot
 from ._gemm import (
-    _spans,
     blas_for,
     matmul_nn,
     matmul_nt,
     matmul_tn,
-    mm,
     nn_tasks,
     nt_tasks,
     row_tasks,
     run_rows,
-    run_tasks,
     tn_tasks,
 )
-from ._linear import fp32_block, fp32_block_tasks, kept_blocks
+from ._linear import fp32_block, fp32_block_tasks, kept_products
 from ._lm_head import Sweep, Workspace, run_row_blocks, sweep
 from ._lm_head import run as run_tiles
 from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
@@ -460,51 +457,48 @@ def _scatter_add_rounded(lo, hi, dst, rows, src, code):
             dst[r, j] = D.from_f32(D.to_f32(dst[r, j], code) + src[q, j], code)
 
 
-#: output columns of grad_input (resp. rows of grad_weight) per BLAS call of the filtered
-#: products: fixed, never from the thread count (bitwise reproducible, as ``_gemm``)
-_FILTER_H_BLOCK = 128
-_FILTER_Q_BLOCK = 512
-
-
-def _filtered_products(
-    Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode, X, gi_rows, gw, bufs, gw_code, eng="blas"
-) -> None:
-    """``gi_rows += G·W`` and ``gw += Gᵀ·X`` over the kept blocks only (module docstring)."""
-    g_buf, w_buf, p_buf, q_buf = bufs
-    H = X.shape[1]
+def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode, X, gi_rows, gw, bufs, gw_code, eng):
+    """``gi_rows += G·W`` and ``gw += Gᵀ·X`` over the kept blocks only (module docstring), on
+    ``_linear.kept_products`` (the rule the FLCE grad's filter shares): the kept columns of ``G``
+    gathered from the row block's chunked logits, at most ``vc`` at a time; the kept weight rows
+    (widened exactly from ``wsrc``'s bits with ``wcode``); ``grad_weight``'s rows summed onto
+    (a 16-bit one with rounding, ``gw_code``)."""
     # per vocabulary column: its offset in the block's flat storage at row 0, its chunk's width
     chunk_w = np.repeat(widths, widths)
     coff = np.repeat(offs, widths) + np.arange(K) - np.repeat(offs // nb, widths)
-    for r0, r1, cols in kept_blocks(keep, fb, rb, nb, K):
-        nr = r1 - r0
-        for q0 in range(0, cols.size, vc):
-            cq = cols[q0 : q0 + vc]
-            nq = cq.size
-            Gc = g_buf[: nr * nq].reshape(nr, nq)
-            run_rows(_gather_cols, r1 - r0, Lbuf, coff[cq], chunk_w[cq], r0, r1, Gc)
-            tasks: list = []
-            if gi_rows is not None:
-                Wc = w_buf[: nq * H].reshape(nq, H)
-                if wcode is None:
-                    run_rows(_gather_rows, nq, wsrc, cq, Wc)
-                else:
-                    run_rows(_gather_rows_widen, nq, wsrc, cq, wcode, Wc)
-                # rows r0:r1 of grad_input are zero until this row block's first chunk: write it
-                P = gi_rows[r0:r1] if q0 == 0 else p_buf[: nr * H].reshape(nr, H)
-                for a, b in _spans(H, _FILTER_H_BLOCK):
-                    tasks.append(functools.partial(mm, Gc, Wc[:, a:b], P[:, a:b], eng))
-            if gw is not None:
-                Q = q_buf[: nq * H].reshape(nq, H)
-                for a, b in _spans(nq, _FILTER_Q_BLOCK):
-                    tasks.append(functools.partial(mm, Gc[:, a:b].T, X[r0:r1], Q[a:b], eng))
-            run_tasks(tasks, eng)
-            if gi_rows is not None and q0 > 0:
-                run_rows(_add_into, nr, gi_rows[r0:r1], P)
-            if gw is not None:
-                if gw_code is None:
-                    run_rows(_scatter_add_rows, nq, gw, cq, Q)
-                else:
-                    run_rows(_scatter_add_rounded, nq, gw, cq, Q, gw_code)
+
+    def gather_g(r0, r1, cq, out):
+        run_rows(_gather_cols, r1 - r0, Lbuf, coff[cq], chunk_w[cq], r0, r1, out)
+        return out
+
+    def gather_w(cq, out):
+        if wcode is None:
+            run_rows(_gather_rows, cq.size, wsrc, cq, out)
+        else:
+            run_rows(_gather_rows_widen, cq.size, wsrc, cq, wcode, out)
+        return out
+
+    def add_gw(cq, Q):
+        if gw_code is None:
+            run_rows(_scatter_add_rows, cq.size, gw, cq, Q)
+        else:
+            run_rows(_scatter_add_rounded, cq.size, gw, cq, Q, gw_code)
+
+    kept_products(
+        keep,
+        fb,
+        rb,
+        nb,
+        K,
+        group=vc,
+        gather_g=gather_g,
+        gather_w=gather_w,
+        X=X,
+        gi_rows=gi_rows,
+        add_gw=None if gw is None else add_gw,
+        bufs=bufs,
+        engine=eng,
+    )
 
 
 def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
