@@ -81,10 +81,17 @@ __all__ = ["linear_cross_entropy_cpu"]
 # ----------------------------------------------------------------------------------------------
 
 
-# par (compute dtype): 0 softcap, 1 1/softcap, 2 1/temperature, 3 temperature,
-#                      4 eps, 5 eps/V, 6 eps*Wsum/V, 7 2*lse_square_scale, 8 -inf, 9 one, 10 zero
-# flags (int64):       0 has_softcap, 1 has_bias, 2 has_class_weight, 3 need_zsum,
-#                      4 need the entropy's statistic, 5 has an entropy gradient
+# The passes' scalar parameters, one array each (Numba types one array of the compute dtype and
+# one of int64 for every combination of features: one compiled pass, not one per combination),
+# read by name: ``par[P_SOFTCAP]``, ``flags[F_BIAS]`` (module constants: compile-time indices).
+# par (compute dtype): softcap, 1/softcap, 1/temperature, temperature, eps (label smoothing),
+#                      eps/V, eps·Σw/V, 2·lse_square_scale, -inf, one, zero
+P_SOFTCAP, P_INV_SOFTCAP, P_INV_TEMPERATURE, P_TEMPERATURE = 0, 1, 2, 3
+P_EPS, P_EPS_OVER_V, P_EPS_WSUM_OVER_V, P_Z_SCALE2 = 4, 5, 6, 7
+P_NEG_INF, P_ONE, P_ZERO = 8, 9, 10
+# flags (int64): has a softcap, has a bias, has class weights, needs Σ w·z (smoothing),
+#                needs the entropy's statistic Σ e·(z - max), has an entropy gradient (coef_h, μ)
+F_SOFTCAP, F_BIAS, F_CLASS_WEIGHT, F_ZSUM, F_ENTROPY_STAT, F_ENTROPY_GRAD = 0, 1, 2, 3, 4, 5
 
 
 # Row helpers of the chunk passes (besides ``_vmath.row_*``): loops over one row of a chunk given
@@ -140,14 +147,14 @@ def _row_sum_exp_dz(r, m, zero):
 @njit
 def _row_transform(r, bias, par, flags):
     """z = softcap(L + bias) / T in place (``bias`` the row's slice of the bias)."""
-    cap = par[0]
-    icap = par[1]
-    it = par[2]
+    cap = par[P_SOFTCAP]
+    icap = par[P_INV_SOFTCAP]
+    it = par[P_INV_TEMPERATURE]
     for j in range(r.shape[0]):
         x = r[j]
-        if flags[1]:
+        if flags[F_BIAS]:
             x = x + bias[j]
-        if flags[0]:
+        if flags[F_SOFTCAP]:
             x = cap * np.tanh(x * icap)
         r[j] = x * it
 
@@ -177,23 +184,23 @@ def _stats_chunk(
     """One vocabulary chunk of the block (``L[off:off + nb·width]``, rows of ``width`` columns
     starting at column ``v0 = off // nb + vshift``), while it is hot in cache: ``z = softcap(L + bias)/T``
     in place (only with ``transform``), then the running row statistics are updated online:
-    max and its first index, ``Σ exp(z - max)`` and (``flags[4]``) ``Σ exp(z - max)·(z - max)``
+    max and its first index, ``Σ exp(z - max)`` and (``flags[F_ENTROPY_STAT]``) ``Σ exp(z - max)·(z - max)``
     (both rescaled when the max grows), the target's ``z`` and ``Σ_v w_v z_v``.  NaN never
     becomes the max and propagates through the sums."""
-    ninf = par[8]
-    zero = par[10]
+    ninf = par[P_NEG_INF]
+    zero = par[P_ZERO]
     v0 = off // nb + vshift
     for i in range(lo, hi):
         r = L[off + i * width : off + (i + 1) * width]
         if transform:
-            _row_transform(r, bias[v0 : v0 + width] if flags[1] else bias, par, flags)
+            _row_transform(r, bias[v0 : v0 + width] if flags[F_BIAS] else bias, par, flags)
         if row_nan_count(r) == 0:
             cm = row_max(r, ninf)
         else:
             cm = _row_max_nan(r, ninf)
         m = m_io[i]
         s = s_io[i]
-        sz = sz_io[i] if flags[4] else zero
+        sz = sz_io[i] if flags[F_ENTROPY_STAT] else zero
         if cm > m:
             if m != ninf:
                 f = exp_c(m - cm)
@@ -204,14 +211,14 @@ def _stats_chunk(
             am_io[i] = v0 + _row_first(r, cm)
         if m != ninf:
             s += row_sum_exp(r, m, zero)
-            if flags[4]:
+            if flags[F_ENTROPY_STAT]:
                 sz += _row_sum_exp_dz(r, m, zero)
         m_io[i] = m
         s_io[i] = s
-        if flags[4]:
+        if flags[F_ENTROPY_STAT]:
             sz_io[i] = sz
-        if flags[3]:
-            if flags[2]:
+        if flags[F_ZSUM]:
+            if flags[F_CLASS_WEIGHT]:
                 zs_io[i] += _row_wsum(r, cw[v0 : v0 + width], zero)
             else:
                 zs_io[i] += _row_sum(r, zero)
@@ -225,41 +232,41 @@ def _grad_pass(
     lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, coef_h, zmean, par, flags, recompute, bias, vshift
 ):
     """Overwrite z (or, with ``recompute``, the raw logits) by dloss/dL (``coef_h``, ``zmean``:
-    the entropy's upstream coefficient and ``μ = Σ p·z`` per row, read with ``flags[5]``).
+    the entropy's upstream coefficient and ``μ = Σ p·z`` per row, read with ``flags[F_ENTROPY_GRAD]``).
     Chunk ``c`` starts at vocabulary column ``offs[c] // nb + vshift``."""
     nchunk = offs.shape[0]
-    cap = par[0]
-    icap = par[1]
-    it = par[2]
-    T = par[3]
-    one = par[9]
-    one_m_eps = one - par[4]
+    cap = par[P_SOFTCAP]
+    icap = par[P_INV_SOFTCAP]
+    it = par[P_INV_TEMPERATURE]
+    T = par[P_TEMPERATURE]
+    one = par[P_ONE]
+    one_m_eps = one - par[P_EPS]
     for i in range(lo, hi):
         cc = coef_ce[i]
         cz = coef_z[i]
         lz = lse[i]
-        a = cc * (one_m_eps * wt[i] + par[6]) + cz * par[7] * lz
+        a = cc * (one_m_eps * wt[i] + par[P_EPS_WSUM_OVER_V]) + cz * par[P_Z_SCALE2] * lz
         b = cc * one_m_eps * wt[i]
-        e = cc * par[5]
+        e = cc * par[P_EPS_OVER_V]
         t = tcol[i]
-        h = coef_h[i] if flags[5] else par[10]
-        mu = zmean[i] if flags[5] else par[10]
+        h = coef_h[i] if flags[F_ENTROPY_GRAD] else par[P_ZERO]
+        mu = zmean[i] if flags[F_ENTROPY_GRAD] else par[P_ZERO]
         # no per-column transform but the temperature: the vectorized loops (z = L·s, the
         # product by 1 exact for stored z, the same operations as the general loop below)
-        plain = not flags[0] and not flags[2] and not (recompute and flags[1])
+        plain = not flags[F_SOFTCAP] and not flags[F_CLASS_WEIGHT] and not (recompute and flags[F_BIAS])
         s = it if recompute else one
         for c in range(nchunk):
             base = offs[c] + i * widths[c]
             v0 = offs[c] // nb + vshift
             if a == 0 and b == 0 and e == 0 and h == 0:
                 for j in range(widths[c]):
-                    L[base + j] = par[10]
+                    L[base + j] = par[P_ZERO]
                 continue
             if plain:
                 # the target column's term is applied after the vectorized loop, in the same
                 # order of operations as the general loop below
                 tin = t >= v0 and t < v0 + widths[c]
-                xt = L[base + t - v0] * s if tin else par[10]
+                xt = L[base + t - v0] * s if tin else par[P_ZERO]
                 if h == 0:
                     _row_grad_plain(L[base : base + widths[c]], a, e, lz, it, s)
                 else:
@@ -276,22 +283,22 @@ def _grad_pass(
             for j in range(widths[c]):
                 x = L[base + j]
                 if recompute:
-                    if flags[1]:
+                    if flags[F_BIAS]:
                         x = x + bias[v0 + j]
-                    if flags[0]:
+                    if flags[F_SOFTCAP]:
                         x = cap * np.tanh(x * icap)
                     x = x * it
                 p = exp_c(x - lz)
                 g = a * p
                 if h != 0 and p != 0:
                     g = p * (a + h * (mu - x))
-                if flags[2]:
+                if flags[F_CLASS_WEIGHT]:
                     g -= e * cw[v0 + j]
                 else:
                     g -= e
                 if v0 + j == t:
                     g -= b
-                if flags[0]:
+                if flags[F_SOFTCAP]:
                     y = x * T * icap
                     g = g * (one - y * y)
                 L[base + j] = g * it
@@ -758,34 +765,24 @@ def linear_cross_entropy_cpu(
     want_grad = gi is not None or gw is not None or gb is not None
     recompute = lse is not None
     softcap = params.get("softcap")
-    par = np.array(
-        [
-            softcap or 0.0,
-            (1.0 / softcap) if softcap else 0.0,
-            1.0 / params["temperature"],
-            params["temperature"],
-            params["eps"],
-            params["eps_over_V"],
-            params["eps_wsum_over_V"],
-            params["z_scale2"],
-            -np.inf,
-            1.0,
-            0.0,
-        ],
-        cdt,
-    )
+    par = np.zeros(11, cdt)
+    par[P_SOFTCAP] = softcap or 0.0
+    par[P_INV_SOFTCAP] = (1.0 / softcap) if softcap else 0.0
+    par[P_INV_TEMPERATURE] = 1.0 / params["temperature"]
+    par[P_TEMPERATURE] = params["temperature"]
+    par[P_EPS] = params["eps"]
+    par[P_EPS_OVER_V] = params["eps_over_V"]
+    par[P_EPS_WSUM_OVER_V] = params["eps_wsum_over_V"]
+    par[P_Z_SCALE2] = params["z_scale2"]
+    par[P_NEG_INF], par[P_ONE], par[P_ZERO] = -np.inf, 1.0, 0.0
     need_ent = not recompute and (coef_h is not None or any(out.get(k) is not None for k in ("z_mean", "entropy")))
-    flags = np.array(
-        [
-            softcap is not None,
-            bias is not None,
-            class_weight is not None,
-            bool(params["need_zsum"]),
-            need_ent,
-            coef_h is not None,
-        ],
-        np.int64,
-    )
+    flags = np.zeros(6, np.int64)
+    flags[F_SOFTCAP] = softcap is not None
+    flags[F_BIAS] = bias is not None
+    flags[F_CLASS_WEIGHT] = class_weight is not None
+    flags[F_ZSUM] = bool(params["need_zsum"])
+    flags[F_ENTROPY_STAT] = need_ent
+    flags[F_ENTROPY_GRAD] = coef_h is not None
     bias_c = bias.astype(cdt) if bias is not None else np.zeros(1, cdt)
     cw_c = class_weight.astype(cdt) if class_weight is not None else np.zeros(1, cdt)
     wt_c = target_weight.astype(cdt)
@@ -810,8 +807,8 @@ def linear_cross_entropy_cpu(
         zmean_all = out.get("z_mean")
     else:
         lse_all = np.ascontiguousarray(lse, dtype=cdt)
-        zmean_all = np.ascontiguousarray(z_mean, dtype=cdt) if flags[5] else None
-    if zmean_all is None:  # computed (need_ent) or read (flags[5]) only when wanted
+        zmean_all = np.ascontiguousarray(z_mean, dtype=cdt) if flags[F_ENTROPY_GRAD] else None
+    if zmean_all is None:  # computed (need_ent) or read (flags[F_ENTROPY_GRAD]) only when wanted
         zmean_all = np.zeros(BT, cdt)
     if BT == 0:
         return
@@ -926,7 +923,7 @@ class _RowStep:
         if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
             self.all_rows = take("vocab_rows", K, np.int64)[:K]
             self.all_rows[:] = np.arange(K, dtype=np.int64)
-        self.transform = bool(flags[0] or flags[1] or par[2] != 1)
+        self.transform = bool(flags[F_SOFTCAP] or flags[F_BIAS] or par[P_INV_TEMPERATURE] != 1)
         self.first = True  # the first row block: grad_weight written, not summed onto
         self._filters(params, ws)
         self._w: dict[int, np.ndarray] = {}
