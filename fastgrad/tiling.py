@@ -499,8 +499,9 @@ class TrainingPlan:
         (``kernels/_lm_head.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
         and chunk ``c - 1``'s (resp. ``c + 1``'s) element-wise pass, one barrier per stage — the
         same calls on the same operands as chunk by chunk, so the same bits.  Staged where the
-        logits run on BLAS and the gradient follows in the same call (the statistics), and then
-        where nothing is filtered and ``grad_weight`` is summed in the compute dtype (the gradient).
+        logits run on the fp32 engines (not the bf16 kernel) and the gradient follows in the same
+        call (the statistics), and then where nothing is filtered and ``grad_weight`` is summed in
+        the compute dtype (the gradient).
     """
 
     BT: int

@@ -884,12 +884,11 @@ class _RowStep:
         gi, gw, gw_code = self.gi, self.gw, self.gw_code
         self.tcol, self.wt_c, self.lse_all, self.coef_ce, self.coef_z, self.coef_h, self.zmean_all = rows
         self.rows = rows
-        self.cw_c, self.bias_c, self.par, self.flags = cw_c, bias_c, par, flags = consts
+        self.cw_c, self.bias_c, self.par, self.flags = consts
         self.out, self.combine, self.recompute, self.need_ent = out, combine, recompute, need_ent
         self.col0 = int(params["vocab_start_index"])
         self.eng = gemm.engine
-        BT, H = input.shape
-        K = W.shape[0]
+        H, K = input.shape[1], W.shape[0]
         self.H, self.K = H, K
         self.want_grad = gi is not None or gw is not None or self.gb is not None
         self.fwd_only = fwd_only = not self.want_grad
@@ -923,6 +922,7 @@ class _RowStep:
         if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
             self.all_rows = take("vocab_rows", K, np.int64)[:K]
             self.all_rows[:] = np.arange(K, dtype=np.int64)
+        par, flags = self.par, self.flags
         self.transform = bool(flags[F_SOFTCAP] or flags[F_BIAS] or par[P_INV_TEMPERATURE] != 1)
         self.first = True  # the first row block: grad_weight written, not summed onto
         self._filters(params, ws)
