@@ -494,6 +494,9 @@ class TrainingPlan:
         :attr:`workspace_bytes` is their sum — what the call holds besides its outputs.
     logits16 : bool
         The logits run on the native bf16 kernel (``GemmChoice.logits16`` with bf16 operands).
+    filter_rows, filter_cols : int
+        Gradient filtering (``filter_eps``): blocks of ``filter_rows`` rows (at most a row block)
+        × ``filter_cols`` vocabulary columns are kept or skipped whole; 0 without filtering.
     staged_statistics, staged_gradient : bool
         The row block's statistics sweep (resp. gradient sweep) runs in stages
         (``kernels/_lm_head.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
@@ -517,6 +520,8 @@ class TrainingPlan:
     whole_weight: bool
     budget_bytes: int
     logits16: bool = False
+    filter_rows: int = 0
+    filter_cols: int = 0
     staged_statistics: bool = False
     staged_gradient: bool = False
     buffers: tuple[Buffer, ...] = ()
@@ -597,8 +602,8 @@ def plan_training_loss(
     rc = min(vc, TRAIN_VM_CHUNK)
     g3 = (want_grad,) * 3 if grads is None else tuple(bool(g) for g in grads)
     vocab_major = recompute and want_grad and not filtered and K > 0 and BT > 0
-    # the row blocks' stages: the statistics where the logits run on BLAS with a gradient to
-    # follow; the gradient where it is dense and grad_weight summed in the compute dtype
+    # the row blocks' stages: the statistics where the logits run on the fp32 engines with a
+    # gradient to follow; the gradient where it is dense and grad_weight summed in the compute dtype
     staged_stats = bool(staged) and not logits16 and want_grad and not recompute
     staged_grad = staged_stats and not filtered and not (accum16 and g3[1]) and K > 0
     plan = TrainingPlan(
@@ -615,6 +620,8 @@ def plan_training_loss(
         whole_weight=widen and K * H * 4 <= budget // 4 and not (logits16 and not want_grad),
         budget_bytes=budget,
         logits16=bool(logits16),
+        filter_rows=max(1, min(FILTER_ROWS, block)) if filtered else 0,
+        filter_cols=FILTER_COLS if filtered else 0,
         staged_statistics=staged_stats,
         staged_gradient=staged_grad,
     )
@@ -741,8 +748,8 @@ def training_buffers(
         if accum16:
             add("vocab_rows", (K,), "int64", "call")
     if filtered and want_grad and K:
-        rb = max(1, min(FILTER_ROWS, plan.block_rows))
-        add("filter_flags", (plan.block_rows, -(-K // FILTER_COLS)), "bool", "tile")
+        rb = plan.filter_rows
+        add("filter_flags", (plan.block_rows, -(-K // plan.filter_cols)), "bool", "tile")
         add("kept_g", (rb, vc), cdt, "tile")
         if gi:
             add("kept_w", (vc, H), cdt, "tile")

@@ -34,10 +34,10 @@ rows, steps 4's pass and products; a chunk's ``grad_weight`` is complete after i
 
 Gradient filtering (``params["filter_eps"]``, CCE's ``filter_eps``): after step 4's pass over
 each vocabulary chunk (the chunk still in cache) a read-only pass flags, per row and per block
-of ``filter_cols`` vocabulary columns, whether some ``|G[r, v]|`` is not below
+of ``plan.filter_cols`` vocabulary columns, whether some ``|G[r, v]|`` is not below
 ``filter_eps·|coef_ce[r]|`` (the row's scale: the upstream gradient and the mean's ``1/Σw``;
 a row whose gradient is identically 0 — ignored — has nothing to keep), or the block holds
-the row's target column.  A block of ``filter_rows`` rows × ``filter_cols`` columns without a
+the row's target column.  A block of ``plan.filter_rows`` rows × ``filter_cols`` columns without a
 flag is skipped in both GEMMs: the kept blocks' columns of ``G`` and rows of ``W`` are
 gathered (at most ``v_chunk`` columns at a time) and the products accumulated.  A row block
 with every block kept takes the dense path unchanged (bitwise).  ``grad_bias`` is the column
@@ -305,14 +305,6 @@ def _grad_pass(
 
 
 @tjit
-def _add_into(lo, hi, dst, src):
-    n, h = dst.shape
-    for i in range(lo, hi):
-        for j in range(h):
-            dst[i, j] += src[i, j]
-
-
-@tjit
 def _round_rows(lo, hi, dst, src, code):
     """dst[q, :] = round(src[q, :]) to the 16-bit dtype ``code`` (RNE; bits)."""
     h = dst.shape[1]
@@ -478,18 +470,16 @@ def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode,
         run_rows(_gather_cols, r1 - r0, Lbuf, coff[cq], chunk_w[cq], r0, r1, out)
         return out
 
+    # 16-bit weight rows widened as gathered; a 16-bit grad_weight summed onto with rounding
+    gather_rows, widen_code = (_gather_rows, ()) if wcode is None else (_gather_rows_widen, (wcode,))
+    scatter_add, gw_round = (_scatter_add_rows, ()) if gw_code is None else (_scatter_add_rounded, (gw_code,))
+
     def gather_w(cq, out):
-        if wcode is None:
-            run_rows(_gather_rows, cq.size, wsrc, cq, out)
-        else:
-            run_rows(_gather_rows_widen, cq.size, wsrc, cq, wcode, out)
+        run_rows(gather_rows, cq.size, wsrc, cq, *widen_code, out)
         return out
 
     def add_gw(cq, Q):
-        if gw_code is None:
-            run_rows(_scatter_add_rows, cq.size, gw, cq, Q)
-        else:
-            run_rows(_scatter_add_rounded, cq.size, gw, cq, Q, gw_code)
+        run_rows(scatter_add, cq.size, gw, cq, Q, *gw_round)
 
     kept_products(
         keep,
@@ -553,15 +543,6 @@ def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False,
     rc = _RecomputeGrad(input, W, cdt, grads, rows, consts, plan, ws, round_grad, gemm)
     run_tiles(grid, rc, rc, progress)
     rc.finish()
-
-
-def _reporting(blocks: list, progress):
-    """``blocks`` in order, ``progress(k, len(blocks))`` once the loop's body for block ``k`` is
-    done (also when it ends with ``continue``)."""
-    for k, blk in enumerate(blocks):
-        yield blk
-        if progress is not None:
-            progress(k + 1, len(blocks))
 
 
 class _RecomputeGrad:
@@ -743,7 +724,7 @@ def linear_cross_entropy_cpu(
     validated by the op.
 
     ``params``: dict with softcap, temperature, eps, eps_over_V, eps_wsum_over_V, z_scale2,
-    need_zsum, vocab_start_index (and optionally filter_eps, filter_rows, filter_cols).
+    need_zsum, vocab_start_index (and optionally filter_eps: the block sizes are the plan's).
     ``coef_h`` [BT]: the entropy's upstream coefficient per row (None: no entropy term in the
     gradient); ``z_mean`` [BT]: ``μ = Σ p·z`` for the recompute (with ``lse``).
     ``out``: dict of preallocated outputs (``lse``, ``max``, ``sum_exp``, ``z_target``, ``z_sum``,
@@ -940,8 +921,8 @@ class _RowStep:
         if not self.filtered:
             return
         nb_max, vc = self.plan.block_rows, self.plan.v_chunk
-        self.fb = fb = int(params["filter_cols"])
-        self.rb = rb = max(1, min(int(params["filter_rows"]), nb_max))
+        fb, rb = self.plan.filter_cols, self.plan.filter_rows
+        self.fb, self.rb = fb, rb
         nblk = -(-K // fb)
         self.fflags = take("filter_flags", nb_max * nblk, np.bool_)[: nb_max * nblk].reshape(nb_max, nblk)
         # the row scale: |upstream grad · 1/Σw| (coef_ce); a row whose gradient is identically 0
@@ -956,9 +937,9 @@ class _RowStep:
             self.fwsrc, self.fwcode = self.W.view(np.uint16), D.code_of(self.W.dtype)
         gi, gw = self.gi, self.gw
         self.fbufs = (
-            take("kept_g", min(rb, nb_max) * vc, cdt),
+            take("kept_g", rb * vc, cdt),
             take("kept_w", vc * H, cdt) if gi is not None else None,
-            take("kept_product", min(rb, nb_max) * H, cdt) if gi is not None else None,
+            take("kept_product", rb * H, cdt) if gi is not None else None,
             take("kept_grad_weight", vc * H, cdt) if gw is not None else None,
         )
 

@@ -207,8 +207,6 @@ def _relations(call: Call) -> None:
         "vocab_start_index": start,
         "filter_eps": feps,
         "round_grad": at["precision"] == "fast",
-        "filter_rows": tiling.FILTER_ROWS,
-        "filter_cols": tiling.FILTER_COLS,
         # the GEMMs, chosen once from the settings (the kernel reads none): ops/_engines.py
         "gemm": gemm_choice(x.dtype, call.settings),
     }
