@@ -116,6 +116,28 @@ def test_rows_selects_the_runners(tmp_path, capsys):
     assert "--rows" in err and "torch-bf16x" in err and len(err.strip().splitlines()) == 1
 
 
+def test_ops_selects_a_full_case_id_only(capsys):
+    """``--ops`` split at commas: a case id's own commas ("…/BT=2048,H=896,V=151936") do not make
+    its pieces ("h=896") substrings that pick every case at that shape."""
+    cases = B.all_cases(quick=False)
+    for c in cases:
+        assert [x.id for x in B.select(cases, c.id.split(","))] == [c.id]
+        assert [x.id for x in B.select(cases, c.id.upper().split(","))] == [c.id]   # case-insensitive
+    train = "linear_cross_entropy[train-step]/bf16/BT=2048,H=896,V=151936"
+    flce = "fused_linear_cross_entropy_loss_grad[memory-saving]/bf16/BT=1024,H=896,V=32000"
+    # two ids, and an id beside an alias and a substring
+    assert [c.id for c in B.select(cases, (train + "," + flce).split(","))] == [flce, train]
+    got = {c.id for c in B.select(cases, (train + ",smooth_l1,embedding_dense_backward[dense]/bf16").split(","))}
+    assert got == {train, "smooth_l1_loss_backward[mean]/fp32/n=16777216",
+                   "smooth_l1_loss_backward[mean]/bf16/n=16777216",
+                   "embedding_dense_backward[dense]/bf16/tokens=8192,num_weights=32000,D=1024"}
+    # the words of an id are still substrings on their own
+    assert len(B.select(cases, ["h=896"])) > 1
+    assert cli_main(["bench", "--ops", train, "--list"]) == 0
+    out = capsys.readouterr().out
+    assert [ln.split("    (")[0] for ln in out.splitlines() if not ln.startswith(" ")] == [train]
+
+
 def test_full_cases_cover_the_issues():
     ids = [c.id for c in B.all_cases(quick=False)]
     want = ["fused_linear_cross_entropy_loss_grad[memory-saving]/bf16/BT=2048,H=896,V=151936",

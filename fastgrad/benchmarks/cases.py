@@ -978,19 +978,31 @@ def all_cases(quick: bool = False) -> list:
 
 
 def select(cases: list, ops) -> list:
-    """Cases whose op is one of ``ops`` (op names or :data:`ALIASES`; any other string selects
-    the cases whose id contains it); all cases when ``ops`` is empty."""
+    """Cases picked by ``ops``, a list of words (``--ops``'s comma-separated pieces): an op name
+    or an alias (:data:`ALIASES`) selects that op's cases; a case id (``--list`` prints them;
+    split at its own commas, its pieces are joined back) selects that case only; any other word
+    selects the cases whose id contains it.  All cases when ``ops`` is empty.  Case-insensitive."""
     if not ops:
         return list(cases)
+    ids = {c.id.lower() for c in cases}
     ops_known = {c.op for c in cases} | set(ALIASES.values())
-    exact, sub = set(), []
-    for o in ops:
-        o = o.strip().lower()
+    words = [o.strip().lower() for o in ops]
+    exact_ops, exact_ids, sub = set(), set(), []
+    i = 0
+    while i < len(words):
+        # the longest run of pieces from here that is a case id ("…/BT=2048,H=896,V=151936")
+        j = next((j for j in range(len(words), i, -1) if ",".join(words[i:j]) in ids), None)
+        if j is not None:
+            exact_ids.add(",".join(words[i:j]))
+            i = j
+            continue
+        o = words[i]
+        i += 1
         if o in ALIASES or o in ops_known:
-            exact.add(ALIASES.get(o, o))
+            exact_ops.add(ALIASES.get(o, o))
         elif o:
             sub.append(o)
-    return [c for c in cases if c.op in exact or any(w in c.id.lower() for w in sub)]
+    return [c for c in cases if c.op in exact_ops or c.id.lower() in exact_ids or any(w in c.id.lower() for w in sub)]
 
 
 def find_case(case_id: str, quick: bool) -> Case:

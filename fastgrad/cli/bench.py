@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ops",
         help="comma-separated ops (names, substrings or aliases: "
-        "flce, floms, fce, ce, softmax, smooth_l1, embedding, train)",
+        "flce, floms, fce, ce, softmax, smooth_l1, embedding, train); a full case id as --list "
+        "prints it selects that case only",
     )
     p.add_argument("--threads", help="comma-separated thread counts (default: all cores)")
     p.add_argument(
