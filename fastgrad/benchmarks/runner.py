@@ -5,8 +5,9 @@ Python subprocess (spawned, nothing inherited but the environment) so that their
 theirs alone: the child builds the inputs, then for each row makes one untimed call (the
 libraries' one-time set-up stays out of the figure: a training loop's steady state), releases
 the output cache and the free heap, resets the kernel's peak-RSS counter, records the RSS, times
-the row, and reports the peak (``peak_rss_mib``) and the growth over that RSS
-(``peak_rss_delta_mib``).
+one call, and reports the peak (``peak_rss_mib``) and the growth over that RSS
+(``peak_rss_delta_mib``).  Every case's rows are then timed in interleaved rounds
+(:func:`run_rows`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 import traceback
+
+import numpy as np
 
 from . import cases as C
 from .machine import copy_bandwidth, gemm_runner, machine_id, machine_info, versions
@@ -123,6 +126,53 @@ def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> di
     return row
 
 
+def run_rows(case, specs, inp, n, repeat, budget_s, memory=False) -> list[dict]:
+    """Time a case's rows (``specs``: [(runner index, backend), ...]) in interleaved rounds.
+
+    Round 1 is :func:`run_one` with one timed call per row, row after row (its warm-up call and,
+    with ``memory``, its peak RSS, each row's callable dropped before the next row's is made).
+    Rounds 2 .. ``repeat`` take one timed call of every row that ran, after one more untimed call
+    each, in the case's row order, reversed every other round; they stop after the round in
+    which some row's timed calls reach ``budget_s`` in all.  A row's median and percentiles are
+    over its calls of every round: a machine whose speed drifts over a run (a shared VM) slows
+    every row of a round alike, so the ratios between rows hold where back-to-back repetitions of
+    one row, then the next, would compare different moments.
+    """
+    rows = [run_one(case, case.runners[ri], b, inp, n, 1, budget_s, memory) for ri, b in specs]
+    live = [k for k, r in enumerate(rows) if r["status"] == "ok" and r["reps"] >= 1]
+    if repeat <= 1 or not live:
+        return rows
+    samples = {k: [rows[k]["time_median_s"]] for k in live}
+    fns = {}
+    try:
+        for k in live:  # one untimed call each: a callable made again starts cold
+            ri, b = specs[k]
+            fns[k] = _callable(case, case.runners[ri], b, inp)
+            fns[k]()
+        for r in range(1, repeat):
+            for k in live if r % 2 == 0 else live[::-1]:
+                t = time.perf_counter()
+                fns[k]()
+                samples[k].append(time.perf_counter() - t)
+            if max(sum(v) for v in samples.values()) >= budget_s:
+                break
+    except Exception as e:  # noqa: BLE001 - keep the calls timed so far, say why the rounds stopped
+        for k in live:
+            rows[k]["note"] = "; ".join(
+                filter(None, [rows[k]["note"], f"rounds stopped: {type(e).__name__}: {e}"[:200]])
+            )
+    fns.clear()
+    for k in live:
+        v = samples[k]
+        rows[k].update(
+            time_median_s=float(np.median(v)),
+            time_p20_s=float(np.percentile(v, 20)),
+            time_p80_s=float(np.percentile(v, 80)),
+            reps=len(v),
+        )
+    return rows
+
+
 def _gemm_engines(has_torch: bool) -> dict:
     """The GEMM engine of the NumPy-level ops and of fastgrad.torch's training loss here."""
     from .. import _config
@@ -164,19 +214,8 @@ def _child_main():
             gc.freeze()
             with threads(spec["threads"]):
                 inp: dict | None = case.build()
-                for ri, backend in job["rows"]:
-                    rows.append(
-                        run_one(
-                            case,
-                            case.runners[ri],
-                            backend,
-                            inp,
-                            spec["threads"],
-                            spec["repeat"],
-                            spec["budget"],
-                            memory=True,
-                        )
-                    )
+                specs = [(ri, backend) for ri, backend in job["rows"]]
+                rows = run_rows(case, specs, inp, spec["threads"], spec["repeat"], spec["budget"], memory=True)
                 inp = None
             results.append({"ok": True, "rows": rows})
         except Exception as e:  # noqa: BLE001
@@ -309,11 +348,11 @@ def run(
                         inp = case.build()
                     except Exception as e:  # noqa: BLE001
                         inp, err = None, f"building inputs failed: {type(e).__name__}: {e}"
-                    for ri, b in specs:
-                        if inp is None:
+                    if inp is None:
+                        for ri, b in specs:
                             case_rows.append(dict(_row_base(case, case.runners[ri], b, nthr), status="error", note=err))
-                        else:
-                            case_rows.append(run_one(case, case.runners[ri], b, inp, nthr, repeat, budget_s))
+                    else:
+                        case_rows = run_rows(case, specs, inp, nthr, repeat, budget_s)
                     inp = None
                 if case.bound == "copy" and bw is not None:
                     br = _row_base(
