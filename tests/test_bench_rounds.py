@@ -44,6 +44,7 @@ def test_round_one_row_by_row_then_interleaved_rounds_alternating():
     assert [c[0] for c in calls[9:]] == ["r2", "r1", "r0", "r0", "r1", "r2", "r2", "r1", "r0"]
     assert all(r["status"] == "ok" and r["reps"] == 4 for r in rows)
     assert all(r["time_p20_s"] <= r["time_median_s"] <= r["time_p80_s"] for r in rows)
+    assert all(len(r["time_samples_s"]) == 4 and min(r["time_samples_s"]) <= r["time_median_s"] for r in rows)
 
 
 def test_rounds_stop_once_a_row_has_spent_the_budget():

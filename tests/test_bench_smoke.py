@@ -12,7 +12,8 @@ from fastgrad.cli import main as cli_main
 ROW_KEYS = {"machine", "versions", "threads", "op", "case", "shape", "shape_str", "dtype", "mode",
             "backend", "kind", "runner", "variant", "status", "note", "time_median_s", "time_p20_s",
             "time_p80_s", "reps", "flops", "bytes", "gflops", "gbps", "bound", "bound_time_s",
-            "fraction_of_bound", "fastgrad_speedup", "peak_rss_mib", "peak_rss_delta_mib", "rss_measured"}
+            "fraction_of_bound", "fastgrad_speedup", "peak_rss_mib", "peak_rss_delta_mib", "rss_measured",
+            "time_samples_s"}
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,7 @@ def _row_base(case, runner, backend, n, note="") -> dict:
         "time_p20_s": None,
         "time_p80_s": None,
         "reps": 0,
+        "time_samples_s": None,  # every timed call, in round order (run_rows)
         "warmup_s": None,
         "flops": case.flops or None,
         "bytes": case.bytes or None,
@@ -140,6 +141,8 @@ def run_rows(case, specs, inp, n, repeat, budget_s, memory=False) -> list[dict]:
     """
     rows = [run_one(case, case.runners[ri], b, inp, n, 1, budget_s, memory) for ri, b in specs]
     live = [k for k, r in enumerate(rows) if r["status"] == "ok" and r["reps"] >= 1]
+    for k in live:
+        rows[k]["time_samples_s"] = [rows[k]["time_median_s"]]
     if repeat <= 1 or not live:
         return rows
     samples = {k: [rows[k]["time_median_s"]] for k in live}
@@ -169,6 +172,7 @@ def run_rows(case, specs, inp, n, repeat, budget_s, memory=False) -> list[dict]:
             time_p20_s=float(np.percentile(v, 20)),
             time_p80_s=float(np.percentile(v, 80)),
             reps=len(v),
+            time_samples_s=[float(x) for x in v],
         )
     return rows
 
