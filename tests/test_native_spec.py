@@ -347,3 +347,31 @@ def test_isa_setting(monkeypatch):
         monkeypatch.delenv("FASTGRAD_NATIVE_ISA")
         B.select_isa(_config.native_isa())
     assert B.selected_isa() == "auto"
+
+
+@pytest.mark.parametrize("name,a_form", _FORMS, ids=[f"{n}-{f}" for n, f in _FORMS])
+@pytest.mark.parametrize("acc", [False, True])
+def test_passes_and_column_blocks_keep_the_sequential_sum(name, a_form, acc):
+    """A tile past one pass over ``k`` (``_KC`` pairs) and one call's column block (``_NS``), with a
+    column edge: every output is still the one sequence of additions.  Normal-range values (no
+    flush), so the oracle is NumPy's fp32 ``c + a·b`` in the documented order (the products of
+    bf16 or fp16 values are exact in fp32: one rounding per addition, as the fused multiply-add)."""
+    spec = N.SPECS[name]
+    M, K, Nn = 13, 2 * B._KC + 89, 2 * B._NS + 101  # 3 passes (pairs) / 2 (fp32 values); 128+128+64 columns + 37
+    rng = np.random.default_rng(7)
+    dt = BF if spec.kind == "bf16" else np.float16
+    A = (rng.standard_normal((M, K)) * 0.5).astype(dt).astype(np.float32)
+    Bm = (rng.standard_normal((K, Nn)) * 0.5).astype(dt)
+    Bf = Bm.astype(np.float32)
+    C = rng.standard_normal((M, Nn)).astype(np.float32)
+    got = _call(name, A, Bm if spec.kind == "bf16" else Bf, C, acc, a_form)
+    want = C.copy() if acc else np.zeros((M, Nn), np.float32)
+    pairs = spec.kind == "bf16"
+    order = [k for p in range((K + 1) // 2) for k in (2 * p + 1, 2 * p)] if pairs else range(K)
+    for k in order:
+        if k < K:
+            want = want + A[:, k : k + 1] * Bf[k : k + 1, :]
+        else:  # the padded half of the last pair: + (+0)·0
+            want = want + np.float32(0.0)
+    assert want.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

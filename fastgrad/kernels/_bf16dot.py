@@ -51,6 +51,14 @@ _COLS = NATIVE_COLS  #: the packed ``B``'s column granule (``tiling``: the plan 
 #: pairs of ``k`` per pass over a tile: a 64-column strip of ``B`` (KC × 256 bytes) stays in L2;
 #: the next pass sums onto the stored fp32 values, the same additions in the same order
 _KC = 256
+#: columns per call of the native function within a pass: its ``B`` block (``_KC`` pairs × 128
+#: columns × 4 bytes = 128 KiB) stays in the core's L2 while every row tile of the task passes
+#: under it.  A whole 512-column span (512 KiB, a Zen 3 core's entire L2) went to L3 for every
+#: row tile: two cores then contend there — AVX2 kernel, 510 × 896 × 512 tasks, one per core
+#: (Zen 3 EPYC, 2 cores): 94–134 GF/s in all on 512-column calls, 145–155 on 128 (OpenBLAS's
+#: two-thread sgemm 167; one core alone runs either at ~85, as sgemm).  The same additions in
+#: the same order (each output's ``k`` in order within a pass): the same bits.
+_NS = 128
 #: the native ISA setting (``fastgrad._config.set_native_isa``; the op layer makes it this module's at
 #: each LM-head call's GEMM choice, ``kernels/_engine.resolve``): ``"auto"`` (the best variant the
 #: CPU runs), ``"avx512"`` or ``"avx2"`` (only that ISA's)
@@ -89,7 +97,10 @@ def variant(kind: str = "bf16", isa: str | None = None) -> _native.KernelSpec | 
 #: thread, CPU time (noisy, shared machine), at (1024, 896, 32000) against OpenBLAS's Haswell
 #: sgemm path: bf16 FLCE grad 1.18x, online max-sum 1.12x, training loss 0.97x (a tie); fp16
 #: FLCE grad 1.37x, online max-sum 1.46x.  The AVX2 GEMM runs at 85-109 GF/s per core against
-#: sgemm's ~105, and the BLAS path's tiles beat it; the AVX-512 variants win (0.65x)
+#: sgemm's ~105, and the BLAS path's tiles beat it; the AVX-512 variants win (0.65x).  Still no on
+#: a Zen 3 EPYC (2 cores, AVX2 only) after the column blocks (``_NS``) and the row-by-row copy of
+#: contiguous ``A`` rows: bf16 FLCE grad at (1024, 896, 32000), one process, 5 interleaved rounds,
+#: native 1.29 s (2.31 s before them), BLAS 1.10 s, three sgemms 0.98 s
 AUTO_AVX2 = {"bf16": False, "f32": False}
 
 
@@ -425,8 +436,21 @@ def gemm_tile(
                 f = fns[(a_form, mr, ac)]
                 a = A.ctypes.data + (r0 * la + (k0 - p0) * step) * 4
                 b = bp.ctypes.data + (k0 * ldb + c0) * 4
-                if n64:
-                    f(a, la, sa, b, ldb, out.ctypes.data + r0 * ldc * 4, ldc, r1 - r0, n64, k1 - k0, b)
+                for s0 in range(0, n64, _NS):  # B's block of this pass stays in L2 (_NS)
+                    s1 = min(n64, s0 + _NS)
+                    f(
+                        a,
+                        la,
+                        sa,
+                        b + s0 * 4,
+                        ldb,
+                        out.ctypes.data + (r0 * ldc + s0) * 4,
+                        ldc,
+                        r1 - r0,
+                        s1 - s0,
+                        k1 - k0,
+                        b + s0 * 4,
+                    )
                 if tail is not None:
                     t = tail.ctypes.data + r0 * _COLS * 4
                     f(a, la, sa, b + n64 * 4, ldb, t, _COLS, r1 - r0, _COLS, k1 - k0, b + n64 * 4)
@@ -447,9 +471,15 @@ def _a_stride(k: int) -> int:
 
 @tjit
 def _copy_rows(lo, hi, src, dst):
-    """dst[i, :] = src[i, :] for the rows ``lo:hi`` (any strides of ``src``: a transposed view
-    read 16 rows of ``dst`` at a time, each source row's segment a cache line)."""
+    """dst[i, :] = src[i, :] for the rows ``lo:hi`` (any strides of ``src``: rows of unit column
+    stride row by row; a transposed view 16 rows of ``dst`` at a time, each source row's segment a
+    cache line — that order on contiguous rows copied at 1.4 GB/s against 17 row by row)."""
     n = src.shape[1]
+    if src.strides[1] == src.itemsize:
+        for i in range(lo, hi):
+            for j in range(n):
+                dst[i, j] = src[i, j]
+        return
     for i0 in range(lo, hi, 16):
         i1 = min(hi, i0 + 16)
         for j in range(n):
