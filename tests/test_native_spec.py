@@ -357,7 +357,8 @@ def test_passes_and_column_blocks_keep_the_sequential_sum(name, a_form, acc):
     flush), so the oracle is NumPy's fp32 ``c + a·b`` in the documented order (the products of
     bf16 or fp16 values are exact in fp32: one rounding per addition, as the fused multiply-add)."""
     spec = N.SPECS[name]
-    M, K, Nn = 13, 2 * B._KC + 89, 2 * B._NS + 101  # 3 passes (pairs) / 2 (fp32 values); 128+128+64 columns + 37
+    ns = max(B._NS, 4 * spec.cols)
+    M, K, Nn = 13, 2 * B._KC + 89, 2 * ns + 101  # 3 passes (pairs) / 2 (fp32 values); 2 blocks, 64 columns, 37
     rng = np.random.default_rng(7)
     dt = BF if spec.kind == "bf16" else np.float16
     A = (rng.standard_normal((M, K)) * 0.5).astype(dt).astype(np.float32)

@@ -57,7 +57,10 @@ _KC = 256
 #: row tile: two cores then contend there — AVX2 kernel, 510 × 896 × 512 tasks, one per core
 #: (Zen 3 EPYC, 2 cores): 94–134 GF/s in all on 512-column calls, 145–155 on 128 (OpenBLAS's
 #: two-thread sgemm 167; one core alone runs either at ~85, as sgemm).  The same additions in
-#: the same order (each output's ``k`` in order within a pass): the same bits.
+#: the same order (each output's ``k`` in order within a pass): the same bits.  At least four
+#: register tiles wide (an AVX-512 variant's 64 columns: 256, a 256 KiB block — every AVX-512
+#: CPU's L2 holds it; not measured on one: none was at hand), so each row tile's ``A`` stays in
+#: L1 over several column tiles.
 _NS = 128
 #: the native ISA setting (``fastgrad._config.set_native_isa``; the op layer makes it this module's at
 #: each LM-head call's GEMM choice, ``kernels/_engine.resolve``): ``"auto"`` (the best variant the
@@ -402,6 +405,7 @@ def gemm_tile(
     if a_form not in sp.a_forms:
         raise ValueError(f"variant {sp.name!r} takes A as {' or '.join(sp.a_forms)}, not {a_form}")
     fns, MR = k["fns"], sp.mr
+    ns = max(_NS, 4 * sp.cols)
     lda, ska = xp.strides[0] // 4, xp.strides[1] // 4
     # segments of k: (A, its lda, ska, elements of A per k step, first and end row of B); fp32 A
     # with bf16 pairs: two values per pair, an odd K's last value as a pair with a zero (+0·0
@@ -436,8 +440,8 @@ def gemm_tile(
                 f = fns[(a_form, mr, ac)]
                 a = A.ctypes.data + (r0 * la + (k0 - p0) * step) * 4
                 b = bp.ctypes.data + (k0 * ldb + c0) * 4
-                for s0 in range(0, n64, _NS):  # B's block of this pass stays in L2 (_NS)
-                    s1 = min(n64, s0 + _NS)
+                for s0 in range(0, n64, ns):  # B's block of this pass stays in L2 (_NS)
+                    s1 = min(n64, s0 + ns)
                     f(
                         a,
                         la,
