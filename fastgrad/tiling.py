@@ -496,7 +496,8 @@ class TrainingPlan:
         The logits run on the native bf16 kernel (``GemmChoice.logits16`` with bf16 operands).
     filter_rows, filter_cols : int
         Gradient filtering (``filter_eps``): blocks of ``filter_rows`` rows (at most a row block)
-        × ``filter_cols`` vocabulary columns are kept or skipped whole; 0 without filtering.
+        × ``filter_cols`` vocabulary columns are kept or skipped whole; 0 where nothing is filtered
+        (no ``filter_eps``, no gradient, or no vocabulary: :func:`training_modes`).
     staged_statistics, staged_gradient : bool
         The row block's statistics sweep (resp. gradient sweep) runs in stages
         (``kernels/_lm_head.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
@@ -560,6 +561,15 @@ def training_budget_rows(vocab_size: int, itemsize: int, budget: int) -> int:
     return nb if nb < 8 else (nb // 8) * 8
 
 
+def training_modes(*, want_grad: bool, recompute: bool, filtered: bool, K: int, BT: int) -> tuple[bool, bool]:
+    """``(vocab_major, filtering)`` of a training-loss call — the one rule the plan is made by and
+    the kernel checks its plan against: the gradient recomputed from a saved ``lse`` runs
+    vocabulary-major unless it is filtered; gradient filtering (``filter_eps`` given) runs where
+    a gradient over a non-empty vocabulary is computed."""
+    filtering = bool(filtered and want_grad and K > 0)
+    return bool(recompute and want_grad and not filtered and K > 0 and BT > 0), filtering
+
+
 def plan_training_loss(
     BT: int,
     K: int,
@@ -601,11 +611,11 @@ def plan_training_loss(
     vc = max(1, min(vc_req, max(K, 1)))
     rc = min(vc, TRAIN_VM_CHUNK)
     g3 = (want_grad,) * 3 if grads is None else tuple(bool(g) for g in grads)
-    vocab_major = recompute and want_grad and not filtered and K > 0 and BT > 0
+    vocab_major, filtering = training_modes(want_grad=want_grad, recompute=recompute, filtered=filtered, K=K, BT=BT)
     # the row blocks' stages: the statistics where the logits run on the fp32 engines with a
     # gradient to follow; the gradient where it is dense and grad_weight summed in the compute dtype
     staged_stats = bool(staged) and not logits16 and want_grad and not recompute
-    staged_grad = staged_stats and not filtered and not (accum16 and g3[1]) and K > 0
+    staged_grad = staged_stats and not filtering and not (accum16 and g3[1]) and K > 0
     plan = TrainingPlan(
         BT=BT,
         K=K,
@@ -620,8 +630,8 @@ def plan_training_loss(
         whole_weight=widen and K * H * 4 <= budget // 4 and not (logits16 and not want_grad),
         budget_bytes=budget,
         logits16=bool(logits16),
-        filter_rows=max(1, min(FILTER_ROWS, block)) if filtered else 0,
-        filter_cols=FILTER_COLS if filtered else 0,
+        filter_rows=max(1, min(FILTER_ROWS, block)) if filtering else 0,
+        filter_cols=FILTER_COLS if filtering else 0,
         staged_statistics=staged_stats,
         staged_gradient=staged_grad,
     )
@@ -633,7 +643,6 @@ def plan_training_loss(
             widen=widen,
             grads=(g3[0], g3[1], g3[2]),
             recompute=recompute,
-            filtered=filtered,
             accum16=accum16,
             fast=fast,
             a_form=a_form,
@@ -668,7 +677,6 @@ def training_buffers(
     widen: bool,
     grads: tuple[bool, bool, bool],
     recompute: bool,
-    filtered: bool,
     accum16: bool = False,
     fast: bool = False,
     a_form: str | None = None,
@@ -747,7 +755,7 @@ def training_buffers(
         add("grad_weight_product", (vc, H), cdt, "tile")
         if accum16:
             add("vocab_rows", (K,), "int64", "call")
-    if filtered and want_grad and K:
+    if plan.filter_rows:  # gradient filtering (training_modes)
         rb = plan.filter_rows
         add("filter_flags", (plan.block_rows, -(-K // plan.filter_cols)), "bool", "tile")
         add("kept_g", (rb, vc), cdt, "tile")

@@ -61,13 +61,23 @@ def test_the_op_layer_makes_the_plan_per_call(monkeypatch):
     assert np.isfinite(r.loss)
 
 
-def test_a_plan_that_contradicts_the_call_is_refused():
+@pytest.mark.parametrize(
+    "says,feps,match",
+    [
+        ({"recompute": True}, None, "vocab_major"),  # the plan says: recompute the gradient
+        ({"filtered": True}, None, "filter_rows"),  # the plan says: filtered; the call gives no filter_eps
+        ({}, 1e-3, "filter_rows"),  # the call filters; the plan was made without
+    ],
+)
+def test_a_plan_that_contradicts_the_call_is_refused(says, feps, match):
+    """The kernel checks its plan against the call by the plan's own rule (tiling.training_modes)."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((8, 4)).astype(np.float32)
     w = rng.standard_normal((20, 4)).astype(np.float32)
-    plan = _plan(BT=8, Kl=20, V=20, H=4, recompute=True)  # says: recompute the gradient
+    plan = _plan(BT=8, Kl=20, V=20, H=4, **says)
     out = {"grad_input": np.zeros((8, 4), np.float32), "lse": np.zeros(8, np.float32)}
-    with pytest.raises(ValueError, match="vocab_major"):
+    extra = {} if feps is None else {"filter_eps": feps}
+    with pytest.raises(ValueError, match=match):
         K.linear_cross_entropy_cpu(
             input=x,
             weight=w,
@@ -86,6 +96,7 @@ def test_a_plan_that_contradicts_the_call_is_refused():
                 "z_scale2": 0.0,
                 "need_zsum": False,
                 "vocab_start_index": 0,
+                **extra,
             },
             plan=plan,
             lse=None,

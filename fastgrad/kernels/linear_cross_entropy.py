@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
-from ..tiling import BLAS, FAST_E_GROUP, TrainingPlan
+from ..tiling import BLAS, FAST_E_GROUP, TrainingPlan, training_modes
 from . import _bf16dot
 from ._gemm import (
     blas_for,
@@ -777,8 +777,11 @@ def linear_cross_entropy_cpu(
     partial = params.get("filter_eps") is not None or K == 0 or BT == 0
     if gi is not None and partial:
         gi[...] = 0
-    # the recompute of the gradient alone runs vocabulary-major (``_vocab_major``)
-    vmajor = recompute and want_grad and params.get("filter_eps") is None and K > 0 and BT > 0
+    # the recompute of the gradient alone runs vocabulary-major (``_vocab_major``); the plan was
+    # made by the same rule (a plan made for other arguments is refused below)
+    vmajor, filtering = training_modes(
+        want_grad=want_grad, recompute=recompute, filtered=params.get("filter_eps") is not None, K=K, BT=BT
+    )
     if gw is not None and (partial or (gw_code is not None and not vmajor)):  # 16-bit: accumulated from zero
         gw[...] = 0
     if gb is not None:
@@ -800,6 +803,8 @@ def linear_cross_entropy_cpu(
     W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
     if vmajor != plan.vocab_major:
         raise ValueError(f"plan.vocab_major is {plan.vocab_major}, the call's arguments say {vmajor}")
+    if filtering != (plan.filter_rows > 0):
+        raise ValueError(f"plan.filter_rows is {plan.filter_rows}, the call's arguments say filtering={filtering}")
     # every buffer from the plan's list (tiling.training_buffers): the memory estimate is what runs
     ws = Workspace(plan)
     if vmajor:
@@ -917,7 +922,7 @@ class _RowStep:
         if self.fstats is not None:
             self.fstats.setdefault("blocks_total", 0)
             self.fstats.setdefault("blocks_skipped", 0)
-        self.filtered = feps is not None and self.want_grad and K > 0
+        self.filtered = self.plan.filter_rows > 0  # (training_modes: filter_eps given, a gradient, K > 0)
         if not self.filtered:
             return
         nb_max, vc = self.plan.block_rows, self.plan.v_chunk
