@@ -431,6 +431,19 @@ def plan_linear_cross_entropy(
 #: and the recompute of the gradient from a saved log-sum-exp)
 TRAIN_VM_CHUNK = 2048
 
+#: The training loss's row-block GEMM grids (``kernels/_gemm``'s tasks; each tile one
+#: single-threaded BLAS call, so the bits do not depend on the thread count): the logits
+#: ``X[b]·W[v]ᵀ`` in tiles of ≤ 1024 rows × ≤ 2048 vocabulary columns, ``grad_weight``'s
+#: ``Gᵀ·X[b]`` in blocks of ≤ 1024 vocabulary rows (all ``H`` columns), ``grad_input``'s
+#: ``G·W[v]`` in tiles of ≤ 512 × 512.  From the shapes only.  The first two were 512 × 512 and
+#: 512 rows (the aclnn ops' grid, ``_gemm.ROW_BLOCK``/``COL_BLOCK``, which their bit pins keep):
+#: at the Qwen2.5-0.5B head, bf16, a 2-core Zen 3, the fused step 1.16 -> 1.07x and 1.22 -> 1.13x
+#: its three fp32 sgemms (interleaved rounds, ``bench/results/README.md``) — a chunk's 52 GEMM
+#: tasks become 16, each packing its operands once for 4x the work.
+TRAIN_LOGITS_TILE = (1024, 2048)
+TRAIN_GRAD_WEIGHT_ROWS = 1024
+TRAIN_GRAD_INPUT_TILE = (512, 512)
+
 
 @dataclass(frozen=True)
 class TileGrid:
@@ -498,6 +511,11 @@ class TrainingPlan:
         Gradient filtering (``filter_eps``): blocks of ``filter_rows`` rows (at most a row block)
         × ``filter_cols`` vocabulary columns are kept or skipped whole; 0 where nothing is filtered
         (no ``filter_eps``, no gradient, or no vocabulary: :func:`training_modes`).
+    logits_tile, grad_input_tile : tuple of int
+        The row blocks' GEMM grids: the logits' and ``grad_input``'s largest tile (rows ×
+        columns of the product), and ``grad_weight_rows``: ``grad_weight``'s blocks of vocabulary
+        rows (:data:`TRAIN_LOGITS_TILE` and its neighbours).
+    grad_weight_rows : int
     staged_statistics, staged_gradient : bool
         The row block's statistics sweep (resp. gradient sweep) runs in stages
         (``kernels/_lm_head.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
@@ -523,6 +541,9 @@ class TrainingPlan:
     logits16: bool = False
     filter_rows: int = 0
     filter_cols: int = 0
+    logits_tile: tuple[int, int] = TRAIN_LOGITS_TILE
+    grad_input_tile: tuple[int, int] = TRAIN_GRAD_INPUT_TILE
+    grad_weight_rows: int = TRAIN_GRAD_WEIGHT_ROWS
     staged_statistics: bool = False
     staged_gradient: bool = False
     buffers: tuple[Buffer, ...] = ()

@@ -11,7 +11,9 @@ OpenBLAS runs the same kernel, so on a machine whose OpenBLAS kernel has no pin 
 reported as skipped with the kernel's name.  Each key's source commit is in the file
 (``sources``): 6464144, except the AVX2 hosts' native keys (6464144 had no AVX2 native kernel).
 A refactor of the LM-head engine must keep every pin (a deliberate change of results re-pins with
-the commit named in the file).
+the commit named in the file).  A deliberate change that a machine here could not re-pin for every
+host class lists those keys' cases under ``stale`` with the reason and the command that re-pins
+them; they are reported as skipped with that reason (never compared with the old bits).
 """
 
 import json
@@ -25,7 +27,10 @@ sys.path.insert(0, str(HERE))
 
 import pin_cases  # noqa: E402
 
-PINS = json.loads((HERE / "lm_head_pins.json").read_text())["pins"]
+_FILE = json.loads((HERE / "lm_head_pins.json").read_text())
+PINS = _FILE["pins"]
+STALE = _FILE.get("stale", {}).get("names", {})
+STALE_REASON = _FILE.get("stale", {}).get("reason", "")
 KEYS = pin_cases.machine_keys()
 
 
@@ -46,7 +51,7 @@ def test_this_machine_checks_some_pins():
     checked = [k for k in KEYS if k in PINS]
     if not checked:
         pytest.skip(f"no pins for this machine's keys {sorted(KEYS)} (pinned: {sorted(PINS)})")
-    assert all(len(PINS[k]) >= len(KEYS[k]) for k in checked)
+    assert all(len(PINS[k]) + len(STALE.get(k, ())) >= len(KEYS[k]) for k in checked)
 
 
 @pytest.mark.parametrize("key,name,isa", PARAMS, ids=[f"{k}:{n}:{i}" for k, n, i in PARAMS])
@@ -55,6 +60,8 @@ def test_pinned_bits(key, name, isa):
 
     if key not in PINS:
         pytest.skip(f"no pin for {key} (pinned: {sorted(PINS)})")
+    if name in STALE.get(key, ()):
+        pytest.skip(f"{key}:{name} is stale: {STALE_REASON}")
     _config.set_native_isa(isa)
     try:
         assert pin_cases.digest(name, key) == PINS[key][name]

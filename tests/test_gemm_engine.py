@@ -344,3 +344,24 @@ def test_the_choice_describes_itself_once_for_the_command_and_the_bench():
     from fastgrad.dtypes import BFLOAT16
 
     assert gemm_kernel(np.dtype(BFLOAT16)) == _engines.gemm_choice(BFLOAT16).describe()
+
+
+def test_task_grids_take_a_tile_size_and_refuse_an_empty_one():
+    from fastgrad.kernels import _gemm
+
+    rng = np.random.default_rng(5)
+    A = rng.standard_normal((70, 9)).astype(np.float32)
+    B = rng.standard_normal((50, 9)).astype(np.float32)
+    out = np.zeros((70, 50), np.float32)
+    tasks = _gemm.nt_tasks(A, B, out, rows=32, cols=20)
+    assert len(tasks) == 3 * 3  # ceil(70/32) x ceil(50/20) equal parts
+    _gemm.run_tasks(tasks)
+    np.testing.assert_allclose(out, A.astype(np.float64) @ B.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+    gw = np.zeros((50, 9), np.float32)
+    G = np.ascontiguousarray(out)
+    assert len(_gemm.tn_tasks(G, A, gw, rows=16)) == 4
+    for bad in (dict(rows=0), dict(cols=0)):
+        with pytest.raises(ValueError, match="tile sizes"):
+            _gemm.nt_tasks(A, B, out, **bad)
+    with pytest.raises(ValueError, match="block size"):
+        _gemm.tn_tasks(G, A, gw, rows=0)

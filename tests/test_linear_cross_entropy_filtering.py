@@ -131,7 +131,9 @@ def test_ignored_rows_are_skipped_exactly():
     dense = fg.linear_cross_entropy(x, w, t, return_grad=True)
     filt = fg.linear_cross_entropy(x, w, t, return_grad=True, filter_eps=1e-30)
     assert filt.filter_stats["blocks_skipped"] == -(-700 // 64)
-    np.testing.assert_allclose(filt.grad_weight, dense.grad_weight, rtol=1e-6, atol=1e-12)
+    # the same sums in another grouping (the kept blocks' GEMMs, not the dense grid): fp32
+    # rounding of the largest gradient, not of each (cancelling) element
+    np.testing.assert_allclose(filt.grad_weight, dense.grad_weight, rtol=1e-6, atol=1e-6 * np.abs(dense.grad_weight).max())
     np.testing.assert_array_equal(filt.grad_input[20:], 0)
 
 

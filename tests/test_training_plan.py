@@ -129,3 +129,58 @@ def test_the_training_loss_reports_progress(backend):
         assert rec == [(k, grid.n_tiles) for k in range(1, grid.n_tiles + 1)]
     else:
         assert rec == [(k, 5) for k in range(1, 6)]
+
+
+def _tiles(monkeypatch):
+    """Every GEMM tile the training loss runs: ``(A rows, B columns or rows, out shape)``."""
+    from fastgrad.kernels import _gemm
+
+    seen = []
+    real = _gemm._mm_into
+
+    def spy(A, B, out, tmp, engine):
+        seen.append((A.shape, B.shape, out.shape))
+        return real(A, B, out, tmp, engine)
+
+    monkeypatch.setattr(_gemm, "_mm_into", spy)
+    return seen
+
+
+def test_the_row_blocks_gemm_grids_are_the_plans(monkeypatch):
+    # 600 rows x 3000 columns: the logits in 1 x 2 tiles of 600 x 1500 (a 512 x 512 grid would
+    # give 2 x 6), grad_weight in 3 blocks of 1000 vocabulary rows, grad_input in 2 x 1 tiles
+    assert _plan().logits_tile == tiling.TRAIN_LOGITS_TILE == (1024, 2048)
+    assert (_plan().grad_weight_rows, _plan().grad_input_tile) == (1024, (512, 512))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((600, 40)).astype(np.float32)
+    w = (rng.standard_normal((3000, 40)) * 0.1).astype(np.float32)
+    t = rng.integers(0, 3000, 600)
+    with fg.gemm("blas"):
+        ref = fg.linear_cross_entropy(x, w, t, return_grad=True)
+        tiles = _tiles(monkeypatch)
+        r = fg.linear_cross_entropy(x, w, t, return_grad=True)
+    logits = [o for a, b, o in tiles if a == (600, 40) and o[1] != 40]
+    gw = [o for a, b, o in tiles if o[1] == 40 and a[1] == 600]
+    gi = [o for a, b, o in tiles if o[1] == 40 and a[1] == 3000]
+    assert logits == [(600, 1500)] * 2
+    assert gw == [(1000, 40)] * 3
+    assert sorted(gi) == [(300, 40)] * 2
+    np.testing.assert_array_equal(r.grad_weight, ref.grad_weight)  # the spy changes nothing
+    # the plan's grid is what the kernel runs: another grid, other tiles, the same values to fp32
+    real = tiling.plan_training_loss
+
+    def other(*a, **kw):
+        from dataclasses import replace
+
+        return replace(real(*a, **kw), logits_tile=(256, 700), grad_weight_rows=128, grad_input_tile=(100, 16))
+
+    monkeypatch.setattr(tiling, "plan_training_loss", other)
+    tiles.clear()
+    with fg.gemm("blas"):
+        o = fg.linear_cross_entropy(x, w, t, return_grad=True)
+    assert [o_ for a, b, o_ in tiles if a[1] == 40 and o_[1] != 40] == [(200, 600)] * 15  # 3 x 5
+    assert [o_ for a, b, o_ in tiles if a[1] == 600] == [(125, 40)] * 24
+    assert sorted(o_ for a, b, o_ in tiles if a[1] == 3000) == sorted([(100, 13)] * 12 + [(100, 14)] * 6)
+    for name in ("loss", "grad_input", "grad_weight"):
+        v, want = getattr(o, name), getattr(ref, name)
+        np.testing.assert_allclose(v, want, rtol=2e-5, atol=2e-6 * np.abs(want).max())

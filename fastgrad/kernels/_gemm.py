@@ -175,37 +175,65 @@ def _part(t: np.ndarray | None, a: int, b: int, c: int | None = None, d: int | N
     return t[a:b] if c is None else t[a:b, c:d]
 
 
-def _grid_tasks(A: np.ndarray, n: int, b_of, out: np.ndarray, tmp: np.ndarray | None, engine: str) -> list:
-    """``out[a:b, c:d] (+)= A[a:b] · b_of(c, d)`` over tiles of ≤ ROW_BLOCK × ≤ COL_BLOCK of
+def _grid_tasks(
+    A: np.ndarray, n: int, b_of, out: np.ndarray, tmp: np.ndarray | None, engine: str, rows: int, cols: int
+) -> list:
+    """``out[a:b, c:d] (+)= A[a:b] · b_of(c, d)`` over tiles of ≤ ``rows`` × ≤ ``cols`` of
     ``out`` (``n`` its columns), as tasks."""
+    if rows < 1 or cols < 1:
+        raise ValueError(f"tile sizes must be >= 1, got rows={rows}, cols={cols}")
     return [
         (lambda a=a, b=b, c=c, d=d: _mm_into(A[a:b], b_of(c, d), out[a:b, c:d], _part(tmp, a, b, c, d), engine))
-        for a, b in _spans(A.shape[0], ROW_BLOCK)
-        for c, d in _spans(n, COL_BLOCK)
+        for a, b in _spans(A.shape[0], rows)
+        for c, d in _spans(n, cols)
     ]
 
 
 def nt_tasks(
-    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
+    A: np.ndarray,
+    B: np.ndarray,
+    out: np.ndarray,
+    tmp: np.ndarray | None = None,
+    engine: str = "blas",
+    *,
+    rows: int = ROW_BLOCK,
+    cols: int = COL_BLOCK,
 ) -> list:
-    """The tiles of :func:`matmul_nt` as tasks."""
-    return _grid_tasks(A, B.shape[0], lambda c, d: B[c:d].T, out, tmp, engine)
+    """The tiles of :func:`matmul_nt` as tasks (``rows`` × ``cols``: the largest tile of ``out``;
+    a plan's choice, from the shapes only)."""
+    return _grid_tasks(A, B.shape[0], lambda c, d: B[c:d].T, out, tmp, engine, rows, cols)
 
 
 def nn_tasks(
-    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
+    A: np.ndarray,
+    B: np.ndarray,
+    out: np.ndarray,
+    tmp: np.ndarray | None = None,
+    engine: str = "blas",
+    *,
+    rows: int = ROW_BLOCK,
+    cols: int = COL_BLOCK,
 ) -> list:
-    """The tiles of :func:`matmul_nn` as tasks."""
-    return _grid_tasks(A, B.shape[1], lambda c, d: B[:, c:d], out, tmp, engine)
+    """The tiles of :func:`matmul_nn` as tasks (``rows`` × ``cols`` as :func:`nt_tasks`)."""
+    return _grid_tasks(A, B.shape[1], lambda c, d: B[:, c:d], out, tmp, engine, rows, cols)
 
 
 def tn_tasks(
-    A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None = None, engine: str = "blas"
+    A: np.ndarray,
+    B: np.ndarray,
+    out: np.ndarray,
+    tmp: np.ndarray | None = None,
+    engine: str = "blas",
+    *,
+    rows: int = COL_BLOCK,
 ) -> list:
-    """The blocks of :func:`matmul_tn` as tasks."""
+    """The blocks of :func:`matmul_tn` as tasks: ≤ ``rows`` rows of ``out`` (columns of ``A``)
+    each, every column of ``out`` in one call."""
+    if rows < 1:
+        raise ValueError(f"block size must be >= 1, got rows={rows}")
     return [
         (lambda a=a, b=b: _mm_into(A[:, a:b].T, B, out[a:b], _part(tmp, a, b), engine))
-        for a, b in _spans(A.shape[1], COL_BLOCK)
+        for a, b in _spans(A.shape[1], rows)
     ]
 
 

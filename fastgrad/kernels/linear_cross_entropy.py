@@ -999,7 +999,8 @@ class _RowStep:
         if self.bfl is not None:  # one task: the kernel's own parallel call, on this thread
             v0, v1 = self.chunks[c]
             return [functools.partial(self._logits16, v0, v1, Lc)]
-        return nt_tasks(self.X, self._w[c], Lc, engine=self.eng)
+        r, k = self.plan.logits_tile
+        return nt_tasks(self.X, self._w[c], Lc, engine=self.eng, rows=r, cols=k)
 
     def _logits16(self, v0: int, v1: int, Lc: np.ndarray) -> None:
         self.bfl.chunk(v0, v1)
@@ -1087,17 +1088,18 @@ class _RowStep:
         t = []
         if self.gi is not None:
             tmp = None if v0 == 0 else self.tmp_h[: nb * H].reshape(nb, H)
-            t += nn_tasks(Gc, self._w[c], self.gi[b0:b1], tmp, eng)
+            r, k = self.plan.grad_input_tile
+            t += nn_tasks(Gc, self._w[c], self.gi[b0:b1], tmp, eng, rows=r, cols=k)
         if self.gw is not None and self.gw_code is None:
             tmp = None if self.first else self.tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
-            t += tn_tasks(Gc, self.X, self.gw[v0:v1], tmp, eng)
+            t += tn_tasks(Gc, self.X, self.gw[v0:v1], tmp, eng, rows=self.plan.grad_weight_rows)
         return t + (self._colsum(c) if with_colsum else [])
 
     def _grad_weight16(self, c: int) -> list:
         """A 16-bit ``grad_weight`` (``accum_dtype``): chunk ``c``'s ``Gᵀ·X[b]`` into scratch."""
         v0, v1 = self.chunks[c]
         tw = self.tmp_w[: (v1 - v0) * self.H].reshape(v1 - v0, self.H)
-        return tn_tasks(self._chunk_block(c), self.X, tw, None, self.eng)
+        return tn_tasks(self._chunk_block(c), self.X, tw, None, self.eng, rows=self.plan.grad_weight_rows)
 
     def _grad_weight16_add(self, c: int) -> list:
         """... then summed onto the output's rows with rounding (the output zeroed first)."""

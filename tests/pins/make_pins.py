@@ -49,6 +49,12 @@ def main() -> None:
         entry = data["pins"].setdefault(key, {})
         for name in cases:
             entry[name] = pin_cases.digest(name, key)
+        stale = data.get("stale", {}).get("names", {})
+        if key in stale:  # re-pinned here: no longer stale
+            stale[key] = [n for n in stale[key] if n not in cases]
+            if not stale[key]:
+                del stale[key]
+        data.setdefault("sources", {})[key] = a.source
         print(key, len(cases), "cases", file=sys.stderr)
     print("fastgrad from", fastgrad.__file__, file=sys.stderr)
     OUT.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
