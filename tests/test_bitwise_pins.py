@@ -9,7 +9,9 @@ after it differ between classes; ``pin_cases.host_class`` reads it from the code
 The native kernels' keys hold on every CPU of the host class with the ISA; the BLAS keys only where
 OpenBLAS runs the same kernel, so on a machine whose OpenBLAS kernel has no pin those cases are
 reported as skipped with the kernel's name.  Each key's source commit is in the file
-(``sources``): 6464144, except the AVX2 hosts' native keys (6464144 had no AVX2 native kernel).
+(``sources``): 6464144, except the AVX2 hosts' native keys (6464144 had no AVX2 native kernel) and
+the AVX2 host's BLAS key's training-loss cases (re-pinned when the training loss took its own GEMM
+grid, ``tiling.TRAIN_LOGITS_TILE``).
 A refactor of the LM-head engine must keep every pin (a deliberate change of results re-pins with
 the commit named in the file).  A deliberate change that a machine here could not re-pin for every
 host class lists those keys' cases under ``stale`` with the reason and the command that re-pins
