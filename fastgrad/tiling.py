@@ -437,8 +437,9 @@ TRAIN_VM_CHUNK = 2048
 #: ``Gᵀ·X[b]`` in blocks of ≤ 1024 vocabulary rows (all ``H`` columns), ``grad_input``'s
 #: ``G·W[v]`` in tiles of ≤ 512 × 512.  From the shapes only.  The first two were 512 × 512 and
 #: 512 rows (the aclnn ops' grid, ``_gemm.ROW_BLOCK``/``COL_BLOCK``, which their bit pins keep):
-#: at the Qwen2.5-0.5B head, bf16, a 2-core Zen 3, the fused step ~4 % faster (new ÷ old per
-#: interleaved round: median 0.96, 5 rounds; 0.98 at V = 32768, 12 rounds; ``bench/results/README.md``)
+#: at the Qwen2.5-0.5B head, bf16, a 2-core Zen 3, the fused step ~4 % faster (best of 5, two
+#: runs; new ÷ old per interleaved round: median 0.96 over 10; 0.98 at V = 32768, 12 rounds;
+#: ``bench/results/README.md``)
 #: — a chunk's 52 GEMM tasks become 16, each packing its operands once for 4x the work.
 TRAIN_LOGITS_TILE = (1024, 2048)
 TRAIN_GRAD_WEIGHT_ROWS = 1024
