@@ -2,12 +2,15 @@
 kernel runs: row blocks from the global vocabulary and the budget, chunks, the vocabulary-major
 recompute, the weight widened once or per chunk (issue 26: no plan decided inside the kernel)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from common import BF16, record_calls, workspace_budget
 
 import fastgrad as fg
 from fastgrad import tiling
+from fastgrad.kernels import _gemm
 from fastgrad.kernels import linear_cross_entropy as K
 
 MiB = 2**20
@@ -131,19 +134,9 @@ def test_the_training_loss_reports_progress(backend):
         assert rec == [(k, 5) for k in range(1, 6)]
 
 
-def _tiles(monkeypatch):
-    """Every GEMM tile the training loss runs: ``(A rows, B columns or rows, out shape)``."""
-    from fastgrad.kernels import _gemm
-
-    seen = []
-    real = _gemm._mm_into
-
-    def spy(A, B, out, tmp, engine):
-        seen.append((A.shape, B.shape, out.shape))
-        return real(A, B, out, tmp, engine)
-
-    monkeypatch.setattr(_gemm, "_mm_into", spy)
-    return seen
+def _shapes(calls) -> list:
+    """``(A, B, out)`` shapes of the recorded ``_gemm._mm_into`` calls (every GEMM tile run)."""
+    return [(a[0].shape, a[1].shape, a[2].shape) for a, _, _ in calls]
 
 
 def test_the_row_blocks_gemm_grids_are_the_plans(monkeypatch):
@@ -157,8 +150,9 @@ def test_the_row_blocks_gemm_grids_are_the_plans(monkeypatch):
     t = rng.integers(0, 3000, 600)
     with fg.gemm("blas"):
         ref = fg.linear_cross_entropy(x, w, t, return_grad=True)
-        tiles = _tiles(monkeypatch)
+        calls = record_calls(monkeypatch, _gemm, "_mm_into")
         r = fg.linear_cross_entropy(x, w, t, return_grad=True)
+    tiles = _shapes(calls)
     logits = [o for a, b, o in tiles if a == (600, 40) and o[1] != 40]
     gw = [o for a, b, o in tiles if o[1] == 40 and a[1] == 600]
     gi = [o for a, b, o in tiles if o[1] == 40 and a[1] == 3000]
@@ -170,14 +164,13 @@ def test_the_row_blocks_gemm_grids_are_the_plans(monkeypatch):
     real = tiling.plan_training_loss
 
     def other(*a, **kw):
-        from dataclasses import replace
-
         return replace(real(*a, **kw), logits_tile=(256, 700), grad_weight_rows=128, grad_input_tile=(100, 16))
 
     monkeypatch.setattr(tiling, "plan_training_loss", other)
-    tiles.clear()
+    calls.clear()
     with fg.gemm("blas"):
         o = fg.linear_cross_entropy(x, w, t, return_grad=True)
+    tiles = _shapes(calls)
     assert [o_ for a, b, o_ in tiles if a[1] == 40 and o_[1] != 40] == [(200, 600)] * 15  # 3 x 5
     assert [o_ for a, b, o_ in tiles if a[1] == 600] == [(125, 40)] * 24
     assert sorted(o_ for a, b, o_ in tiles if a[1] == 3000) == sorted([(100, 13)] * 12 + [(100, 14)] * 6)
