@@ -70,6 +70,11 @@ class GemmChoice:
         The form of ``A`` the native variant takes (``KernelSpec.a_forms[0]``): bf16 pairs
         (``vdpbf16ps``) or fp32 values (the FMA variants); it decides which copies of ``X`` the
         loop holds (:func:`lm_head_buffers`).
+    beta1 : bool
+        The ``"blas"`` engine adds a tile's product onto its output in the same call (NumPy's
+        OpenBLAS's ``cblas_sgemm`` with ``beta = 1``: ``kernels/_gemm.blas_accumulates``); the
+        training loss's accumulating tiles then take no scratch product
+        (:attr:`TrainingPlan.accumulate_in_gemm`).  The aclnn ops' kernels do not read it.
     """
 
     engine: str = "blas"
@@ -78,6 +83,7 @@ class GemmChoice:
     logits16: bool = False
     isa: str = "auto"
     a_form: str | None = None
+    beta1: bool = False
 
     def exact_for(self, a, b) -> str | None:
         """The exact-product kernel for operands ``a`` and ``b`` (both 16-bit of one dtype), or None."""
@@ -517,11 +523,19 @@ class TrainingPlan:
         columns of the product), and ``grad_weight_rows``: ``grad_weight``'s blocks of vocabulary
         rows (:data:`TRAIN_LOGITS_TILE` and its neighbours).
     grad_weight_rows : int
+    accumulate_in_gemm : bool
+        The row blocks' accumulating GEMM tiles (``grad_input[b] += G·W[v]`` over the chunks,
+        ``grad_weight[v] += Gᵀ·X[b]`` over the row blocks) add their product in the BLAS call
+        (``GemmChoice.beta1``: ``beta = 1``, ``kernels/_gemm.IN_BLAS``) instead of through a
+        scratch product and a second pass: no ``grad_input_product`` / ``grad_weight_product``
+        buffers (the latter kept for a 16-bit ``grad_weight``'s products).  The vocabulary-major
+        recompute and gradient filtering's kept blocks keep their scratch.
     staged_statistics, staged_gradient : bool
         The row block's statistics sweep (resp. gradient sweep) runs in stages
         (``kernels/_lm_head.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
-        and chunk ``c - 1``'s (resp. ``c + 1``'s) element-wise pass, one barrier per stage — the
-        same calls on the same operands as chunk by chunk, so the same bits.  Staged where the
+        and chunk ``c - 1``'s (resp. ``c + 1``'s) element-wise pass, as a dependency graph of what
+        each step reads and writes (no barrier between stages) — the same calls on the same
+        operands as chunk by chunk, so the same bits.  Staged where the
         logits run on the fp32 engines (not the bf16 kernel) and the gradient follows in the same
         call (the statistics), and then where nothing is filtered and ``grad_weight`` is summed in
         the compute dtype (the gradient).
@@ -545,6 +559,7 @@ class TrainingPlan:
     logits_tile: tuple[int, int] = TRAIN_LOGITS_TILE
     grad_input_tile: tuple[int, int] = TRAIN_GRAD_INPUT_TILE
     grad_weight_rows: int = TRAIN_GRAD_WEIGHT_ROWS
+    accumulate_in_gemm: bool = False
     staged_statistics: bool = False
     staged_gradient: bool = False
     buffers: tuple[Buffer, ...] = ()
@@ -611,6 +626,7 @@ def plan_training_loss(
     fast: bool = False,
     a_form: str | None = None,
     staged: bool = True,
+    beta1: bool = False,
 ) -> TrainingPlan:
     """The training loss's plan (:class:`TrainingPlan`).  ``itemsize``: the compute dtype's
     (4, or 8 for fp64); ``widen``: 16-bit operands (fp32 copies of the weight);
@@ -621,7 +637,9 @@ def plan_training_loss(
     as ``want_grad``), ``accum16`` a 16-bit ``grad_weight`` (``accum_dtype``), ``fast``
     ``precision="fast"`` asked, ``a_form`` the bf16 kernel's ``A`` form (``GemmChoice.a_form``).
     ``staged``: the row blocks' sweeps may run in stages (``staged_statistics``/``staged_gradient``
-    where the call allows them; False: chunk by chunk — the same bits)."""
+    where the call allows them; False: chunk by chunk — the same bits).  ``beta1``: the GEMM
+    choice's ``GemmChoice.beta1`` (the row blocks' accumulating tiles in the BLAS call:
+    ``accumulate_in_gemm``, with the fp32 logits — not on the bf16 kernel's ``precision="fast"``)."""
     budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
     BT, K, V, H = int(BT), int(K), int(V), int(H)
     rows = training_budget_rows(max(V, 1), itemsize, budget)
@@ -654,6 +672,7 @@ def plan_training_loss(
         logits16=bool(logits16),
         filter_rows=max(1, min(FILTER_ROWS, block)) if filtering else 0,
         filter_cols=FILTER_COLS if filtering else 0,
+        accumulate_in_gemm=bool(beta1) and want_grad and not vocab_major,
         staged_statistics=staged_stats,
         staged_gradient=staged_grad,
     )
@@ -771,10 +790,11 @@ def training_buffers(
     if widen and (not logits16 or want_grad):  # the forward alone on the bf16 logits kernel reads no X
         add("x_block", (nb_rows, H), cdt, "tile")
     add("logits_block", (nb_rows, vc if fwd_only else max(K, 1)), cdt, "tile")
-    if gi:
+    if gi and not plan.accumulate_in_gemm:
         add("grad_input_product", (nb_rows, H), cdt, "tile")
     if gw:
-        add("grad_weight_product", (vc, H), cdt, "tile")
+        if accum16 or not plan.accumulate_in_gemm:  # (a 16-bit grad_weight: its products' scratch)
+            add("grad_weight_product", (vc, H), cdt, "tile")
         if accum16:
             add("vocab_rows", (K,), "int64", "call")
     if plan.filter_rows:  # gradient filtering (training_modes)

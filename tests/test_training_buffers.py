@@ -144,6 +144,13 @@ def test_the_buffers_follow_what_the_call_computes():
     fast = names(recompute=True, logits16=True, fast=True, a_form="f32", itemsize=4)
     assert {"x32", "w_packed", "x_pairs_block", "w_pairs_chunk", "fast_e_row"} <= fast
     assert not fast & {"x_block", "x_whole", "w_chunk"}  # the kernel's forms only
+    # the accumulating tiles summed in the BLAS call (GemmChoice.beta1): no scratch products,
+    # except a 16-bit grad_weight's (its products are rounded onto the output) and the recompute's
+    acc = names(beta1=True)
+    assert not acc & {"grad_input_product", "grad_weight_product"} and "logits_block" in acc
+    assert "grad_weight_product" in names(beta1=True, accum16=True)
+    assert "grad_input_product" in names(beta1=True, recompute=True)
+    assert not names(beta1=False) ^ step
 
 
 def test_the_result_carries_the_plan_it_ran():
@@ -159,4 +166,5 @@ def test_the_result_carries_the_plan_it_ran():
     assert isinstance(r.plan, tiling.TrainingPlan) and not r.plan.vocab_major and r.plan.n_blocks == 2
     assert q.plan.vocab_major and q.plan.buffers != r.plan.buffers
     assert r.plan.workspace_bytes == sum(b.nbytes for b in r.plan.buffers) > 0
-    assert {"logits_block", "grad_weight_product"} <= {b.name for b in r.plan.buffers}
+    got = {b.name for b in r.plan.buffers}
+    assert "logits_block" in got and ("grad_weight_product" in got) == (not r.plan.accumulate_in_gemm)

@@ -19,9 +19,11 @@ are the plan's (``tiling.lm_head_buffers``).  This module decides which of them 
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import _onednn
 from ..tiling import GemmChoice, native_kind
-from . import _bf16dot
+from . import _bf16dot, _gemm
 
 __all__ = ["engines", "choose", "resolve"]
 
@@ -67,6 +69,8 @@ def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool
       kernel wherever :func:`_bf16dot.auto_variant` takes them (not an AVX2-only CPU under the
       ISA setting ``"auto"``: BLAS was faster there); None otherwise.
     * ``logits16``: ``exact == "bf16"`` inside the training loss (``prefer_onednn``).
+    * ``beta1``: the ``"blas"`` engine where NumPy's BLAS adds a product onto its output in the
+      call (``_gemm.blas_accumulates``: OpenBLAS's ``cblas_sgemm``, ``beta = 1``).
     """
     _bf16dot.select_isa(isa)
     engine = _onednn.resolve_engine(setting, prefer_onednn)
@@ -79,4 +83,5 @@ def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool
         logits16=exact == "bf16" and prefer_onednn,
         isa=isa,
         a_form=None if spec is None else spec.a_forms[0],
+        beta1=engine == "blas" and _gemm.blas_accumulates(np.float32),
     )

@@ -21,6 +21,12 @@ sgemm on a Zen 5 EPYC, the same rate on Zen 4).  Either way each tile is one sin
 (the pool's threads run PyTorch's OpenMP with one thread), so the reproducibility above holds
 for both.
 
+Accumulating tiles (``out += A · B``, a sum over vocabulary chunks or row blocks) take a scratch
+``tmp`` (the product, then a separate addition), or :data:`IN_BLAS`: one call of the BLAS's own
+``cblas_sgemm``/``cblas_dgemm`` with ``beta = 1`` (:func:`blas_accumulates`: NumPy's OpenBLAS,
+found through threadpoolctl), which adds the product's ``K``-panels onto ``out`` as it computes
+them — no scratch, no second pass over ``out``, different last bits (still from the shapes only).
+
 Fork-safe: a forked child (a DataLoader worker, ``multiprocessing``'s ``"fork"`` context) has
 none of the parent's pool threads; ``os.register_at_fork`` makes it forget the pools (and take a
 fresh lock), so its first GEMM starts its own pool instead of waiting forever on a dead worker.
@@ -29,7 +35,9 @@ fresh lock), so its first GEMM starts its own pool instead of waiting forever on
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import heapq
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -58,12 +66,128 @@ def mm(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "blas") -> N
         np.matmul(A, B, out=out)
 
 
-def _mm_into(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray | None, engine: str) -> None:
-    """``out = A · B``, or with ``tmp`` (scratch of ``out``'s shape) ``tmp = A · B; out += tmp``:
+class _InBlas:
+    """The type of :data:`IN_BLAS`."""
+
+    def __repr__(self) -> str:
+        return "IN_BLAS"
+
+
+#: ``tmp`` of an accumulating tile (``out += A · B``) summed inside the BLAS call (``beta = 1``;
+#: :func:`accumulate`) instead of through a scratch product — where the plan found
+#: :func:`blas_accumulates`.
+IN_BLAS = _InBlas()
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+@functools.cache
+def _cblas_gemm(dtype_name: str):
+    """NumPy's OpenBLAS's ``cblas_sgemm`` (``"float32"``) / ``cblas_dgemm`` (``"float64"``) as a
+    ctypes function, or None: the library NumPy loaded (threadpoolctl's OpenBLAS controller
+    under NumPy's directory, or the only OpenBLAS loaded), its symbols under the names
+    OpenBLAS builds take (``scipy_`` prefix, ``64_`` suffix), the integer width from
+    ``openblas_get_config`` (``USE64BITINT``), and one small product checked against
+    ``np.matmul`` before it is used.  Any other BLAS (MKL, Accelerate, BLIS): None."""
+    t = {"float32": ("s", ctypes.c_float), "float64": ("d", ctypes.c_double)}.get(dtype_name)
+    if t is None:
+        return None
+    try:
+        from threadpoolctl import ThreadpoolController
+
+        libs = [c for c in ThreadpoolController().lib_controllers if c.internal_api == "openblas"]
+    except Exception:  # noqa: BLE001 - no controller: no in-place accumulation, never an error
+        return None
+    home = os.path.dirname(os.path.dirname(os.path.realpath(np.__file__)))
+    mine = [c for c in libs if os.path.realpath(c.filepath).startswith(os.path.join(home, "numpy"))]
+    if len(mine) != 1 and len(libs) != 1:
+        return None
+    lib = ctypes.CDLL((mine or libs)[0].filepath)
+    for prefix in ("scipy_", ""):
+        for suffix in ("64_", ""):
+            fn = getattr(lib, f"{prefix}cblas_{t[0]}gemm{suffix}", None)
+            cfg = getattr(lib, f"{prefix}openblas_get_config{suffix}", None)
+            if fn is None or cfg is None:
+                continue
+            cfg.restype = ctypes.c_char_p
+            cfg.argtypes = []
+            ilp64 = b"USE64BITINT" in (cfg() or b"")
+            it, ft = (ctypes.c_int64 if ilp64 else ctypes.c_int), t[1]
+            fn.restype = None
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, it, it, it, ft, ctypes.c_void_p, it]
+            fn.argtypes += [ctypes.c_void_p, it, ft, ctypes.c_void_p, it]
+            return fn if _cblas_checks(fn, np.dtype(dtype_name)) else None
+    return None
+
+
+def _cblas_checks(fn, dt: np.dtype) -> bool:
+    """One small ``C += A·Bᵀ`` through ``fn`` equals ``C + A @ B.T`` (exact: small integers)."""
+    a = np.arange(6, dtype=dt).reshape(2, 3)
+    b = np.arange(12, dtype=dt).reshape(4, 3) - 5
+    c = np.ones((2, 4), dt)
+    want = c + a @ b.T
+    if not _cblas_call(fn, a, b.T, c):
+        return False
+    return bool(np.array_equal(c, want))
+
+
+def _layout(a: np.ndarray) -> tuple[int, int] | None:
+    """``(trans, ld)`` of a 2-D operand for a row-major cblas call, or None (another layout)."""
+    r, c = a.shape
+    item = a.itemsize
+    s0, s1 = a.strides
+    if s0 % item or s1 % item:
+        return None
+    s0, s1 = s0 // item, s1 // item
+    if (c <= 1 or s1 == 1) and (r <= 1 or s0 >= max(c, 1)):
+        return _NO_TRANS, (s0 if r > 1 else max(c, 1))
+    if (r <= 1 or s0 == 1) and (c <= 1 or s1 >= max(r, 1)):
+        return _TRANS, (s1 if c > 1 else max(r, 1))
+    return None
+
+
+def _cblas_call(fn, A: np.ndarray, B: np.ndarray, out: np.ndarray) -> bool:
+    """``out += A · B`` through ``fn`` (beta = 1); False (nothing done) for a layout it cannot take."""
+    la, lb, lc = _layout(A), _layout(B), _layout(out)
+    if la is None or lb is None or lc is None or lc[0] != _NO_TRANS or not out.flags.writeable:
+        return False
+    M, N = out.shape
+    K = A.shape[1]
+    if M and N and K:
+        a, b, c = A.ctypes.data, B.ctypes.data, out.ctypes.data
+        fn(_ROW_MAJOR, la[0], lb[0], M, N, K, 1.0, a, la[1], b, lb[1], 1.0, c, lc[1])
+    return True
+
+
+def blas_accumulates(dtype) -> bool:
+    """NumPy's BLAS can add a product onto its output in one call for operands of ``dtype``
+    (``cblas_?gemm`` with ``beta = 1``: :data:`IN_BLAS`); the op layer's plans ask this once."""
+    return _cblas_gemm(np.dtype(dtype).name) is not None
+
+
+def accumulate(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "blas") -> None:
+    """``out += A · B`` (2-D, one dtype): one call of the BLAS's gemm with ``beta = 1`` for the
+    ``"blas"`` engine where :func:`blas_accumulates`; else (another engine, a layout the call
+    cannot take) the product into fresh scratch, then the sum."""
+    fn = _cblas_gemm(out.dtype.name) if engine == "blas" else None
+    if A.shape[0] != out.shape[0] or B.shape[1] != out.shape[1] or A.shape[1] != B.shape[0]:
+        raise ValueError(f"accumulate: shapes {A.shape} · {B.shape} do not give {out.shape}")
+    if fn is not None and A.dtype == B.dtype == out.dtype and _cblas_call(fn, A, B, out):
+        return
+    tmp = np.empty_like(out)
+    mm(A, B, tmp, engine)
+    np.add(out, tmp, out=out)
+
+
+def _mm_into(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp, engine: str) -> None:
+    """``out = A · B``; with ``tmp`` (scratch of ``out``'s shape) ``tmp = A · B; out += tmp`` —
     one tile on one thread, the sum taken while the product is still in cache (bitwise the
-    product followed by a separate addition)."""
+    product followed by a separate addition); with :data:`IN_BLAS` ``out += A · B`` in the
+    BLAS call (:func:`accumulate`)."""
     if tmp is None:
         mm(A, B, out, engine)
+    elif tmp is IN_BLAS:
+        accumulate(A, B, out, engine)
     else:
         mm(A, B, tmp, engine)
         np.add(out, tmp, out=out)
@@ -140,6 +264,94 @@ def _run(tasks, engine: str = "blas"):
         f.result()
 
 
+def run_graph(groups: list[list], preds: list[set[int]], engine: str = "blas") -> None:
+    """Run groups of tasks (callables of no argument) on the pool as a dependency graph: group
+    ``g``'s tasks may start once every group in ``preds[g]`` (indices below ``g``) has finished;
+    a free thread takes the next task of the lowest-numbered ready group (the list's order is the
+    priority, and a topological order: one thread runs the groups in it, inline).  No barrier
+    but the last: a pipelined loop's next GEMM tiles start while the tail of the previous stage
+    still runs.  Each task is the same call on the same operands whatever the schedule, so the
+    bits depend only on the graph.  The first exception a task raises is raised here once every
+    started task has returned; no task starts after it.  ``ValueError`` for a predecessor that
+    is not an earlier group."""
+    G = len(groups)
+    for g, p in enumerate(preds):
+        if any(not 0 <= q < g for q in p):
+            raise ValueError(f"run_graph: group {g}'s predecessors must be earlier groups, got {sorted(p)}")
+    n = numba.get_num_threads()
+    if n <= 1 or sum(len(t) for t in groups) <= 1:
+        with _onednn.one_omp_thread() if engine == "onednn" else contextlib.nullcontext():
+            for tasks in groups:
+                for t in tasks:
+                    t()
+        return
+    succ: list[list[int]] = [[] for _ in range(G)]
+    npred = [len(p) for p in preds]
+    for g, p in enumerate(preds):
+        for q in p:
+            succ[q].append(g)
+    left = [len(t) for t in groups]  # tasks not yet finished
+    nxt = [0] * G  # the next task to hand out
+    ready: list[int] = []
+    cv = threading.Condition()
+    remaining = [G]  # groups not finished
+    error: list[BaseException] = []  # the first task's exception
+
+    def complete(g: int) -> None:  # under cv: g finished; its successors may become ready
+        stack = [g]
+        while stack:
+            h = stack.pop()
+            remaining[0] -= 1
+            for s2 in succ[h]:
+                npred[s2] -= 1
+                if npred[s2] == 0:
+                    if groups[s2]:
+                        heapq.heappush(ready, s2)
+                    else:
+                        stack.append(s2)
+        cv.notify_all()
+
+    with cv:
+        # the groups without predecessors (an empty one finishes at once: complete() releases its
+        # successors, which have no other predecessor left only if they are ready now)
+        for g in [g for g in range(G) if npred[g] == 0]:
+            if groups[g]:
+                heapq.heappush(ready, g)
+            else:
+                complete(g)
+
+    def worker() -> None:
+        while True:
+            with cv:
+                while not ready and remaining[0] and not error:
+                    cv.wait()
+                if not remaining[0] or error:
+                    return
+                g = ready[0]
+                i = nxt[g]
+                nxt[g] += 1
+                if nxt[g] == len(groups[g]):
+                    heapq.heappop(ready)
+            try:
+                groups[g][i]()
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                with cv:
+                    if not error:
+                        error.append(e)
+                    cv.notify_all()
+                return
+            with cv:
+                left[g] -= 1
+                if left[g] == 0:
+                    complete(g)
+
+    futs = [_pool(n).submit(worker) for _ in range(n)]
+    for f in futs:
+        f.result()
+    if error:
+        raise error[0]
+
+
 def _spans(M: int, step: int) -> list[tuple[int, int]]:
     """``[0, M)`` cut into ``ceil(M / step)`` parts of equal size (±1): from the shape only."""
     k = -(-M // step)
@@ -168,18 +380,19 @@ def run_tasks(tasks: list, engine: str = "blas") -> None:
     _run(tasks, engine)
 
 
-def _part(t: np.ndarray | None, a: int, b: int, c: int | None = None, d: int | None = None):
-    """``t[a:b, c:d]`` (``t[a:b]`` without columns), or None."""
-    if t is None:
-        return None
+def _part(t: np.ndarray | _InBlas | None, a: int, b: int, c: int | None = None, d: int | None = None):
+    """``t[a:b, c:d]`` (``t[a:b]`` without columns), or None / :data:`IN_BLAS` as given."""
+    if t is None or isinstance(t, _InBlas):
+        return t
     return t[a:b] if c is None else t[a:b, c:d]
 
 
 def _grid_tasks(
-    A: np.ndarray, n: int, b_of, out: np.ndarray, tmp: np.ndarray | None, engine: str, rows: int, cols: int
+    A: np.ndarray, n: int, b_of, out: np.ndarray, tmp: np.ndarray | _InBlas | None, engine: str, rows: int, cols: int
 ) -> list:
     """``out[a:b, c:d] (+)= A[a:b] · b_of(c, d)`` over tiles of ≤ ``rows`` × ≤ ``cols`` of
-    ``out`` (``n`` its columns), as tasks."""
+    ``out`` (``n`` its columns), as tasks (``tmp``: None, a scratch of ``out``'s shape, or
+    :data:`IN_BLAS`, as :func:`_mm_into`'s)."""
     if rows < 1 or cols < 1:
         raise ValueError(f"tile sizes must be >= 1, got rows={rows}, cols={cols}")
     return [
@@ -193,7 +406,7 @@ def nt_tasks(
     A: np.ndarray,
     B: np.ndarray,
     out: np.ndarray,
-    tmp: np.ndarray | None = None,
+    tmp: np.ndarray | _InBlas | None = None,
     engine: str = "blas",
     *,
     rows: int = ROW_BLOCK,
@@ -208,7 +421,7 @@ def nn_tasks(
     A: np.ndarray,
     B: np.ndarray,
     out: np.ndarray,
-    tmp: np.ndarray | None = None,
+    tmp: np.ndarray | _InBlas | None = None,
     engine: str = "blas",
     *,
     rows: int = ROW_BLOCK,
@@ -222,7 +435,7 @@ def tn_tasks(
     A: np.ndarray,
     B: np.ndarray,
     out: np.ndarray,
-    tmp: np.ndarray | None = None,
+    tmp: np.ndarray | _InBlas | None = None,
     engine: str = "blas",
     *,
     rows: int = COL_BLOCK,

@@ -20,10 +20,14 @@ The row blocks run on the LM-head loop's row-major order (``_lm_head.run_row_blo
 gradient sweep).  Three GEMMs per row block, run in stages where the plan says so
 (``TrainingPlan.staged_statistics`` / ``staged_gradient``, ``_lm_head.sweep``): the logits tiles of
 chunk ``c`` beside the widening of chunk ``c + 1`` and the statistics of chunk ``c - 1``; then chunk
-``c``'s two gradient GEMMs beside chunk ``c + 1``'s gradient pass and widening — one barrier per
-stage, the same calls on the same operands as chunk by chunk (the same bits), the element-wise
-passes and the widening hidden behind the GEMMs (Qwen2.5-0.5B head, bf16, Zen 3, 2 cores: 15.5 →
-14.9 s).
+``c``'s two gradient GEMMs beside chunk ``c + 1``'s gradient pass and widening — the same calls on
+the same operands as chunk by chunk (the same bits), the element-wise passes and the widening
+hidden behind the GEMMs (Qwen2.5-0.5B head, bf16, Zen 3, 2 cores: 15.5 → 14.9 s).  Each step
+declares what it reads and writes (``_stats_uses`` / ``_grad_uses``: a chunk's part of the
+logits, a widening buffer, the running statistics, ``grad_input``'s accumulator, a chunk's rows
+of ``grad_weight``), so the stages run as a dependency graph, not between barriers.  Where the
+plan says so (``TrainingPlan.accumulate_in_gemm``) the accumulating tiles add their product in
+the BLAS call (``beta = 1``) instead of through a scratch product.
 The forward alone (no gradient) keeps one chunk of ``tiling.TRAIN_VM_CHUNK``
 columns at a time instead of the block's whole row, with all rows in one block while
 ``[BT, TRAIN_VM_CHUNK]`` fits half the workspace (the weight widened once).  With ``lse`` given (the
@@ -58,6 +62,7 @@ from .._jit import FASTMATH_SAFE, njit, tjit
 from ..tiling import BLAS, FAST_E_GROUP, TrainingPlan, training_modes
 from . import _bf16dot
 from ._gemm import (
+    IN_BLAS,
     blas_for,
     matmul_nn,
     matmul_nt,
@@ -902,8 +907,11 @@ class _RowStep:
         self.need_x = bfl is None or self.want_grad
         self.xbuf = take("x_block", nb_rows * H, cdt) if (input.dtype != cdt and self.need_x) else None
         self.Lbuf = take("logits_block", nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
-        self.tmp_h = take("grad_input_product", nb_rows * H, cdt) if gi is not None else None
-        self.tmp_w = take("grad_weight_product", vc * H, cdt) if gw is not None else None
+        # the accumulating tiles' scratch products, unless they add in the BLAS call
+        acc = plan.accumulate_in_gemm
+        self.tmp_h = take("grad_input_product", nb_rows * H, cdt) if (gi is not None and not acc) else None
+        need_w = gw is not None and (gw_code is not None or not acc)  # (a 16-bit grad_weight's products)
+        self.tmp_w = take("grad_weight_product", vc * H, cdt) if need_w else None
         self.all_rows = None
         if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
             self.all_rows = take("vocab_rows", K, np.int64)[:K]
@@ -989,7 +997,20 @@ class _RowStep:
     def statistics(self) -> Sweep:
         """Per chunk: its weight, its logits, its statistics (the logits' GEMM tiles lead a stage)."""
         steps = (self._logits_weight, self._logits, self._stats)
-        return Sweep(len(self.chunks), steps, staged=self.plan.staged_statistics, lead=1)
+        return Sweep(len(self.chunks), steps, staged=self.plan.staged_statistics, lead=1, uses=self._stats_uses)
+
+    def _wkey(self, c: int) -> set:
+        """The widened weight's buffer chunk ``c`` takes, as a resource (none: read-only)."""
+        return {("w", c % len(self.wbufs))} if self.wbufs else set()
+
+    def _stats_uses(self, k: int, c: int) -> tuple[set, set]:
+        """What step ``k`` of the statistics sweep reads and writes for chunk ``c`` (``Sweep.uses``)."""
+        L = ("L", c)
+        if k == 0:  # the weight widened into its buffer
+            return set(), self._wkey(c)
+        if k == 1:  # the logits
+            return self._wkey(c), {L}
+        return set(), {L, "row_stats"}  # the transform in place, the running statistics
 
     def _logits_weight(self, c: int) -> list:
         return [] if self.bfl is not None else self._weight(c)
@@ -1057,11 +1078,29 @@ class _RowStep:
         its rounded scatter-add.  The GEMM tiles lead a stage."""
         steps: list[Callable[[int], list]] = [
             functools.partial(self._pass_and_weight, with_pass),
-            functools.partial(self._products, with_pass),
+            self._grad_input_product,
+            functools.partial(self._grad_weight_product, with_pass),
         ]
         if self.gw is not None and self.gw_code is not None:
             steps += [self._grad_weight16, self._grad_weight16_add]
-        return Sweep(len(self.chunks), tuple(steps), staged=staged, lead=1)
+        uses = functools.partial(self._grad_uses, with_pass)
+        return Sweep(len(self.chunks), tuple(steps), staged=staged, lead=(1, 2), uses=uses)
+
+    def _grad_uses(self, with_pass: bool, k: int, c: int) -> tuple[set, set]:
+        """What step ``k`` of the gradient sweep reads and writes for chunk ``c`` (``Sweep.uses``)."""
+        L = ("L", c)
+        if k == 0:  # the gradient pass in place, the weight widened for grad_input's GEMM
+            return set(), ({L} if with_pass else set()) | (self._wkey(c) if self.gi is not None else set())
+        if k == 1:  # grad_input[b] (+)= G·W[v]: one accumulator over the chunks
+            return {L} | self._wkey(c), ({"grad_input"} if self.gi is not None else set())
+        if k == 2:  # grad_weight[v] (+)= Gᵀ·X[b] (a shared scratch unless summed in the call), grad_bias[v]
+            w: set = {("grad_weight", c), ("grad_bias", c)}
+            if self.gw is not None and self.gw_code is None and not self.first and not self.plan.accumulate_in_gemm:
+                w.add("grad_weight_product")
+            return {L}, w
+        if k == 3:  # a 16-bit grad_weight: the chunk's product into scratch
+            return {L}, {"grad_weight_product"}
+        return {"grad_weight_product"}, {"grad_weight"}  # ... rounded onto the output
 
     def _grad(self, c: int) -> list:
         """``_grad_pass``'s tasks: chunk ``c``'s logits overwritten by the gradient ``G``."""
@@ -1079,20 +1118,28 @@ class _RowStep:
     def _pass_and_weight(self, with_pass: bool, c: int) -> list:
         return (self._grad(c) if with_pass else []) + (self._weight(c) if self.gi is not None else [])
 
-    def _products(self, with_colsum: bool, c: int) -> list:
-        """``grad_input[b] (+)= G·W[v]`` and (in the compute dtype) ``grad_weight[v] (+)= Gᵀ·X[b]``
-        for chunk ``c``, as tasks (and ``grad_bias``'s column sums, ``with_colsum``)."""
-        v0, v1 = self.chunks[c]
-        nb, H, eng, b0, b1 = self.nb, self.H, self.eng, self.b0, self.b1
-        Gc = self._chunk_block(c)
+    def _grad_input_product(self, c: int) -> list:
+        """``grad_input[b] (+)= G·W[v]`` for chunk ``c``, as tasks (summed over the chunks: in the
+        BLAS call, or through the scratch product)."""
+        if self.gi is None:
+            return []
+        v0 = self.chunks[c][0]
+        nb, H, b0, b1 = self.nb, self.H, self.b0, self.b1
+        tmp = None if v0 == 0 else (IN_BLAS if self.plan.accumulate_in_gemm else self.tmp_h[: nb * H].reshape(nb, H))
+        r, k = self.plan.grad_input_tile
+        return nn_tasks(self._chunk_block(c), self._w[c], self.gi[b0:b1], tmp, self.eng, rows=r, cols=k)
+
+    def _grad_weight_product(self, with_colsum: bool, c: int) -> list:
+        """(In the compute dtype) ``grad_weight[v] (+)= Gᵀ·X[b]`` for chunk ``c``, as tasks (summed
+        over the row blocks), and ``grad_bias``'s column sums (``with_colsum``)."""
         t = []
-        if self.gi is not None:
-            tmp = None if v0 == 0 else self.tmp_h[: nb * H].reshape(nb, H)
-            r, k = self.plan.grad_input_tile
-            t += nn_tasks(Gc, self._w[c], self.gi[b0:b1], tmp, eng, rows=r, cols=k)
         if self.gw is not None and self.gw_code is None:
-            tmp = None if self.first else self.tmp_w[: (v1 - v0) * H].reshape(v1 - v0, H)
-            t += tn_tasks(Gc, self.X, self.gw[v0:v1], tmp, eng, rows=self.plan.grad_weight_rows)
+            v0, v1 = self.chunks[c]
+            w, H = v1 - v0, self.H
+            tmp = None
+            if not self.first:
+                tmp = IN_BLAS if self.plan.accumulate_in_gemm else self.tmp_w[: w * H].reshape(w, H)
+            t = tn_tasks(self._chunk_block(c), self.X, self.gw[v0:v1], tmp, self.eng, rows=self.plan.grad_weight_rows)
         return t + (self._colsum(c) if with_colsum else [])
 
     def _grad_weight16(self, c: int) -> list:

@@ -283,6 +283,7 @@ def _plan(call: Call) -> tiling.TrainingPlan:
         fast=call.attrs["precision"] == "fast",
         a_form=gemm.a_form,
         staged=STAGED,
+        beta1=gemm.beta1,
     )
 
 
