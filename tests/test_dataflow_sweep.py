@@ -25,6 +25,8 @@ from common import BF16, workspace_budget
 
 import fastgrad as fg
 from fastgrad.kernels import _gemm, _lm_head
+
+torch = pytest.importorskip("torch")
 from fastgrad.ops import linear_cross_entropy as op
 
 # -- run_graph
@@ -173,13 +175,20 @@ FEATURES = {
 }
 
 
-def _call(dtype, feats, grads, seed_inputs=0):
-    rng = np.random.default_rng(seed_inputs)
+def _inputs(dtype, seed=0):
+    rng = np.random.default_rng(seed)
     BT, H, V = 45, 40, 900
     x = (rng.standard_normal((BT, H)) * 0.7).astype(dtype)
     w = (rng.standard_normal((V, H)) * 0.2).astype(dtype)
     t = rng.integers(0, V, BT)
     t[::6] = -100
+    return x, w, t
+
+
+def _call(dtype, feats, grads, seed_inputs=0):
+    x, w, t = _inputs(dtype, seed_inputs)
+    V = w.shape[0]
+    rng = np.random.default_rng(seed_inputs + 1)
     kw = {k: v for k, v in feats.items() if k not in ("bias", "ce_weight")}
     if feats.get("bias"):
         kw["bias"] = (rng.standard_normal(V) * 0.1).astype(dtype)
@@ -193,7 +202,14 @@ def _call(dtype, feats, grads, seed_inputs=0):
 @pytest.mark.parametrize("feat", list(FEATURES))
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("grads", [(True, True, True), (False, True, False), (True, False, True)])
-def test_any_schedule_the_graph_allows_gives_the_chunk_order_bits(feat, dtype, grads, monkeypatch):
+@pytest.mark.parametrize("sums", ["in_blas", "scratch"])
+def test_any_schedule_the_graph_allows_gives_the_chunk_order_bits(feat, dtype, grads, sums, monkeypatch):
+    # "scratch": a BLAS without the in-call sum (MKL, Accelerate): the tiles' scratch products,
+    # shared by the chunks (declared as a resource of their steps)
+    if sums == "scratch":
+        monkeypatch.setattr(_gemm, "blas_accumulates", lambda dtype: False)
+    elif not _gemm.blas_accumulates(np.float32):
+        pytest.skip("NumPy's BLAS is not OpenBLAS: no in-call sums to schedule")
     monkeypatch.setattr(op, "V_CHUNK", 128)  # several chunks: both widening buffers reused
     monkeypatch.setattr(op, "STAGED", False)
     ref = _call(dtype, FEATURES[feat], grads)
@@ -203,12 +219,21 @@ def test_any_schedule_the_graph_allows_gives_the_chunk_order_bits(feat, dtype, g
         monkeypatch.setattr(_lm_head, "run_graph", rg)
         r = _call(dtype, FEATURES[feat], grads)
         assert r.plan.staged_statistics and r.plan.staged_gradient and r.plan.n_blocks > 1
+        assert r.plan.accumulate_in_gemm == (sums == "in_blas")
         assert seen and max(seen) > 10  # the sweeps ran as graphs
         for n in ("loss", "lse", "grad_input", "grad_weight", "grad_bias", "entropy"):
             u, v = getattr(r, n, None), getattr(ref, n, None)
             assert (u is None) == (v is None), n
             if u is not None:
                 assert np.array_equal(np.asarray(u), np.asarray(v), equal_nan=True), (n, seed)
+    # and right: float64 autograd of the plain loss (the two ways of summing differ in last bits)
+    if feat == "plain" and all(grads[:2]):
+        x, w, t = (torch.tensor(np.asarray(a, np.float64)) for a in _inputs(dtype))
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        torch.nn.functional.cross_entropy(x @ w.T, t.long()).backward()
+        for got, want in ((r.grad_input, x.grad), (r.grad_weight, w.grad)):
+            np.testing.assert_allclose(np.asarray(got, np.float64), want.numpy(), atol=2e-6 * want.abs().max().item())
 
 
 def test_a_missing_declaration_is_caught_by_the_random_schedules(monkeypatch):
