@@ -312,8 +312,7 @@ def run_graph(groups: list[list], preds: list[set[int]], engine: str = "blas") -
         cv.notify_all()
 
     with cv:
-        # the groups without predecessors (an empty one finishes at once: complete() releases its
-        # successors, which have no other predecessor left only if they are ready now)
+        # the groups without predecessors; an empty one finishes at once, releasing its successors
         for g in [g for g in range(G) if npred[g] == 0]:
             if groups[g]:
                 heapq.heappush(ready, g)
