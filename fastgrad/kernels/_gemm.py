@@ -78,6 +78,10 @@ class _InBlas:
 #: :func:`blas_accumulates`.
 IN_BLAS = _InBlas()
 
+#: What an accumulating tile takes as ``tmp``: None (``out = A · B``), a scratch of ``out``'s
+#: shape, or :data:`IN_BLAS` (:func:`_mm_into`).
+Scratch = np.ndarray | _InBlas | None
+
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
@@ -179,14 +183,14 @@ def accumulate(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "bla
     np.add(out, tmp, out=out)
 
 
-def _mm_into(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp, engine: str) -> None:
+def _mm_into(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: Scratch, engine: str) -> None:
     """``out = A · B``; with ``tmp`` (scratch of ``out``'s shape) ``tmp = A · B; out += tmp`` —
     one tile on one thread, the sum taken while the product is still in cache (bitwise the
     product followed by a separate addition); with :data:`IN_BLAS` ``out += A · B`` in the
     BLAS call (:func:`accumulate`)."""
     if tmp is None:
         mm(A, B, out, engine)
-    elif tmp is IN_BLAS:
+    elif isinstance(tmp, _InBlas):
         accumulate(A, B, out, engine)
     else:
         mm(A, B, tmp, engine)
@@ -279,11 +283,8 @@ def run_graph(groups: list[list], preds: list[set[int]], engine: str = "blas") -
         if any(not 0 <= q < g for q in p):
             raise ValueError(f"run_graph: group {g}'s predecessors must be earlier groups, got {sorted(p)}")
     n = numba.get_num_threads()
-    if n <= 1 or sum(len(t) for t in groups) <= 1:
-        with _onednn.one_omp_thread() if engine == "onednn" else contextlib.nullcontext():
-            for tasks in groups:
-                for t in tasks:
-                    t()
+    if n <= 1 or sum(len(t) for t in groups) <= 1:  # _run's inline path, the groups in order
+        _run([t for tasks in groups for t in tasks], engine)
         return
     succ: list[list[int]] = [[] for _ in range(G)]
     npred = [len(p) for p in preds]
@@ -379,16 +380,14 @@ def run_tasks(tasks: list, engine: str = "blas") -> None:
     _run(tasks, engine)
 
 
-def _part(t: np.ndarray | _InBlas | None, a: int, b: int, c: int | None = None, d: int | None = None):
+def _part(t: Scratch, a: int, b: int, c: int | None = None, d: int | None = None):
     """``t[a:b, c:d]`` (``t[a:b]`` without columns), or None / :data:`IN_BLAS` as given."""
     if t is None or isinstance(t, _InBlas):
         return t
     return t[a:b] if c is None else t[a:b, c:d]
 
 
-def _grid_tasks(
-    A: np.ndarray, n: int, b_of, out: np.ndarray, tmp: np.ndarray | _InBlas | None, engine: str, rows: int, cols: int
-) -> list:
+def _grid_tasks(A: np.ndarray, n: int, b_of, out: np.ndarray, tmp: Scratch, engine: str, rows: int, cols: int) -> list:
     """``out[a:b, c:d] (+)= A[a:b] · b_of(c, d)`` over tiles of ≤ ``rows`` × ≤ ``cols`` of
     ``out`` (``n`` its columns), as tasks (``tmp``: None, a scratch of ``out``'s shape, or
     :data:`IN_BLAS`, as :func:`_mm_into`'s)."""
@@ -405,7 +404,7 @@ def nt_tasks(
     A: np.ndarray,
     B: np.ndarray,
     out: np.ndarray,
-    tmp: np.ndarray | _InBlas | None = None,
+    tmp: Scratch = None,
     engine: str = "blas",
     *,
     rows: int = ROW_BLOCK,
@@ -420,7 +419,7 @@ def nn_tasks(
     A: np.ndarray,
     B: np.ndarray,
     out: np.ndarray,
-    tmp: np.ndarray | _InBlas | None = None,
+    tmp: Scratch = None,
     engine: str = "blas",
     *,
     rows: int = ROW_BLOCK,
@@ -434,7 +433,7 @@ def tn_tasks(
     A: np.ndarray,
     B: np.ndarray,
     out: np.ndarray,
-    tmp: np.ndarray | _InBlas | None = None,
+    tmp: Scratch = None,
     engine: str = "blas",
     *,
     rows: int = COL_BLOCK,
