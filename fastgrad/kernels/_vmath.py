@@ -4,8 +4,10 @@ scalar libm call per element; this one is branch-free, so LLVM vectorizes the lo
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from .._jit import FASTMATH_SAFE, njit
 
@@ -73,22 +75,90 @@ def _exp_c_ol(x):
 # per build, so results do not depend on the thread count.
 
 
-@njit
-def row_nan_count(r):
-    c = 0
-    for j in range(r.shape[0]):
-        x = r[j]
-        c += x != x
-    return c
+def row_max_nan(r, ninf):  # pragma: no cover - replaced by the overload inside jitted code
+    """``(max, nan_count)`` of a 1-D row: the largest value that is not NaN (``ninf`` for an empty
+    or all-NaN row; a NaN never becomes the max) and the number of NaNs, in one pass (jitted code
+    only).  fp32 C-contiguous rows: 8 lanes of ``x > m ? x : m`` (:func:`_max_nan_f32`: LLVM does
+    not vectorize a scalar max reduction without ``nnan``, and ``nnan`` would make NaN rows
+    undefined); any other row: the scalar loop.  The max is exact, so the lanes give the scalar
+    loop's value (of two zeros of either sign, either may be returned)."""
+    vals = [x for x in r if x == x]
+    return (max(vals) if vals else ninf), len(r) - len(vals)
 
 
-@njit(fastmath={"nnan", "nsz", "reassoc"})
-def row_max(r, ninf):
-    """Row max, vectorized; only for a NaN-free row (``nnan``: see ``row_nan_count``)."""
-    m = ninf
-    for j in range(r.shape[0]):
-        m = max(m, r[j])
-    return m
+_LANES = 8
+
+
+@intrinsic
+def _max_nan_f32(typingctx, arr, ninf):
+    """:func:`row_max_nan` of an fp32 C-contiguous row as LLVM vector code: per lane ``m = x > m ?
+    x : m`` (``maxps``) and ``count += x != x``, the lanes folded, then the scalar tail."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.float32 and arr.layout == "C"):
+        return None
+    if ninf != types.float32:
+        return None
+    sig = types.Tuple((types.float32, types.intp))(arr, ninf)
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        n = builder.extract_value(a.shape, 0)
+        intp = n.type
+        i32 = ir.IntType(32)
+        vf = ir.VectorType(ir.FloatType(), _LANES)
+        vi = ir.VectorType(i32, _LANES)
+        splat = cgutils.get_null_value(vf)
+        for k in range(_LANES):
+            splat = builder.insert_element(splat, args[1], ir.Constant(i32, k))
+        m_acc = cgutils.alloca_once_value(builder, splat)  # promoted to registers by LLVM
+        c_acc = cgutils.alloca_once_value(builder, ir.Constant(vi, None))
+        nv = builder.udiv(n, ir.Constant(intp, _LANES))
+        with cgutils.for_range(builder, nv) as loop:
+            p = builder.gep(a.data, [builder.mul(loop.index, ir.Constant(intp, _LANES))])
+            v = builder.load(builder.bitcast(p, vf.as_pointer()), align=4)
+            m = builder.load(m_acc)
+            builder.store(builder.select(builder.fcmp_ordered(">", v, m), v, m), m_acc)
+            nan = builder.zext(builder.fcmp_unordered("uno", v, v), vi)
+            builder.store(builder.add(builder.load(c_acc), nan), c_acc)
+        mv, cv = builder.load(m_acc), builder.load(c_acc)
+        ms = cgutils.alloca_once_value(builder, builder.extract_element(mv, ir.Constant(i32, 0)))
+        cs = cgutils.alloca_once_value(builder, builder.zext(builder.extract_element(cv, ir.Constant(i32, 0)), intp))
+
+        def fold(x, cnt):
+            cur = builder.load(ms)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, cur), x, cur), ms)
+            builder.store(builder.add(builder.load(cs), cnt), cs)
+
+        for k in range(1, _LANES):
+            fold(
+                builder.extract_element(mv, ir.Constant(i32, k)),
+                builder.zext(builder.extract_element(cv, ir.Constant(i32, k)), intp),
+            )
+        start = builder.mul(nv, ir.Constant(intp, _LANES))
+        with cgutils.for_range_slice(builder, start, n, ir.Constant(intp, 1)) as (j, _):
+            x = builder.load(builder.gep(a.data, [j]))
+            fold(x, builder.zext(builder.fcmp_unordered("uno", x, x), intp))
+        return context.make_tuple(builder, sig.return_type, (builder.load(ms), builder.load(cs)))
+
+    return sig, codegen
+
+
+@overload(row_max_nan)
+def _row_max_nan_ol(r, ninf):
+    if isinstance(r, types.Array) and r.ndim == 1 and r.dtype == types.float32 and r.layout == "C":
+        if ninf == types.float32:
+            return lambda r, ninf: _max_nan_f32(r, ninf)  # type: ignore[call-arg]
+
+    def impl(r, ninf):
+        m = ninf
+        c = 0
+        for j in range(r.shape[0]):
+            x = r[j]
+            if x > m:
+                m = x
+            c += x != x
+        return m, c
+
+    return impl
 
 
 @njit(fastmath=FASTMATH_SAFE)

@@ -30,7 +30,7 @@ from ._gemm import blas_for, run_rows
 from ._linear import narrow
 from ._lm_head import Operands
 from ._lm_head import run as run_tiles
-from ._vmath import exp_f32, row_max, row_nan_count, row_sum_exp
+from ._vmath import exp_f32, row_max_nan, row_sum_exp
 
 OP = "fused_linear_online_max_sum"
 
@@ -49,8 +49,8 @@ def _online_tile(lo, hi, L, row0, col0, code, m_run, s_run, tcol, picked):
         r = row0 + i
         if code != 0:
             _round_row(L, i, code)
-        mt = row_max(L[i], np.float32(-np.inf))
-        if row_nan_count(L[i]):
+        mt, nan = row_max_nan(L[i], np.float32(-np.inf))
+        if nan:
             mt = np.float32(np.nan)
         st = row_sum_exp(L[i], mt, np.float32(0.0))
         m0 = m_run[r]

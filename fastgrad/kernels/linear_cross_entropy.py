@@ -76,7 +76,7 @@ from ._gemm import (
 from ._linear import fp32_block, fp32_block_tasks, kept_products
 from ._lm_head import Sweep, Workspace, run_row_blocks, sweep
 from ._lm_head import run as run_tiles
-from ._vmath import exp_c, row_max, row_nan_count, row_sum_exp
+from ._vmath import exp_c, row_max_nan, row_sum_exp
 
 __all__ = ["linear_cross_entropy_cpu"]
 
@@ -101,17 +101,6 @@ F_SOFTCAP, F_BIAS, F_CLASS_WEIGHT, F_ZSUM, F_ENTROPY_STAT, F_ENTROPY_GRAD = 0, 1
 
 # Row helpers of the chunk passes (besides ``_vmath.row_*``): loops over one row of a chunk given
 # as a 1-D slice, so that they vectorize (see ``_vmath``).
-
-
-@njit
-def _row_max_nan(r, ninf):
-    """Row max ignoring NaN (a NaN never becomes the max; it propagates through the sum)."""
-    m = ninf
-    for j in range(r.shape[0]):
-        x = r[j]
-        if x > m:
-            m = x
-    return m
 
 
 @njit
@@ -199,10 +188,7 @@ def _stats_chunk(
         r = L[off + i * width : off + (i + 1) * width]
         if transform:
             _row_transform(r, bias[v0 : v0 + width] if flags[F_BIAS] else bias, par, flags)
-        if row_nan_count(r) == 0:
-            cm = row_max(r, ninf)
-        else:
-            cm = _row_max_nan(r, ninf)
+        cm = row_max_nan(r, ninf)[0]  # a NaN never becomes the max
         m = m_io[i]
         s = s_io[i]
         sz = sz_io[i] if flags[F_ENTROPY_STAT] else zero
