@@ -178,7 +178,11 @@ def accumulate(A: np.ndarray, B: np.ndarray, out: np.ndarray, engine: str = "bla
         raise ValueError(f"accumulate: shapes {A.shape} · {B.shape} do not give {out.shape}")
     if fn is not None and A.dtype == B.dtype == out.dtype and _cblas_call(fn, A, B, out):
         return
-    tmp = np.empty_like(out)
+    _add_product(A, B, out, np.empty_like(out), engine)
+
+
+def _add_product(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: np.ndarray, engine: str) -> None:
+    """``tmp = A · B; out += tmp``: the product into scratch, then a separate addition."""
     mm(A, B, tmp, engine)
     np.add(out, tmp, out=out)
 
@@ -193,8 +197,7 @@ def _mm_into(A: np.ndarray, B: np.ndarray, out: np.ndarray, tmp: Scratch, engine
     elif isinstance(tmp, _InBlas):
         accumulate(A, B, out, engine)
     else:
-        mm(A, B, tmp, engine)
-        np.add(out, tmp, out=out)
+        _add_product(A, B, out, tmp, engine)
 
 
 def _after_fork_in_child() -> None:

@@ -1111,9 +1111,18 @@ class _RowStep:
             return []
         v0 = self.chunks[c][0]
         nb, H, b0, b1 = self.nb, self.H, self.b0, self.b1
-        tmp = None if v0 == 0 else (IN_BLAS if self.plan.accumulate_in_gemm else self.tmp_h[: nb * H].reshape(nb, H))
+        tmp = self._sum_with(v0 == 0, self.tmp_h, (nb, H))
         r, k = self.plan.grad_input_tile
         return nn_tasks(self._chunk_block(c), self._w[c], self.gi[b0:b1], tmp, self.eng, rows=r, cols=k)
+
+    def _sum_with(self, first: bool, scratch, shape: tuple[int, int]):
+        """An accumulating tile's ``tmp`` (``_gemm._mm_into``): None for the first term (written),
+        else ``IN_BLAS`` where the plan sums in the BLAS call, or ``scratch``'s first ``shape``."""
+        if first:
+            return None
+        if self.plan.accumulate_in_gemm:
+            return IN_BLAS
+        return scratch[: shape[0] * shape[1]].reshape(shape)
 
     def _grad_weight_product(self, with_colsum: bool, c: int) -> list:
         """(In the compute dtype) ``grad_weight[v] (+)= Gᵀ·X[b]`` for chunk ``c``, as tasks (summed
@@ -1121,10 +1130,7 @@ class _RowStep:
         t = []
         if self.gw is not None and self.gw_code is None:
             v0, v1 = self.chunks[c]
-            w, H = v1 - v0, self.H
-            tmp = None
-            if not self.first:
-                tmp = IN_BLAS if self.plan.accumulate_in_gemm else self.tmp_w[: w * H].reshape(w, H)
+            tmp = self._sum_with(self.first, self.tmp_w, (v1 - v0, self.H))
             t = tn_tasks(self._chunk_block(c), self.X, self.gw[v0:v1], tmp, self.eng, rows=self.plan.grad_weight_rows)
         return t + (self._colsum(c) if with_colsum else [])
 
