@@ -449,7 +449,13 @@ TRAIN_VM_CHUNK = 2048
 #: — a chunk's 52 GEMM tasks become 16, each packing its operands once for 4x the work.
 TRAIN_LOGITS_TILE = (1024, 2048)
 TRAIN_GRAD_WEIGHT_ROWS = 1024
-TRAIN_GRAD_INPUT_TILE = (512, 512)
+#: ``grad_input``'s tiles were 512 × 512 until 2026-11-26: at a 683-row block that is 2 × 2 tiles of
+#: 342 × 448, each packing its ``G`` rows and ``W`` columns (``K`` = a whole vocabulary chunk).  Up to
+#: 1024 rows (1 × 2 tiles there) packs the weight chunk once instead of twice: in the step (Qwen2.5
+#: head, bf16, 2-core Zen 3) the ``G·W`` tiles ran at 0.93–1.05 of the logits tiles' GF/s in the
+#: same step (median ~1.01) against 0.94–0.99 (~0.95), and the step took 0.85–1.04 of the old
+#: grid's time per interleaved round (median 0.98, faster in 7 of 10; ``bench/results/README.md``)
+TRAIN_GRAD_INPUT_TILE = (1024, 512)
 
 
 @dataclass(frozen=True)
