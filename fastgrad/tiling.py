@@ -454,7 +454,8 @@ TRAIN_GRAD_WEIGHT_ROWS = 1024
 #: 1024 rows (1 × 2 tiles there) packs the weight chunk once instead of twice: in the step (Qwen2.5
 #: head, bf16, 2-core Zen 3) the ``G·W`` tiles ran at 0.93–1.05 of the logits tiles' GF/s in the
 #: same step (median ~1.01) against 0.94–0.99 (~0.95), and the step took 0.85–1.04 of the old
-#: grid's time per interleaved round (median 0.98, faster in 7 of 10; ``bench/results/README.md``)
+#: grid's time per interleaved round (median 0.97 over 16 rounds in three runs, faster in 13;
+#: ``bench/results/README.md``)
 TRAIN_GRAD_INPUT_TILE = (1024, 512)
 
 
