@@ -441,11 +441,11 @@ TRAIN_VM_CHUNK = 2048
 #: single-threaded BLAS call, so the bits do not depend on the thread count): the logits
 #: ``X[b]·W[v]ᵀ`` in tiles of ≤ 1024 rows × ≤ 2048 vocabulary columns, ``grad_weight``'s
 #: ``Gᵀ·X[b]`` in blocks of ≤ 1024 vocabulary rows (all ``H`` columns), ``grad_input``'s
-#: ``G·W[v]`` in tiles of ≤ 1024 rows × ≤ 512 columns of ``H`` (below).  From the shapes only.  The first two were 512 × 512 and
-#: 512 rows (the aclnn ops' grid, ``_gemm.ROW_BLOCK``/``COL_BLOCK``, which their bit pins keep):
-#: at the Qwen2.5-0.5B head, bf16, a 2-core Zen 3, the fused step ~4 % faster (best of 5, two
-#: runs; new ÷ old per interleaved round: median 0.96 over 10; 0.98 at V = 32768, 12 rounds;
-#: ``bench/results/README.md``)
+#: ``G·W[v]`` in tiles of ≤ 1024 rows × ≤ 512 columns of ``H`` (below).  From the shapes only.
+#: The first two were 512 × 512 and 512 rows (the aclnn ops' grid, ``_gemm.ROW_BLOCK``/
+#: ``COL_BLOCK``, which their bit pins keep): at the Qwen2.5-0.5B head, bf16, a 2-core Zen 3, the
+#: fused step ~4 % faster (best of 5, two runs; new ÷ old per interleaved round: median 0.96 over
+#: 10; 0.98 at V = 32768, 12 rounds; ``bench/results/README.md``)
 #: — a chunk's 52 GEMM tasks become 16, each packing its operands once for 4x the work.
 TRAIN_LOGITS_TILE = (1024, 2048)
 TRAIN_GRAD_WEIGHT_ROWS = 1024
