@@ -89,13 +89,22 @@ def row_max_nan(r, ninf):  # pragma: no cover - replaced by the overload inside 
 _LANES = 8
 
 
+def _f32_row(arr, ninf) -> bool:
+    """The types :func:`_max_nan_f32` compiles: an fp32 C-contiguous 1-D row and an fp32 ``ninf``."""
+    return (
+        isinstance(arr, types.Array)
+        and arr.ndim == 1
+        and arr.dtype == types.float32
+        and arr.layout == "C"
+        and ninf == types.float32
+    )
+
+
 @intrinsic
 def _max_nan_f32(typingctx, arr, ninf):
     """:func:`row_max_nan` of an fp32 C-contiguous row as LLVM vector code: per lane ``m = x > m ?
     x : m`` (``maxps``) and ``count += x != x``, the lanes folded, then the scalar tail."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.float32 and arr.layout == "C"):
-        return None
-    if ninf != types.float32:
+    if not _f32_row(arr, ninf):
         return None
     sig = types.Tuple((types.float32, types.intp))(arr, ninf)
 
@@ -144,9 +153,8 @@ def _max_nan_f32(typingctx, arr, ninf):
 
 @overload(row_max_nan)
 def _row_max_nan_ol(r, ninf):
-    if isinstance(r, types.Array) and r.ndim == 1 and r.dtype == types.float32 and r.layout == "C":
-        if ninf == types.float32:
-            return lambda r, ninf: _max_nan_f32(r, ninf)  # type: ignore[call-arg]
+    if _f32_row(r, ninf):
+        return lambda r, ninf: _max_nan_f32(r, ninf)  # type: ignore[call-arg]
 
     def impl(r, ninf):
         m = ninf
