@@ -95,6 +95,13 @@ class AclnnRuntimeError(AclnnError, RuntimeError):
     """361001 ACLNN_ERR_RUNTIME_ERROR: the backend is unavailable or the runtime failed."""
 
 
+class InternalError(RuntimeError):
+    """A broken internal invariant of fastgrad's kernels (a bug, never a user's input): an operand
+    in a form its kernel does not take, a plan that contradicts its call, a buffer the plan did not
+    list.  Not a ``ValueError``: code catching :class:`AclnnParamError` (a user's bad input) does
+    not swallow it.  Every input the op layer accepts runs without it; one raised is a bug to report."""
+
+
 _BY_STATUS = {
     ACLNN_ERR_PARAM_NULLPTR: AclnnNullptrError,
     ACLNN_ERR_PARAM_INVALID: AclnnParamError,
