@@ -6,6 +6,7 @@ setting                     environment              API (process / context)
 ==========================  =======================  ==========================================
 strict device parity        ``FASTGRAD_STRICT``      ``set_strict`` / ``strict()``
 SoC profile                 ``FASTGRAD_SOC_VERSION`` ``set_soc_version`` / ``soc_version()``
+deterministic mode          ``FASTGRAD_DETERMINISTIC`` ``set_deterministic`` / ``deterministic()``
 backend                     ``FASTGRAD_BACKEND``     ``set_backend`` / ``use_backend()``
 GEMM engine                 ``FASTGRAD_GEMM``        ``set_gemm_engine`` / ``gemm()``
 native kernel ISA           ``FASTGRAD_NATIVE_ISA``  ``set_native_isa``
@@ -68,6 +69,41 @@ def strict(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _STRICT.reset(token)
+
+
+# deterministic mode (the device's ``aclrtCtxSetSysParamOpt(ACL_OPT_DETERMINISTIC, 1)``)
+_DETERMINISTIC: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fastgrad_deterministic", default=None)
+_deterministic_global: bool | None = None
+
+
+def is_deterministic() -> bool:
+    """True when the device's deterministic mode is emulated (context > set_deterministic >
+    FASTGRAD_DETERMINISTIC; default off).  It changes which summation order an op follows where
+    the device's deterministic kernel differs (``embedding_dense_backward``: the A2/A3
+    ``EmbeddingDenseGradV2DeterministKernel``, docs/device_parity.md row 9b); fastgrad's
+    results are bitwise reproducible either way."""
+    v = _DETERMINISTIC.get()
+    if v is not None:
+        return v
+    if _deterministic_global is not None:
+        return _deterministic_global
+    return env_flag("FASTGRAD_DETERMINISTIC")
+
+
+def set_deterministic(enabled: bool | None) -> None:
+    """Turn deterministic mode on/off for the process (None: back to ``FASTGRAD_DETERMINISTIC``)."""
+    global _deterministic_global
+    _deterministic_global = None if enabled is None else bool(enabled)
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool = True) -> Iterator[None]:
+    """Context manager: follow the device's deterministic-mode kernels (see :func:`is_deterministic`)."""
+    token = _DETERMINISTIC.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _DETERMINISTIC.reset(token)
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -616,6 +652,8 @@ class Settings:
     #: threading layer in the op layer, before any kernel, with PyTorch's count kept (:func:`_numba`)
     threads: int
     progress: Callable[[int, int], object] | None
+    #: the device's deterministic mode (:func:`is_deterministic`)
+    deterministic: bool = False
 
 
 def settings() -> Settings:
@@ -631,4 +669,5 @@ def settings() -> Settings:
         workspace_bytes=workspace_budget(),
         threads=get_num_threads(),
         progress=progress_callback(),
+        deterministic=is_deterministic(),
     )
