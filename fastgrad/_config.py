@@ -368,6 +368,7 @@ def progress_callback() -> Callable[[int, int], object] | None:
 #: AVX-512 machine: the code an AVX2-only CPU runs, for CI and tests)
 NATIVE_ISAS = ("auto", "avx512", "avx2")
 _native_isa_global: str | None = None
+_NATIVE_ISA: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastgrad_native_isa", default=None)
 
 
 def _check_isa(name: object, what: str = "isa") -> str:
@@ -380,8 +381,9 @@ def _check_isa(name: object, what: str = "isa") -> str:
 
 
 def native_isa() -> str:
-    """The native GEMM kernel's ISA setting: :func:`set_native_isa` > ``FASTGRAD_NATIVE_ISA`` >
-    ``"auto"``.  Raises ``AclnnParamError`` (161002, a ``ValueError``) naming the variable when
+    """The native GEMM kernel's ISA setting: :func:`use_native_isa` (this thread / task) >
+    :func:`set_native_isa` (the process) > ``FASTGRAD_NATIVE_ISA`` > ``"auto"``.  Raises
+    ``AclnnParamError`` (161002, a ``ValueError``) naming the variable when
     ``FASTGRAD_NATIVE_ISA`` holds another value.
 
     * ``"auto"``: the best variant this CPU runs — bf16 operands on ``vdpbf16ps`` (AVX-512 BF16),
@@ -397,7 +399,12 @@ def native_isa() -> str:
 
     The variants give the same bits (``fastgrad/kernels/_native.py``); the setting changes the
     speed only.  The op layer resolves it into each LM-head call's GEMM choice
-    (``fastgrad/ops/_engines.py``); no kernel reads it."""
+    (``fastgrad/ops/_engines.py``) and records it in the call's plan (``GemmChoice.variant``),
+    which is what runs; no kernel reads it, so a call in flight keeps its variant whatever another
+    thread sets meanwhile."""
+    ctx = _NATIVE_ISA.get()
+    if ctx is not None:
+        return ctx
     if _native_isa_global is not None:
         return _native_isa_global
     env = os.environ.get("FASTGRAD_NATIVE_ISA", "").strip()
@@ -410,6 +417,18 @@ def set_native_isa(name: str | None) -> None:
     See :func:`native_isa`.  Raises ``ValueError`` for any other name."""
     global _native_isa_global
     _native_isa_global = None if name is None else _check_isa(name)
+
+
+@contextlib.contextmanager
+def use_native_isa(name: str) -> Iterator[None]:
+    """Within the block (this thread or asyncio task only: a context variable), the LM-head calls
+    run the native GEMM variants of ISA ``name`` (see :func:`native_isa`); restored afterwards.
+    Raises ``ValueError`` (161002) for another name."""
+    token = _NATIVE_ISA.set(_check_isa(name))
+    try:
+        yield
+    finally:
+        _NATIVE_ISA.reset(token)
 
 
 # ----------------------------------------------------------------------------------------------
