@@ -76,6 +76,15 @@ class SocProfile:
     #: writes its output then (``cross_entropy_loss_grad_weight_none.h:119-130``) or writes
     #: garbage (``cross_entropy_loss_grad_weight_not_none.h:133-149``)
     ce_grad_label_smoothing: bool
+    #: the AI-vector-core count the tilings split rows over (``GetCoreNumAiv()``): the deterministic
+    #: embedding kernel's core partition depends on it (``index/embedding_dense_grad_v2/op_host/
+    #: embedding_dense_grad_v2_tiling.cpp:298-300,512``, ``Tiling4Deterministic`` :191-197).  40 on
+    #: Ascend910B3/B4 (20 AI cores × 2), 48 on B1/B2 and the A3 dies (24 × 2); the family names
+    #: (``"Ascend910B"``, ``"Ascend910_93"``) take 48 — name the chip for the other count.  None on
+    #: Ascend 950 (no fastgrad behaviour depends on it there)
+    aiv_cores: int | None = None
+    #: the CANN name the profile was asked for (``"Ascend910B3"``); the family name by default
+    chip: str = ""
 
 
 #: Atlas A2 (the default); A3 runs the same binaries (op_host/config/ascend910b and .../ascend910_93)
@@ -88,11 +97,13 @@ _A2 = SocProfile(
     ce_grad_target_dtypes=("int64",),
     ce_grad_ignore_any_sign=True,
     ce_grad_label_smoothing=False,
+    aiv_cores=48,
+    chip=ASCEND910B,
 )
 
 PROFILES: dict[str, SocProfile] = {
     ASCEND910B: _A2,
-    ASCEND910_93: replace(_A2, name=ASCEND910_93, product="Atlas A3 training/inference"),
+    ASCEND910_93: replace(_A2, name=ASCEND910_93, product="Atlas A3 training/inference", chip=ASCEND910_93),
     ASCEND950: SocProfile(
         name=ASCEND950,
         product="Ascend 950PR/950DT",
@@ -102,7 +113,18 @@ PROFILES: dict[str, SocProfile] = {
         ce_grad_target_dtypes=("int64", "int32"),
         ce_grad_ignore_any_sign=False,
         ce_grad_label_smoothing=True,
+        chip=ASCEND950,
     ),
+}
+
+#: the chips whose AI-vector-core count differs from their family's (lower-case CANN names;
+#: a longer name such as ``Ascend910B4-1`` takes the longest entry it starts with)
+AIV_CORES: dict[str, int] = {
+    "ascend910b1": 48,
+    "ascend910b2": 48,
+    "ascend910b2c": 48,
+    "ascend910b3": 40,
+    "ascend910b4": 40,
 }
 
 #: prefixes of the finer names ``aclrtGetSocName`` returns, longest first
@@ -126,5 +148,15 @@ def profile_name(name: str) -> str:
 
 
 def get_profile(name: str) -> SocProfile:
-    """The :class:`SocProfile` of a CANN SoC name (see :func:`profile_name`)."""
-    return PROFILES[profile_name(name)]
+    """The :class:`SocProfile` of a CANN SoC name (see :func:`profile_name`): the family's
+    behaviours, with ``chip`` the name given and ``aiv_cores`` the chip's (:data:`AIV_CORES`)."""
+    prof = PROFILES[profile_name(name)]
+    low = name.strip().lower()
+    if low == prof.name.lower():
+        return prof
+    cores = prof.aiv_cores
+    for chip in sorted(AIV_CORES, key=len, reverse=True):
+        if low.startswith(chip):
+            cores = AIV_CORES[chip]
+            break
+    return replace(prof, chip=name.strip(), aiv_cores=cores)

@@ -495,6 +495,7 @@ def cross_entropy_loss_grad(
     lse_square_scale_for_zloss=0.0,
     out,
     ignore_any_sign=True,
+    smooth_arch35=False,
 ):
     """aclnnCrossEntropyLossGrad (reduction passed as the C string "none"/"mean"/"sum").
 
@@ -532,10 +533,20 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction="mean", beta=1
 
 
 def embedding_dense_backward(
-    *, grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False, out, result_dtype=None
+    *,
+    grad,
+    indices,
+    num_weights,
+    padding_idx=-1,
+    scale_grad_by_freq=False,
+    out,
+    result_dtype=None,
+    deterministic_cores=0,
 ):
     """aclnnEmbeddingDenseBackward (numWeights, paddingIdx as uint64: a negative padding_idx is
-    passed as its two's complement, which the device reads as "no padding row")."""
+    passed as its two's complement, which the device reads as "no padding row").
+    ``result_dtype`` and ``deterministic_cores`` are the CPU kernel's: the device decides them
+    itself (its deterministic mode is the context's ``ACL_OPT_DETERMINISTIC``)."""
     with op_call("aclnnEmbeddingDenseBackward") as c:
         c.run(
             c.input(grad),

@@ -384,7 +384,12 @@ class Runtime:
         """Raise ``AclnnError(ret, ...)`` with the runtime's message when ``ret`` is non-zero."""
         if ret != ACL_SUCCESS:
             msg = self.recent_error()
-            raise AclnnError(int(ret), f"{what} returned {int(ret)}" + (f": {msg}" if msg else ""), what)
+            err = AclnnError(int(ret), f"{what} returned {int(ret)}" + (f": {msg}" if msg else ""), what)
+            # which of an aclnn API's two calls failed (fastgrad.ops._opdef.PHASES): its first,
+            # aclnnXxxGetWorkspaceSize, or its second, the launch aclnnXxx
+            if what.startswith("aclnn"):
+                err.phase = "workspace" if what.endswith("GetWorkspaceSize") else "run"  # type: ignore[attr-defined]
+            raise err
 
     # --- set-up ------------------------------------------------------------------------
     def init_acl(self) -> None:

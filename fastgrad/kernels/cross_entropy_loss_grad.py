@@ -37,7 +37,7 @@ OP = "cross_entropy_loss_grad"
 
 
 @njit(error_model="numpy")
-def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, any_sign, ls, coef_p, coef_t, coef_s):
+def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, any_sign, ls, coef_p, coef_t, coef_s, coef_r):
     """Fill the per-row fp32 coefficients; returns True when some row is ignored.
 
     ``red``: 0 none, 1 mean, 2 sum.  ``grad``: fp32 [N] (the 0-d value repeated for
@@ -48,6 +48,7 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, any_sign
     * nll_i   = s_i·(1-ls)·w_t·m        (s_i = g/W, g or g_i; device order of operations)
     * smooth_i = s_i·(ls/C)·m,  coef_s = smooth_i,  coef_p = nll_i + smooth_i·Σweight
     * coef_t = nll_i (subtracted at j == t; a t outside [0, C) matches no column).
+    * coef_r = fl(smooth_i·Σweight) (the arch35 ``smoothGradReduceSum``; C without weight).
 
     Ignored rows get ``coef_t = coef_p = s_i·0·w`` (±0; NaN when s_i is not finite, as on the
     device: e.g. W = 0 for an all-ignored mean).
@@ -98,6 +99,7 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, any_sign
         coef_t[i] = nll  # ignored rows: ±0 (or NaN), subtracted at t as on the device
         coef_p[i] = cp
         coef_s[i] = sm
+        coef_r[i] = sm * Wc
     return any_ignored
 
 
@@ -109,13 +111,19 @@ _BLOCK = 16384  # columns per work item: rows of the 32k vocabulary split in two
 
 
 @njit(inline="always")
-def _ce_block(src, dst, a, b, wv, smooth, code):
-    """``dst = exp(src)·a - b·wv`` (or ``exp(src)·a``), for one format ``code``.
+def _ce_block(src, dst, a, b, wv, smooth, code, r, arch35):
+    """``dst = exp(src)·a - b·wv`` (or ``exp(src)·a``), for one format ``code``; with
+    ``arch35`` (label smoothing on the 950 kernel) ``dst = (exp(src)·r - b·wv) + exp(src)·a``.
 
     Called with a literal ``code`` from each branch of the kernel, so that after inlining
     every copy of the loop converts with one format only (LLVM does not unswitch it).
     """
-    if smooth:
+    if smooth and arch35:  # arch35 SmoothLabel: ((e·fl(sm·Σw)) − w_j·sm) + fl(e·c)
+        for j in range(src.shape[0]):
+            e = exp_f32(load_f32(src[j], code))
+            v = (e * r - b * wv[j]) + e * a
+            dst[j] = store_as(v, code, dst)
+    elif smooth:
         for j in range(src.shape[0]):
             v = exp_f32(load_f32(src[j], code)) * a - b * wv[j]
             dst[j] = store_as(v, code, dst)
@@ -126,7 +134,7 @@ def _ce_block(src, dst, a, b, wv, smooth, code):
 
 
 @pjit
-def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, weight, smooth, out):
+def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, coef_r, weight, smooth, arch35, out):
     n, c = lp.shape
     nb = (c + _BLOCK - 1) // _BLOCK
     for blk in prange(n * nb):
@@ -134,7 +142,8 @@ def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, weight,
         j0 = (blk - i * nb) * _BLOCK
         j1 = min(j0 + _BLOCK, c)
         t = tgt[i]
-        a = coef_p[i]
+        a = coef_t[i] if (smooth and arch35) else coef_p[i]
+        r = coef_r[i]
         # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices.
         # Ignored rows too (a = ±0): exp(log_prob)·0 as on the device, NaN propagates.
         dst = out[i, j0:j1]
@@ -142,17 +151,21 @@ def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, weight,
         b = coef_s[i]
         wv = weight[j0:j1]
         if code == 1:
-            _ce_block(src, dst, a, b, wv, smooth, 1)
+            _ce_block(src, dst, a, b, wv, smooth, 1, r, arch35)
         elif code == 2:
-            _ce_block(src, dst, a, b, wv, smooth, 2)
+            _ce_block(src, dst, a, b, wv, smooth, 2, r, arch35)
         else:
-            _ce_block(src, dst, a, b, wv, smooth, 0)
+            _ce_block(src, dst, a, b, wv, smooth, 0, r, arch35)
         if j0 <= t and t < j1:
             # the target column: recomputed from the input, one rounding
-            v = exp_f32(load_f32(lp[i, t], code)) * a
-            if smooth:
-                v = v - b * weight[t]
-            v = v - coef_t[i]
+            e = exp_f32(load_f32(lp[i, t], code))
+            if smooth and arch35:  # x[t] = fl(e·c) − c first (ComputeLogPre), then SmoothLabel
+                v = (e * r - b * weight[t]) + (e * a - coef_t[i])
+            else:
+                v = e * a
+                if smooth:
+                    v = v - b * weight[t]
+                v = v - coef_t[i]
             out[i, t] = store_as(v, code, out)
 
 
@@ -170,11 +183,16 @@ def cross_entropy_loss_grad_cpu(
     lse_square_scale_for_zloss,
     out,
     ignore_any_sign=True,
+    smooth_arch35=False,
 ):
     """Numba implementation (the op module has validated every argument).
 
     ``grad_zloss``, ``lse_for_zloss`` and ``lse_square_scale_for_zloss`` are not read, as on the
-    device; ``ignore_any_sign`` is the SoC profile's ignore rule (see :func:`_row_coefficients`)."""
+    device; ``ignore_any_sign`` is the SoC profile's ignore rule (see :func:`_row_coefficients`);
+    ``smooth_arch35``: label smoothing in the arch35 kernel's order (``x = fl(e·c)``, ``x[t] −= c``
+    — ``arch35/cross_entropy_loss_grad_base.h:487-526`` — then ``((e·fl(sm·Σw)) − w_j·sm) + x``,
+    ``arch35/cross_entropy_loss_grad_weight_none.h:57-93``, ``..._weight_not_none.h:146-182``),
+    else the composite ``fl(fl(e·(c + sm·Σw)) − sm·w_j) − c``."""
     n, c = log_prob.shape
     if n == 0 or c == 0:
         return out
@@ -187,6 +205,7 @@ def cross_entropy_loss_grad_cpu(
     coef_p = np.empty(n, np.float32)
     coef_t = np.empty(n, np.float32)
     coef_s = np.empty(n, np.float32)
+    coef_r = np.empty(n, np.float32)
     _row_coefficients(
         tgt,
         grad,
@@ -199,6 +218,7 @@ def cross_entropy_loss_grad_cpu(
         coef_p,
         coef_t,
         coef_s,
+        coef_r,
     )
     lp = storage_view(np.ascontiguousarray(log_prob))  # the device's Contiguous step
     _ce_grad_kernel(
@@ -209,8 +229,10 @@ def cross_entropy_loss_grad_cpu(
         coef_p,
         coef_t,
         coef_s,
+        coef_r,
         w,
         float(label_smoothing) != 0.0,
+        bool(smooth_arch35),
         storage_view(out),
     )
     return out

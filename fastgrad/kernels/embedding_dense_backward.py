@@ -20,7 +20,21 @@ Plan (the op_host "tiling"), O(N + num_weights·D) work, no atomics:
    and rounded once.
 
 Each row is produced by one thread with a fixed sequence of operations, so results are
-bitwise identical for any thread count.  Kernel specializations: fp32 grad/out, and 16-bit
+bitwise identical for any thread count.
+
+**Deterministic mode** (``deterministic_cores > 0``: the op layer passes the SoC's AI-vector-core
+count when ``fg.deterministic()`` is on and the device's result is fp32): each row is summed in
+the order of the A2/A3 ``EmbeddingDenseGradV2DeterministKernel`` (ops-nn e5c3fa9,
+``index/embedding_dense_grad_v2/op_kernel/embedding_dense_grad_v2_determinist.h``).  The stable
+sort of the indices is split over ``cores = min(aiv, N)`` (``min(aiv, num_weights, N)`` with
+``scale_grad_by_freq``) in contiguous ranges, the first ``N % cores`` one row longer
+(``op_host/embedding_dense_grad_v2_tiling.cpp:191-197,298-300``; kernel :75-115).  A row's run
+of sorted positions ``[s, e)`` belongs to the core whose range holds ``s``: that core walks its
+range backwards (:58-73; a later core stops at the run it shares with the core before,
+:169-182), then continues forward past its end while the index repeats (:270-284).  Each walk
+adds the grad rows into a UB accumulator from +0 (:233-245) and atomically adds it to the output
+row (fp32, from the zeroed output, :247-268) every ``LIMIT_COUNT_NUM = 10`` rows
+(``embedding_dense_grad_v2.h:26``) and at the walk's end (:207-217).  Kernel specializations: fp32 grad/out, and 16-bit
 grad/out as ``uint16`` bit patterns with a format code.
 """
 
@@ -177,6 +191,75 @@ def _emb_16(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, cod
         _rows_16(np.int64(b), gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, code)
 
 
+#: rows a deterministic-kernel UB accumulator takes before its atomic add (embedding_dense_grad_v2.h:26)
+LIMIT_COUNT_NUM = 10
+
+
+@njit
+def _det_walk(gb, goff, grs, d, order, p0, p1, step, acc, row):
+    """One walk of the deterministic kernel over sorted positions p0, p0+step, ... (not p1):
+    UB partials from +0, flushed into ``row`` every LIMIT_COUNT_NUM rows and at the end."""
+    cnt = 0
+    for j in range(d):
+        acc[j] = np.float32(0.0)
+    p = p0
+    while p != p1:
+        i = order[p]
+        g = gb[goff + i * grs : goff + i * grs + d]
+        for j in range(d):
+            acc[j] = acc[j] + g[j]
+        cnt += 1
+        if cnt == LIMIT_COUNT_NUM:
+            for j in range(d):
+                row[j] = row[j] + acc[j]
+                acc[j] = np.float32(0.0)
+            cnt = 0
+        p += step
+    if cnt:
+        for j in range(d):
+            row[j] = row[j] + acc[j]
+
+
+@njit
+def _rows_det(b, gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, cores):
+    """fp32, deterministic kernel's order: the indexed rows among [b*ROWS, (b+1)*ROWS)."""
+    n = starts[counts.size]
+    tail = n // cores
+    former = tail + 1
+    rep = n % cores
+    for k in range(b * ROWS, min(counts.size, (b + 1) * ROWS)):
+        c = counts[k]
+        if c == 0 or k == padding_idx:
+            continue
+        s, e = starts[k], starts[k + 1]
+        if s < former * rep:  # the core whose range holds s, and that range's end
+            core = s // former
+            end = (core + 1) * former
+        else:
+            core = rep + (s - former * rep) // tail
+            end = former * rep + (core - rep + 1) * tail
+        row = ob[k * d : (k + 1) * d]
+        for j in range(d):
+            row[j] = np.float32(0.0)
+        _det_walk(gb, goff, grs, d, order, min(e, end) - 1, s - 1, -1, acc, row)  # backwards
+        if e > end:
+            _det_walk(gb, goff, grs, d, order, end, e, 1, acc, row)  # past the range's end
+        if scale:
+            rc = np.float32(1.0) / np.float32(c)
+            for j in range(d):
+                row[j] = row[j] * rc
+
+
+@pjit
+def _emb_det(gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, cores, nparts):
+    for p in prange(nparts):  # phase 1: zero-fill
+        _zero_parts(ob, nparts, p)
+    nblk = (counts.size + ROWS - 1) // ROWS
+    for b in prange(nblk):
+        acc = np.empty(d, np.float32)
+        _rows_det(np.int64(b), gb, goff, grs, d, counts, starts, order, padding_idx, scale, ob, acc, cores)
+
+
 def index_int64(indices: np.ndarray) -> np.ndarray:
     """Flat C-contiguous int64 copy of ``indices``: floats truncated toward zero, bool as 0/1."""
     a = np.asarray(indices).reshape(-1)
@@ -186,11 +269,23 @@ def index_int64(indices: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out, result_dtype=None):
+def embedding_dense_backward(
+    *,
+    grad,
+    indices,
+    num_weights,
+    padding_idx,
+    scale_grad_by_freq,
+    out,
+    result_dtype=None,
+    deterministic_cores=0,
+):
     """Numba implementation (see module docstring); fills ``out`` [num_weights, D] completely.
 
     ``result_dtype`` (the op's choice, from the SoC profile): the dtype of the device's result
-    before its final Cast to ``out``'s dtype; None means ``out``'s dtype."""
+    before its final Cast to ``out``'s dtype; None means ``out``'s dtype.
+    ``deterministic_cores`` (the op's choice): > 0 sums an fp32 result in the order of the
+    device's deterministic kernel over that many AI vector cores; 0: fastgrad's index order."""
     nw, d = out.shape
     if out.size == 0:
         return out
@@ -206,6 +301,7 @@ def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_g
             padding_idx=padding_idx,
             scale_grad_by_freq=scale_grad_by_freq,
             out=tmp,
+            deterministic_cores=deterministic_cores,
         )
         out[...] = from_float32(to_float32(tmp), out.dtype)
         return out
@@ -222,7 +318,11 @@ def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_g
     # zero-fill pieces: one per thread (the row results never depend on it), each as large
     # as possible so that libc's memset takes its streaming-store path
     scale = bool(scale_grad_by_freq)
-    if out.dtype == FLOAT32:
+    if deterministic_cores > 0 and out.dtype == FLOAT32 and idx.size:
+        n_rows = int(idx.size)
+        cores = min(int(deterministic_cores), n_rows, nw) if scale else min(int(deterministic_cores), n_rows)
+        _emb_det(gb, goff, grs, d, counts, starts, order, pad, scale, ob, np.int64(cores), get_num_threads())
+    elif out.dtype == FLOAT32:
         _emb_f32(gb, goff, grs, d, counts, starts, order, pad, scale, ob, get_num_threads())
     else:
         _emb_16(gb, goff, grs, d, counts, starts, order, pad, scale, ob, code_of(out.dtype), get_num_threads())

@@ -43,6 +43,11 @@ from ..soc import SocProfile, get_profile
 
 # the inner status codes (a tiling failure, no kernel for the SoC) are named in fastgrad/errors.py
 
+#: the two calls of an aclnn API: ``aclnnXxxGetWorkspaceSize`` (checks, tiling, the workspace size)
+#: and ``aclnnXxx`` (the launch).  Every :class:`~fastgrad.AclnnError` an op raises carries the
+#: one it models as ``phase`` (see :meth:`Call.fail`).
+PHASES = ("workspace", "run")
+
 #: int64 range: integer attributes beyond it are rejected (the aclnn attributes are int64_t).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -95,17 +100,25 @@ class Call:
     info: dict = field(default_factory=dict)  # op-private derived values (BT, V, ...)
     skip_compute: bool = False  # the device returns without launching
     soc: SocProfile = field(default_factory=lambda: get_profile(_config.get_soc_version()))
-    inner: list = field(default_factory=list)  # (status, param, message): a failure past the op_api checks
+    inner: list = field(default_factory=list)  # (status, param, message, phase): a failure past the op_api checks
     settings: _config.Settings | None = None  # the settings in force, read once per call (execute)
 
     def bad(self, param: str, expected: str, got: Any) -> None:
         """Record that ``param`` is out of range (161002)."""
         self.reasons.append((param, f"{param}: expected {expected}, got {got}"))
 
-    def fail(self, status: int, param: str, expected: str, got: Any) -> None:
+    def fail(self, status: int, param: str, expected: str, got: Any, phase: str = "workspace") -> None:
         """Record a failure the device reports with another code than 161002 (a tiling failure,
-        no kernel for the SoC): raised in strict mode only, after every 161002 reason."""
-        self.inner.append((int(status), param, f"{param}: expected {expected}, got {got}"))
+        no kernel for the SoC): raised in strict mode only, after every 161002 reason.
+
+        ``phase``: which of the aclnn API's two calls fails on the device — ``"workspace"``
+        (``aclnnXxxGetWorkspaceSize``: raised with the checks, before anything is allocated) or
+        ``"run"`` (``aclnnXxx``: the first call succeeded, e.g. an l0 op that discards its
+        launcher's tiling status; raised after the outputs are allocated, where the kernel would
+        run, ``out=`` untouched).  The error's ``phase`` attribute says which."""
+        if phase not in PHASES:  # pragma: no cover - a declaration error
+            raise AssertionError(f"phase {phase!r}")
+        self.inner.append((int(status), param, f"{param}: expected {expected}, got {got}", phase))
 
     def shape_of(self, name: str) -> tuple:
         return tuple(int(d) for d in self.a[name].shape)
@@ -254,11 +267,35 @@ def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.generic, np.ndarray))
 
 
+def _phased(err: AclnnError, phase: str) -> AclnnError:
+    err.phase = phase  # type: ignore[attr-defined]
+    return err
+
+
 def _raise(call: Call) -> None:
     params = [p for p, _ in call.reasons]
     msgs = [m for _, m in call.reasons]
     msg = f"{call.op.name}: " + "; ".join(msgs)
-    raise AclnnError(ACLNN_ERR_PARAM_INVALID, msg, params[0], msgs)
+    raise _phased(AclnnError(ACLNN_ERR_PARAM_INVALID, msg, params[0], msgs), "workspace")
+
+
+def _raise_inner(call: Call, phase: str) -> None:
+    """Raise the first strict-mode failure of ``phase`` (see :meth:`Call.fail`), if any."""
+    found = [f for f in call.inner if f[3] == phase]
+    if not found:
+        return
+    status, param, msg, _ = found[0]
+    where = (
+        f"{call.op.aclnn}GetWorkspaceSize"
+        if phase == "workspace"
+        else f"{call.op.aclnn} (the run call; {call.op.aclnn}GetWorkspaceSize succeeded)"
+    )
+    raise _phased(
+        AclnnError(
+            status, f"{call.op.name}: {msg} (device: {call.soc.name}; at {where})", param, [f[2] for f in found]
+        ),
+        phase,
+    )
 
 
 def _adapt_inputs(op: OpDef, call: Call) -> None:
@@ -271,7 +308,7 @@ def _adapt_inputs(op: OpDef, call: Call) -> None:
             missing.append(td.name)
     if missing:
         msg = f"{op.name}: " + "; ".join(f"{n} is required but None was given" for n in missing)
-        raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, msg, missing[0], msg.split("; "))
+        raise _phased(AclnnError(ACLNN_ERR_PARAM_NULLPTR, msg, missing[0], msg.split("; ")), "workspace")
 
     kinds = set()
     for td in op.inputs:
@@ -372,7 +409,7 @@ def _allocate(call: Call, users: list, checked: list) -> list[arrays.Out | None]
             bufs.append(arrays.prepare_out(user, chk, spec.shape, dt))
         except (MemoryError, ValueError):
             param = spec.size_param or name
-            raise AclnnError(
+            raise AclnnError(  # (the workspace phase: an AclnnError without .phase reads as it)
                 ACLNN_ERR_PARAM_INVALID,
                 f"{call.op.name}: {param}: expected an output that fits in memory, got "
                 f"{name} of shape {tuple(spec.shape)} ({dtype_name(dt)})",
@@ -420,15 +457,15 @@ def execute(op: OpDef, args: dict, out: Any = None) -> Any:
     checked = _check_outs(op, call, out)
     if call.reasons:
         _raise(call)
-    if call.inner:  # the op_api's checks passed; its l0 op / tiling fails (strict mode only)
-        status, param, msg = call.inner[0]
-        raise AclnnError(status, f"{op.name}: {msg} (device: {call.soc.name})", param, [m for _, _, m in call.inner])
+    # the op_api's checks passed; its l0 op / tiling fails (strict mode only): in the first call
+    _raise_inner(call, "workspace")
 
     kind = arrays.kind_of(*[v for v in (args.get(t.name) for t in op.inputs) if not _is_number(v)])
     call.info["kind"] = kind  # the caller's array kind (a result builder wraps its values in it)
     names = list(op.outputs)
     users = [None] * len(names) if out is None else (list(out) if len(names) > 1 else [out])
     bufs = _allocate(call, users, checked)
+    _raise_inner(call, "run")  # ... or only in the second: the launch (out= untouched)
     if call.skip_compute:  # the device returns without launching: a user's out untouched
         for b in bufs:
             if b is not None and b.user is None:

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..arrays import ArrayLike
 from ..dtypes import FLOAT32, FLOAT_DTYPES, dtype_name
+from ..errors import ACLNN_ERR_INNER_TILING_ERROR
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, execute
 
 OP = "cross_entropy_loss_grad"
@@ -32,38 +33,97 @@ def _warn_zloss_once() -> None:
         )
 
 
+_RED_SPELLINGS = ("none", "mean", "sum")
+
+
+def _tiling_refuses(c: Call, param: str, expected: str, got: Any) -> None:
+    """A shape or value the op_api passes and the op_host tiling refuses.  CrossEntropyLossGrad
+    has no hand-written op_api: the generated aclnn API checks nulls and dtypes (opbase
+    ``indv_executor.cpp:300-328,958-968``) and reports a failed tiling as 561002
+    (``ACLNN_ERR_INNER_TILING_ERROR``, ``indv_executor.cpp:880-885``) — strict mode's code;
+    outside it fastgrad's 161002."""
+    if c.strict:
+        c.fail(ACLNN_ERR_INNER_TILING_ERROR, param, expected + " (the op_host tiling; strict mode)", got)
+    else:
+        c.bad(param, expected, got)
+
+
 def _relations(c: Call) -> None:
     lp, tg, w = c.a["log_prob"], c.a["target"], c.a["weight"]
     n, cc = c.shape_of("log_prob")
     red, ign = c.attrs["reduction"], c.attrs["ignore_index"]
-    c.expect_shape("target", (n,))
-    red_shapes = [(n,)] if red == "none" else [(), (1,)]  # mean/sum: 0-d or (1,), as the kernel
+    arch35 = c.soc.name == "Ascend950"
+    # tiling shape checks: A2/A3 cross_entropy_loss_grad_tiling.cpp:247-254 (target), :256-267
+    # (weight); arch35 cross_entropy_loss_grad_tiling_arch35.cpp:368-376, :382-393
+    if tuple(tg.shape) != (n,):
+        _tiling_refuses(c, "target", f"shape {(n,)} (log_prob.shape[0])", f"shape {tuple(tg.shape)}")
+    if w is not None and tuple(w.shape) != (cc,):
+        _tiling_refuses(c, "weight", f"shape {(cc,)} (log_prob.shape[1])", f"shape {tuple(w.shape)}")
+    ls = c.attrs["label_smoothing"]
+    if not 0.0 <= ls <= 1.0:
+        # the arch35 tiling refuses it (:427-436); the A2/A3 tiling reads it unchecked
+        if arch35:
+            _tiling_refuses(c, "label_smoothing", "a value in [0, 1]", ls)
+        else:
+            c.bad("label_smoothing", "a value in [0, 1]", ls)
+    raw_red = c.raw.get("reduction")
+    if c.strict and arch35 and not (isinstance(raw_red, str) and raw_red in _RED_SPELLINGS):
+        # the arch35 tiling compares the C string exactly (strcmp, :404-418): "Mean", " sum" or
+        # an integer (no C string at all) are refused
+        c.fail(
+            ACLNN_ERR_INNER_TILING_ERROR,
+            "reduction",
+            "exactly 'none', 'mean' or 'sum' (the arch35 tiling's strcmp; strict mode)",
+            repr(raw_red),
+        )
     gl = c.a["grad_loss"]
-    if tuple(gl.shape) not in red_shapes:
-        c.bad("grad_loss", " or ".join(map(str, red_shapes)) + f" for reduction={red!r}", f"shape {tuple(gl.shape)}")
-    elif red != "none":
-        c.a["grad_loss"] = gl.reshape(())
-    if w is not None:
-        c.expect_shape("weight", (cc,))
+    gshape = tuple(gl.shape)
+    if red == "none":
+        if gshape != (n,):
+            if arch35:  # arch35 tiling :348-358
+                _tiling_refuses(c, "grad_loss", f"shape {(n,)} for reduction='none'", f"shape {gshape}")
+            else:  # the A2/A3 kernel reads grad_loss[i] for every row: past its end
+                c.bad("grad_loss", f"shape {(n,)} for reduction='none'", f"shape {gshape}")
+    else:
+        if gl.size == 0:  # the kernel reads element 0 (cross_entropy_loss_grad_base.h:243-253)
+            expected = f"() or (1,) for reduction={red!r}"
+            if arch35:
+                _tiling_refuses(c, "grad_loss", expected, f"shape {gshape}")
+            else:
+                c.bad("grad_loss", expected + " (the kernel reads its element 0)", f"shape {gshape}")
+        else:
+            if gshape not in ((), (1,)) and arch35:
+                # arch35 tiling :359-366: one element of rank <= 1 (a scalar is made (1,))
+                _tiling_refuses(c, "grad_loss", f"() or (1,) for reduction={red!r}", f"shape {gshape}")
+            # the A2/A3 tiling never reads its shape (cross_entropy_loss_grad_tiling.cpp:238-276)
+            # and the kernel reads element 0 (cross_entropy_loss_grad_base.h:243-253): any
+            # non-empty grad_loss, its first element
+            c.a["grad_loss"] = gl.reshape(-1)[:1].reshape(())
+    if w is not None and tuple(w.shape) != (cc,):
+        w = None  # refused above; nothing more to check against it
     if c.a["grad_zloss"] is not None or c.a["lse_for_zloss"] is not None or c.attrs["lse_square_scale_for_zloss"]:
         _warn_zloss_once()
     # which rows are ignored: target == ignore_index (910B kernel, any sign), or only when
     # ignore_index >= 0 (arch35): the SoC profile's rule
     any_sign = c.soc.ce_grad_ignore_any_sign
-    ignored = (tg == ign) if (any_sign or ign >= 0) else np.zeros(tg.shape, bool)
+    ign_on = any_sign or ign >= 0
+    ignored = (tg == ign) if ign_on else np.zeros(tg.shape, bool)
     if n and w is not None and tg.shape == (n,):
         # with a weight the kernel reads weight[target] (TargetWeight): out of bounds for a target
         # outside [0, C) that is not ignored — fastgrad never reads out of bounds
         bad = ~ignored & ((tg < 0) | (tg >= cc))
         if bad.any():
             k = int(np.argmax(bad))
-            c.bad(
-                "target",
-                f"values in [0, {cc}) or ignore_index ({ign}) when weight is given "
-                "(the device reads weight out of bounds)",
-                f"target[{k}] = {int(tg[k])}",
-            )
-    c.info["kernel_args"] = {"ignore_any_sign": any_sign}
+            if ign_on:
+                allowed = f"values in [0, {cc}) or ignore_index ({ign}) when weight is given"
+            else:
+                allowed = (
+                    f"values in [0, {cc}) when weight is given — on {c.soc.name} a negative ignore_index "
+                    f"({ign}) ignores no row (the arch35 kernel ignores rows only for ignore_index >= 0, "
+                    "arch35/cross_entropy_loss_grad_weight_not_none.h:132-143)"
+                )
+            c.bad("target", allowed + " (the device reads weight out of bounds)", f"target[{k}] = {int(tg[k])}")
+    c.info["kernel_args"] = {"ignore_any_sign": any_sign, "smooth_arch35": c.soc.ce_grad_label_smoothing}
     c.outs["out"] = OutSpec((n, cc), lp.dtype)
 
 
@@ -106,7 +166,7 @@ DECL = OpDef(
     attrs=(
         AttrDef("reduction", "reduction"),
         AttrDef("ignore_index", "int"),
-        AttrDef("label_smoothing", "float", lo=0.0, hi=1.0),  # per SoC in strict mode: _device_limits
+        AttrDef("label_smoothing", "float", finite=False),  # [0, 1]: _relations; per SoC in strict mode: _device_limits
         AttrDef("lse_square_scale_for_zloss", "float"),  # accepted, ignored
     ),
     outputs=("out",),

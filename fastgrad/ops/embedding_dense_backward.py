@@ -43,7 +43,13 @@ def _relations(c: Call) -> None:
         if not (lo >= 0 and hi < nw):
             c.bad("indices", f"values in [0, {nw}) (num_weights)", f"values in [{lo}, {hi}]")
     c.outs["grad_weight"] = OutSpec((nw, d), g.dtype, accept=FLOAT_DTYPES, size_param="num_weights")
-    c.info["kernel_args"] = {"result_dtype": _result_dtype(c)}
+    rdt = _result_dtype(c)
+    # the device's deterministic mode (fg.deterministic()): the A2/A3 tiling picks the
+    # deterministic kernel for an fp32 result only (embedding_dense_grad_v2_tiling.cpp:285); its
+    # order depends on the AI-vector-core count (the SoC profile's)
+    cores = c.soc.aiv_cores if (c.settings is not None and c.settings.deterministic) else None
+    det = int(cores) if (cores and rdt == FLOAT32 and c.soc.name != "Ascend950") else 0
+    c.info["kernel_args"] = {"result_dtype": rdt, "deterministic_cores": det}
 
 
 #: aclnn_embedding_dense_backward.cpp:44-47: the thresholds of IsNeedCast (:227-235)
@@ -70,8 +76,11 @@ DECL = OpDef(
     name=OP,
     aclnn="aclnnEmbeddingDenseBackward",
     inputs=(
-        TensorDef("grad", FLOAT_DTYPES, ndim=(2, MAX_DIMS), ext_ndim=(1, None)),
-        TensorDef("indices", DEVICE_INDEX_DTYPES, ext_dtypes=EXT_INDEX_DTYPES, ndim=(1, MAX_DIMS), ext_ndim=(0, None)),
+        # ranks: op_api CheckMaxDimension (aclnn_embedding_dense_backward.cpp:95-99) bounds both by
+        # 8 and nothing else; a 1-D grad with 0-d indices (F.embedding(scalar_index, W)'s
+        # backward) passes CheckDimension (:101-123, 1 == 1) and gradRow == 1 skips the sort (:251-256)
+        TensorDef("grad", FLOAT_DTYPES, ndim=(1, MAX_DIMS), ext_ndim=(1, None)),
+        TensorDef("indices", DEVICE_INDEX_DTYPES, ext_dtypes=EXT_INDEX_DTYPES, ndim=(0, MAX_DIMS), ext_ndim=(0, None)),
     ),
     attrs=(AttrDef("num_weights", "int", lo=0), AttrDef("padding_idx", "int"), AttrDef("scale_grad_by_freq", "bool")),
     outputs=("grad_weight",),
@@ -134,13 +143,25 @@ def embedding_dense_backward(
     zero.  Deterministic (no atomics; bitwise identical for any thread count) — the device's
     default implementation is not (its doc; docs/spec.md).
 
+    Deterministic mode (``fg.deterministic()`` / ``FASTGRAD_DETERMINISTIC=1``, the device's
+    ``ACL_OPT_DETERMINISTIC``): on the A2/A3 profiles an fp32 result is summed in the order of
+    the device's ``EmbeddingDenseGradV2DeterministKernel`` (docs/device_parity.md row 9b): the
+    sorted indices split over the profile's AI-vector-core count (``soc.aiv_cores``: 40 on
+    Ascend910B3/B4, 48 on B1/B2 and A3 — name the chip with ``fg.soc_version``), each run of
+    one index summed by one core, backwards over its range then forwards past it, in fp32
+    partials of 10 rows added into the row.  E.g. grad ``[[1], [2**-24], [2**-24]]``, indices
+    ``[0, 0, 0]`` gives ``1.0000001`` (index order gives ``1.0``).  A 16-bit result (not widened
+    by the op_api) and the Ascend 950 profile keep the index order (the 910B tiling takes the
+    deterministic kernel for fp32 only, ``embedding_dense_grad_v2_tiling.cpp:285``).
+
     Deviations from PyTorch: its CPU kernel accumulates fp16/bf16 in 16 bits (4096 bf16 ones
     sum to 256); fastgrad accumulates in fp32 like the device (4096).  PyTorch scales each
     term by ``1/count``; fastgrad, as the device, multiplies the fp32 sum by ``fp32(1/count)`` once.  An index outside
     ``[0, num_weights)`` is undefined on the device and in PyTorch; fastgrad rejects it
     (161002) and never writes out of bounds.
 
-    Extensions outside strict mode: grad of rank 1 or above 8, indices of rank 0 or above 8,
+    Ranks: the device takes grad and indices of rank up to 8 (grad 1-D with 0-d indices is
+    ``F.embedding(scalar_index, W)``'s backward).  Extensions outside strict mode: ranks above 8,
     indices of dtypes beyond the aclnn list (uint16/32/64, bfloat16).
 
     Raises
@@ -151,7 +172,7 @@ def embedding_dense_backward(
         ``prod(grad.shape[:-1]) != indices.size`` (checked when D > 0, as the device),
         ``num_weights`` is negative, an index is outside ``[0, num_weights)`` (NaN/Inf
         included), ``out`` has the wrong shape/dtype or is read-only, an attribute has the
-        wrong type, or (strict mode) grad is not 2-8-D or indices not 1-8-D.
+        wrong type, or (strict mode) grad is not 1-8-D or indices not 0-8-D.
 
     Source: the CANN doc aclnnEmbeddingDenseBackward.md; CANN ops-nn
     ``index/embedding_dense_grad_v2`` (op_api ``aclnn_embedding_dense_backward.cpp``).

@@ -19,23 +19,49 @@ def _relations(c: Call) -> None:
     for name in _STATS[1:]:
         c.expect_shape(name, (BT,))
     lg = c.a["vocab_parallel_logits"]
+    arch35 = c.soc.name == "Ascend950"
+    # The l0 op discards its launcher's status (op_api/fused_cross_entropy_loss_with_max_sum.cpp:
+    # 43-47): a refusal of the op_host tiling does not fail aclnnFusedCrossEntropyLossWithMaxSum-
+    # GetWorkspaceSize (opbase kernel_workspace.cpp:34-36, op_executor.cpp:1104-1116); the run
+    # call re-runs the tiling at the launch and returns ACLNN_ERR_INNER_NULLPTR (opbase
+    # op_kernel.h:648-651).  Strict mode raises it in the run phase.
     if lg is not None and lg.shape[0] != BT:
         # the op_api does not check it (aclnn_fused_cross_entropy_loss_with_max_sum.cpp:72-90).
         # A2/A3 tiling splits the rows by vocab_parallel_logits.shape[0]
         # (fused_cross_entropy_loss_with_max_sum_tiling.cpp:96-112): loss rows past it are never
-        # written, or the statistics are read past their end — fastgrad refuses (161002).  The
-        # arch35 tiling refuses it (fused_cross_entropy_loss_with_max_sum_tiling_arch35.cpp:123-132):
-        # strict mode on "Ascend950" reports that failure's code.
+        # written, or the statistics are read past their end — fastgrad refuses (161002) in every
+        # mode.  The arch35 tiling refuses it (fused_cross_entropy_loss_with_max_sum_tiling_arch35.cpp:
+        # 123-132): strict mode on "Ascend950" reports that failure's code at the run call; outside
+        # strict mode fastgrad's 161002.
         expected = f"shape[0] == logits_max.shape[0] == {BT}"
-        if c.strict and c.soc.name == "Ascend950":
-            c.fail(ACLNN_ERR_INNER_NULLPTR, "vocab_parallel_logits", expected + " (the arch35 tiling)", tuple(lg.shape))
+        if c.strict and arch35:
+            c.fail(
+                ACLNN_ERR_INNER_NULLPTR,
+                "vocab_parallel_logits",
+                expected + " (the arch35 tiling)",
+                tuple(lg.shape),
+                phase="run",
+            )
         else:
             c.bad(
                 "vocab_parallel_logits",
                 expected + " (the A2/A3 device does not check it and leaves loss rows unwritten or reads "
-                "past the statistics; fastgrad refuses)",
+                "past the statistics; the Ascend 950 tiling refuses it; fastgrad refuses)",
                 f"shape {tuple(lg.shape)}",
             )
+    elif c.strict and arch35 and (BT == 0 or (lg is not None and lg.shape[1] == 0)):
+        # the arch35 tiling refuses BT <= 0 and V <= 0 (tiling_arch35.cpp:119-122 with the
+        # logits, :188-193 without)
+        if lg is not None:
+            c.fail(
+                ACLNN_ERR_INNER_NULLPTR,
+                "vocab_parallel_logits",
+                "BT > 0 and V > 0 (the arch35 tiling)",
+                f"shape {tuple(lg.shape)}",
+                phase="run",
+            )
+        else:
+            c.fail(ACLNN_ERR_INNER_NULLPTR, "logits_max", "BT > 0 (the arch35 tiling)", f"shape {(BT,)}", phase="run")
     if c.attrs["label_smoothing"] != 0.0 and lg is None:
         c.bad("label_smoothing", "0 unless vocab_parallel_logits is given", c.attrs["label_smoothing"])
     c.outs["loss"] = OutSpec((BT,), FLOAT32)
@@ -97,8 +123,12 @@ def fused_cross_entropy_loss_with_max_sum(
     (``aclnn_fused_cross_entropy_loss_with_max_sum.cpp:72-90``); on A2/A3 the tiling splits the
     rows by ``vocab_parallel_logits.shape[0]`` (``..._tiling.cpp:96-112``), leaving loss rows
     unwritten or reading past the statistics, so fastgrad refuses it in every mode.
-    AclnnError 561103 — strict mode on the ``"Ascend950"`` profile, ``vocab_parallel_logits.shape[0]
-    != BT``: the arch35 tiling refuses it (``..._tiling_arch35.cpp:123-132``).
+    AclnnError 561103 — strict mode on the ``"Ascend950"`` profile, where the arch35 tiling refuses
+    ``vocab_parallel_logits.shape[0] != BT`` (``..._tiling_arch35.cpp:123-132``), ``BT = 0`` or
+    ``V = 0`` (:119-122, :188-193).  The device's ``GetWorkspaceSize`` succeeds (the l0 op
+    discards its launcher's status, ``op_api/fused_cross_entropy_loss_with_max_sum.cpp:43-47``)
+    and the run call fails: the error's ``phase`` is ``"run"``, raised after the checks, ``out=``
+    untouched (docs/device_parity.md rows 3e, 3f).
     """
     return execute(
         DECL,

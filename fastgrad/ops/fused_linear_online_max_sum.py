@@ -76,14 +76,17 @@ def _device_limits(c: Call) -> None:
         )
     if not c.soc.fused_linear_ops and BT > 0:
         # no kernel for the SoC (op_host/config holds ascend910b and ascend910_93 only,
-        # fused_linear_online_max_sum_def.cpp:75-76): the l0 op gives no result and the op_api
-        # returns ACLNN_ERR_INNER_NULLPTR (aclnn_fused_linear_online_max_sum.cpp:274-276); an
-        # empty input returns success before it (:258-263)
+        # fused_linear_online_max_sum_def.cpp:75-76).  The l0 op discards its launcher's status
+        # (op_api/fused_linear_online_max_sum.cpp:68-74: ADD_TO_LAUNCHER_LIST_AICORE's result is
+        # never read) and returns its allocated outputs, so GetWorkspaceSize succeeds
+        # (aclnn_fused_linear_online_max_sum.cpp:274-284); the run call fails at the launch
+        # (opbase op_kernel.h:1268-1285).  An empty input returns success before it (:258-263)
         c.fail(
             ACLNN_ERR_INNER_NULLPTR,
             "input",
             "an Atlas A2/A3 SoC (aclnnFusedLinearOnlineMaxSum has no kernel for this SoC; strict mode)",
             c.soc.name,
+            phase="run",
         )
 
 

@@ -8,7 +8,6 @@ import numpy as np
 
 from ..arrays import ArrayLike
 from ..dtypes import FLOAT_DTYPES, dtype_name
-from ..errors import ACLNN_ERR_INNER_TILING_ERROR
 from ._opdef import AttrDef, Call, OpDef, OutSpec, TensorDef, broadcasts, execute
 
 OP = "scaled_masked_softmax_backward"
@@ -46,16 +45,13 @@ def _device_limits(c: Call) -> None:
     lim = c.soc.softmax_grad_max_s2  # op_api :32-33,104-113: 4096, 8192 on regbase (Ascend 950)
     if shape[-1] > lim:
         c.bad("grad_output", f"last dimension <= {lim} on {c.soc.name} (device limit)", f"shape {shape}")
-    elif any(d == 0 for d in shape) or (m is not None and any(d == 0 for d in m.shape[:2])):
-        # the op_api accepts 0 (>= 0, :109); the tiling refuses any dimension <= 0
-        # (scaled_masked_softmax_grad_v2_tiling.cpp:130-132, mask :169-171): the generated
-        # aclnnInner API reports a tiling failure
-        c.fail(
-            ACLNN_ERR_INNER_TILING_ERROR,
-            "grad_output",
-            "every dimension of grad_output and mask > 0 (the op_host tiling; strict mode)",
-            f"shape {shape}" + ("" if m is None else f", mask {tuple(m.shape)}"),
-        )
+    elif any(d == 0 for d in shape):
+        # the op_api accepts dimensions >= 0 (aclnn_scaled_masked_softmax_backward.cpp:109);
+        # an empty grad_output makes the output empty, and the generated aclnnInner API skips
+        # tiling and launch when every output is empty (opbase indv_executor.cpp:1075-1082,
+        # indv_executor.h:400-403): success, nothing written — the tiling's "dimension <= 0"
+        # refusal (scaled_masked_softmax_grad_v2_tiling.cpp:130-132) is never reached
+        c.skip_compute = True
 
 
 DECL = OpDef(
@@ -155,9 +151,15 @@ def scaled_masked_softmax_backward(
         ``aclnn_scaled_masked_softmax_backward.cpp:32-33,104-113``); a mask that is not bool,
         not 4-D, or whose last two dimensions differ from ``grad_output``'s;
         ``fix_triu_mask=True``.
-        561002 (ACLNN_ERR_INNER_TILING_ERROR), strict mode: a dimension of ``grad_output`` (or
-        the mask's first two) is 0 — the op_api accepts it, the tiling refuses any dimension
-        <= 0 (``scaled_masked_softmax_grad_v2_tiling.cpp:130-132,169-171``).
+        A bad ``out`` includes one of another dtype than ``grad_output``, in every mode: the
+        device's op_api accepts it but rewrites out's dtype to grad_output's
+        (``aclnn_scaled_masked_softmax_backward.cpp:181-182``), so it writes grad_output-dtype
+        bits into the buffer (docs/device_parity.md row 7c).
+
+    An empty ``grad_output`` (a dimension 0) succeeds in every mode, with nothing to write: the
+    op_api accepts dimensions >= 0 (:109) and the generated aclnnInner API skips tiling and
+    launch when every output is empty (opbase ``indv_executor.cpp:1075-1082``,
+    ``indv_executor.h:400-403``).
 
     Source: the CANN doc aclnnScaledMaskedSoftmaxBackward.md and docs/spec.md; CANN kernel
     ``ScaledMaskedSoftmaxGradV2`` (ops-nn ``vfusion/scaled_masked_softmax_grad_v2``).

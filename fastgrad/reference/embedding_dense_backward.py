@@ -14,7 +14,10 @@ import numpy as np
 OP = "embedding_dense_backward"
 
 
-def embedding_dense_backward(*, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out, result_dtype=None):
+def embedding_dense_backward(
+    *, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out, result_dtype=None, deterministic_cores=0
+):
+    # deterministic_cores: the device's summation order; the float64 golden has none (exact sums)
     nw, d = out.shape
     acc = np.zeros((nw, d), np.float64)
     idx = np.asarray(indices).reshape(-1)
