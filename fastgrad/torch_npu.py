@@ -475,8 +475,12 @@ def npu_scaled_masked_softmax_backward(
 ) -> torch.Tensor:
     """``torch_npu.npu_scaled_masked_softmax_backward`` (aclnnScaledMaskedSoftmaxBackward).
 
-    ``out = (y_grad·y - Σ_last(y_grad·y)·y)·scale``, 0 where ``mask`` is True; y_grad's shape and
-    dtype (see :func:`fastgrad.scaled_masked_softmax_backward`).
+    With ``S = Σ_last(y_grad·y)`` (fp32, the vector unit's reduce order): the row padded to a
+    multiple of 64 is ``<= 1024`` wide → the AscendC SoftmaxGrad form ``((y_grad - S)·y)·scale``
+    (``scaled_masked_softmax_grad_v2_norm_headdim.h:137-154``); wider → ``(y_grad·y - y·S)·scale``
+    (``…_large_headdim.h:163-205``) — docs/device_parity.md row 7a.  Each step rounded to fp32,
+    0 where ``mask`` is True, rounded once to y_grad's dtype; y_grad's shape (see
+    :func:`fastgrad.scaled_masked_softmax_backward`).
 
     Raises
     ------
@@ -498,10 +502,13 @@ def smooth_l1_loss_backward(
     """ATen ``smooth_l1_loss_backward`` as op-plugin binds it on the NPU (aclnnSmoothL1LossBackward).
 
     ``reduction``: 0 none, 1 mean, 2 sum (ATen's enum; the strings are accepted too).  Returns
-    ``grad_input`` with the broadcast shape: ``d = self - target``; ``d/beta`` where
-    ``|d| < beta``, else ``sign(d)`` (sign(0) = 0: with beta = 0 a zero difference gives 0, as on
-    the 910B device, where PyTorch's CPU kernel gives -1); times grad_output; mean divides by
-    the element count (see :func:`fastgrad.smooth_l1_loss_backward`).
+    ``grad_input`` with the broadcast shape, ``d = self - target``, the SoC profile's kernel
+    (docs/device_parity.md rows 5-5f): on the 910B (A2/A3, the TBE kernel)
+    ``-[d <= -beta] + [d >= beta] + [|d| < beta]·d/(beta + 1e-6)`` — exactly ±1 at
+    ``|d| = beta``, a true division by ``fp32(beta + 1e-6)`` inside, NaN d read as 0, so with
+    beta = 0 a zero difference gives 0 (PyTorch's CPU kernel gives -1); on Ascend 950 the arch35
+    DAG ``[d > beta] - [d < -beta] + [|d| <= beta]·d·fp32(1/beta)``.  Times grad_output; mean
+    multiplies by ``fp32(1/n)`` (see :func:`fastgrad.smooth_l1_loss_backward`).
 
     Raises
     ------
@@ -522,7 +529,10 @@ def embedding_dense_backward(
 
     ``out[k] = Σ_{i: indices_i = k} grad_output[i]`` accumulated in float32 (PyTorch's CPU kernel
     accumulates bf16/fp16 in 16 bits), rounded once; row ``padding_idx`` stays 0 (negative: none);
-    ``scale_grad_by_freq`` divides row k by its count.  Returns [num_weights, D] in grad's dtype.
+    ``scale_grad_by_freq`` multiplies row k's fp32 sum by the fp32 reciprocal ``1.0f / count``
+    (the device's ``Muls``, ``embedding_dense_grad_v2_scale.h:92-108``; not a division, which
+    differs by one ulp in a third to a half of random sums — docs/device_parity.md row 9).
+    Returns [num_weights, D] in grad's dtype.
 
     Raises
     ------

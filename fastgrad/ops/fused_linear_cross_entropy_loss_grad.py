@@ -116,10 +116,12 @@ def _device_limits(c: Call) -> None:
             f"weight.shape[0] >= {MIN_V_HIGH_PERFORMANCE} in high-performance mode (strict mode)",
             f"shape {c.shape_of('weight')}",
         )
-    if c.a["softmax"] is not None:
+    if c.a["softmax"] is not None and c.soc.fused_linear_ops:
         # high-performance mode has no range check: softmax[V*i + t] -= 1 for every unmasked
         # row (high_perf.h:177-197), out of bounds or in another row for t outside [0, V);
-        # fastgrad skips such a row (as memory-saving mode does), strict mode rejects it
+        # fastgrad skips such a row (as memory-saving mode does), strict mode rejects it.  On a
+        # SoC without the kernel (950) the op_api's platform check (:317, after its parameter
+        # checks) answers 361001 first and nothing runs: no data check there (row 3g)
         BT = c.a["grad"].shape[0]
         tm = c.a["target_mask"]
         bits = (

@@ -1,0 +1,260 @@
+"""Issue 46 (device fidelity, round 4): each point pinned from the ops-nn / opbase source.
+
+Sources: hicann/ops-nn e5c3fa9, hicann/opbase aa3cd74 (``src/nnopbase/...``); docs/device_parity.md
+names the rows.  The oracles here are written from the kernels, not from fastgrad.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastgrad as fg
+from fastgrad import _config
+
+F32 = np.float32
+
+
+# --- N1: SMSB strict, empty input: success (opbase skips tiling and launch) ----------------------
+
+@pytest.mark.parametrize("soc", ["Ascend910B", "Ascend910_93", "Ascend950"])
+def test_smsb_strict_empty_input_succeeds(soc):
+    go = np.zeros((2, 0, 4, 8), F32)
+    mask = np.zeros((1, 1, 4, 8), bool)
+    out = np.full((2, 0, 4, 8), 7.0, F32)
+    with fg.strict(), fg.soc_version(soc):
+        assert fg.scaled_masked_softmax_backward(go, go, mask, 1.0, out=out) is out
+
+
+# --- N2 / N3: CrossEntropyLossGrad codes -------------------------------------------------------
+
+def _ce(n=3, c=5, **kw):
+    rng = np.random.default_rng(0)
+    args = dict(grad_loss=F32(1.0), log_prob=np.log(rng.dirichlet(np.ones(c), n)).astype(F32),
+                target=np.arange(n) % c, reduction="mean")
+    args.update(kw)
+    return args
+
+
+def _status(**kw):
+    with pytest.raises(fg.AclnnError) as e:
+        fg.cross_entropy_loss_grad(**kw)
+    return e.value.status
+
+
+@pytest.mark.parametrize("soc", ["Ascend910B", "Ascend950"])
+def test_ce_grad_tiling_refusals_are_561002_in_strict_mode(soc):
+    with fg.soc_version(soc):
+        bad_target = _ce(target=np.zeros(4, np.int64))
+        bad_weight = _ce(weight=np.ones(4, F32))
+        for kw in (bad_target, bad_weight):
+            assert _status(**kw) == 161002           # outside strict: fastgrad's code
+            with fg.strict():
+                assert _status(**kw) == 561002       # the tiling's failure (indv_executor.cpp:880-885)
+
+
+def test_ce_grad_950_strict_reduction_spelling_ls_range_and_grad_loss_shape():
+    with fg.soc_version("Ascend950"), fg.strict():
+        assert _status(**_ce(reduction="Mean")) == 561002        # strcmp, tiling_arch35.cpp:404-418
+        assert _status(**_ce(reduction=1)) == 561002
+        assert _status(**_ce(label_smoothing=1.5)) == 561002     # :427-436
+        assert _status(**_ce(grad_loss=np.ones(3, F32))) == 561002  # :359-366
+        fg.cross_entropy_loss_grad(**_ce(reduction="mean"))
+    with fg.soc_version("Ascend910B"), fg.strict():              # A2/A3: no such checks
+        assert _status(**_ce(label_smoothing=1.5)) == 161002
+
+
+def test_ce_grad_a2_mean_sum_reads_element_0_of_any_grad_loss():
+    args = _ce(reduction="sum")
+    ref = fg.cross_entropy_loss_grad(**args)
+    for soc in ("Ascend910B", "Ascend910_93"):
+        with fg.soc_version(soc), fg.strict():
+            got = fg.cross_entropy_loss_grad(**dict(args, grad_loss=np.array([1.0, 9.0, -4.0], F32)))
+        np.testing.assert_array_equal(got, ref)
+
+
+# --- N4: arch35 label smoothing rounding order -------------------------------------------------
+
+def test_ce_grad_950_label_smoothing_order_is_the_arch35_kernels():
+    f = np.float32
+    lp = np.zeros((1, 3), F32)
+    with fg.soc_version("Ascend950"):
+        got = fg.cross_entropy_loss_grad(F32(1.0), lp, np.array([1]), reduction="sum", label_smoothing=0.1)
+    # arch35: c = g·(1-ls), sm = g·fl(ls/C); x = fl(e·c), x[t] -= c; out = ((e·fl(sm·C)) - sm) + x
+    e, c = f(1.0), f(1.0) * (f(1.0) - f(0.1))
+    sm = f(1.0) * (f(0.1) / f(3.0))
+    x = e * c
+    xt = x - c
+    want = np.array([[(e * (sm * f(3)) - sm) + x, (e * (sm * f(3)) - sm) + xt, (e * (sm * f(3)) - sm) + x]], F32)
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 1] == F32(0.06666668)
+
+
+# --- generated inputs: the 950 message for a negative ignore_index with a weight ---------------
+
+def test_ce_grad_950_negative_ignore_index_message_says_no_row_is_ignored():
+    with fg.soc_version("Ascend950"), pytest.raises(fg.AclnnError) as e:
+        fg.cross_entropy_loss_grad(**_ce(target=np.array([0, -100, 1]), weight=np.ones(5, F32), ignore_index=-100))
+    msg = str(e.value)
+    assert "or ignore_index (-100)" not in msg and "ignores no row" in msg and "got target[1] = -100" in msg
+
+
+# --- N5 / N8: FusedCE on 950, and the run phase ------------------------------------------------
+
+def test_fused_ce_950_bt0_v0_fail_in_the_run_phase():
+    z = np.zeros(0, F32)
+    o = np.ones(2, F32)
+    with fg.strict(), fg.soc_version("Ascend950"):
+        for args, kw in (((z, z, z), {}), ((o, o, o), dict(vocab_parallel_logits=np.zeros((2, 0), F32)))):
+            with pytest.raises(fg.AclnnError) as e:
+                fg.fused_cross_entropy_loss_with_max_sum(*args, **kw)
+            assert e.value.status == 561103 and e.value.phase == "run"
+            assert "run call" in str(e.value)
+    with fg.strict():  # A2: its tiling has no such check
+        fg.fused_cross_entropy_loss_with_max_sum(z, z, z)
+
+
+def test_floms_950_no_kernel_fails_in_the_run_phase():
+    x = np.zeros((2, 4), np.float16)
+    with fg.strict(), fg.soc_version("Ascend950"), pytest.raises(fg.AclnnError) as e:
+        fg.fused_linear_online_max_sum(x, x, np.zeros(2, np.int64), 0, 2)
+    assert e.value.status == 561103 and e.value.phase == "run"
+
+
+def test_op_api_refusals_are_in_the_workspace_phase():
+    with fg.strict(), pytest.raises(fg.AclnnError) as e:
+        fg.cross_entropy_loss_grad(**_ce(target=np.zeros(4, np.int64)))
+    assert e.value.phase == "workspace"
+    with pytest.raises(fg.AclnnError) as e:
+        fg.cross_entropy_loss_grad(None, np.zeros((1, 2), F32), np.zeros(1, np.int64))
+    assert e.value.status == 161001 and e.value.phase == "workspace"
+
+
+# --- N6: embedding of a scalar index ----------------------------------------------------------
+
+def test_embedding_strict_accepts_f_embedding_scalar_index_backward():
+    torch = pytest.importorskip("torch")
+    w = torch.randn(5, 3, requires_grad=True)
+    y = torch.nn.functional.embedding(torch.tensor(2), w)
+    g = torch.randn(3)
+    y.backward(g)
+    with fg.strict():
+        got = fg.embedding_dense_backward(g, torch.tensor(2), 5)
+    assert torch.equal(got, w.grad)
+
+
+# --- N7: the deterministic kernel's summation order --------------------------------------------
+
+def _determinist_kernel(grad, idx, nw, padding_idx, aiv):
+    """EmbeddingDenseGradV2DeterministKernel (ops-nn embedding_dense_grad_v2_determinist.h), one
+    core after the other, transcribed statement by statement (fp32, no scaling)."""
+    n, d = grad.shape
+    order = np.argsort(idx, kind="stable")                 # the stable sort, posIdx
+    sidx = idx[order]
+    cores = min(aiv, n)                                    # tiling.cpp:298-300
+    tail, rep = n // cores, n % cores                      # Tiling4Deterministic :195-197
+    former = tail + 1
+    out = np.zeros((nw, d), F32)
+    pad = padding_idx if padding_idx >= 0 else None        # uint64 compare: a negative one never matches
+    for b in range(cores):                                 # InitParams :75-115
+        rows = former if b < rep else tail
+        off = former * min(b, rep) + tail * max(0, b - rep)
+        acc = [np.zeros(d, F32), np.zeros(d, F32)]
+        cnt = [0, 0]
+        st = {"sw": 0, "last": -1}
+
+        def copy_out(a, ind):                              # CopyOut :247-268 (atomic add)
+            out[ind] = out[ind] + acc[a]
+            acc[a] = np.zeros(d, F32)
+            cnt[a] = 0
+
+        def compute(p, limit):                             # ComputeAndCopyOut :198-221
+            cur = int(sidx[off + p])
+            if cur != pad:
+                switch = st["last"] != -1 and cur != st["last"]
+                if switch:                                 # CheckIsNeedSwitchAddQue :223-231
+                    st["sw"] ^= 1
+                    cnt[st["sw"]] = 0
+                acc[st["sw"]] = acc[st["sw"]] + grad[order[off + p]]
+                cnt[st["sw"]] += 1
+                if cnt[st["sw"]] == 10 or p == limit:
+                    copy_out(st["sw"], cur)
+                if switch:
+                    copy_out(st["sw"] ^ 1, st["last"])
+                st["last"] = cur
+            elif st["last"] != -1:
+                copy_out(st["sw"], st["last"])
+                st["last"] = -1
+
+        stand = -1 if b == 0 else int(sidx[off - 1])       # InitStandIndice
+        cont = True
+        for j in range(rows - 1, -1, -1):                  # SubProcess :58-73
+            if int(sidx[off + j]) == stand:
+                cont = j != rows - 1
+                if st["last"] != -1:
+                    copy_out(st["sw"], st["last"])
+                break
+            compute(j, 0)
+        if cont:                                           # ContinueCompute :270-284
+            st["last"] = -1
+            stand = int(sidx[off + rows - 1])
+            for i in range(rows, n - off):
+                if int(sidx[off + i]) != stand:
+                    if st["last"] != -1:
+                        copy_out(st["sw"], st["last"])
+                    break
+                compute(i, n - off - 1)
+    return out
+
+
+def test_deterministic_embedding_issue_example():
+    g = np.array([[1.0], [2.0**-24], [2.0**-24]], F32)
+    i = np.array([0, 0, 0])
+    assert fg.embedding_dense_backward(g, i, 1)[0, 0] == F32(1.0)
+    with _config.deterministic():
+        assert fg.embedding_dense_backward(g, i, 1)[0, 0] == F32(1.0000001)
+
+
+@pytest.mark.parametrize("chip,aiv", [("Ascend910B1", 48), ("Ascend910B3", 40), ("Ascend910B4", 40),
+                                      ("Ascend910_9391", 48)])
+@pytest.mark.parametrize("n,nw,pad", [(7, 3, -1), (97, 5, 2), (500, 11, -1), (1000, 40, 3)])
+def test_deterministic_embedding_is_the_kernels_order(chip, aiv, n, nw, pad):
+    rng = np.random.default_rng(n + nw)
+    idx = rng.integers(0, nw, n)
+    idx[rng.random(n) < 0.5] = rng.integers(0, 2)          # long runs of a few indices
+    grad = (rng.standard_normal((n, 4)) * np.exp2(rng.integers(-12, 12, (n, 1)))).astype(F32)
+    assert fg.soc.get_profile(chip).aiv_cores == aiv
+    want = _determinist_kernel(grad, idx, nw, pad, aiv)
+    with fg.soc_version(chip), _config.deterministic():
+        got = fg.embedding_dense_backward(grad, idx, nw, padding_idx=pad)
+        got16 = fg.embedding_dense_backward(grad, idx, nw, padding_idx=pad, out=np.empty((nw, 4), F32))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got16, want)
+
+
+def test_deterministic_mode_is_off_on_950_and_by_default():
+    rng = np.random.default_rng(1)
+    idx = rng.integers(0, 3, 200)
+    grad = (rng.standard_normal((200, 2)) * np.exp2(rng.integers(-20, 20, (200, 1)))).astype(F32)
+    base = fg.embedding_dense_backward(grad, idx, 3)
+    with fg.soc_version("Ascend950"), _config.deterministic():
+        np.testing.assert_array_equal(fg.embedding_dense_backward(grad, idx, 3), base)
+    with _config.deterministic():
+        assert not np.array_equal(fg.embedding_dense_backward(grad, idx, 3), base)
+
+
+# --- row 3g: which check fires first for FLCE's out-of-range masked_target on 950 ---------------
+
+def test_flce_950_out_of_range_target_is_the_platform_error():
+    BT, H, V = 4, 8, 2048
+    x = np.zeros((BT, H), np.float16)
+    w = np.zeros((V, H), np.float16)
+    args = (np.ones(BT, F32), x, w, np.zeros(1, np.uint8), np.full(BT, V + 5, np.int64))
+    kw = dict(softmax=np.zeros((BT, V), F32))
+    with fg.strict():
+        with pytest.raises(fg.AclnnError) as e:
+            fg.fused_linear_cross_entropy_loss_grad(*args, **kw)
+        assert e.value.status == 161002 and e.value.param == "masked_target"   # A2: row 3
+        with fg.soc_version("Ascend950"), pytest.raises(fg.AclnnError) as e:
+            fg.fused_linear_cross_entropy_loss_grad(*args, **kw)
+        assert e.value.status == 361001                                       # the op_api's :317
