@@ -70,18 +70,33 @@ def one_omp_thread():
         set_n(n0)
 
 
+_mode_lock = threading.Lock()
+_mode_users = 0  # fastgrad's GEMM calls inside fp32_precision_bf16 now, in every thread
+_mode_before: str | None = None  # the mode the first of them found
+
+
 @contextlib.contextmanager
 def fp32_precision_bf16():
-    """PyTorch's fp32 matmuls in oneDNN's bf16 math mode for the duration (process-wide)."""
+    """PyTorch's fp32 matmuls in oneDNN's bf16 math mode for the duration of one ``torch.mm``
+    (:func:`mm`, the probe).  PyTorch's setting is process-wide: concurrent calls are counted —
+    the first sets the mode, the last restores the value the first found — so two threads never
+    undo each other, and the mode is held only while a oneDNN tile runs."""
+    global _mode_users, _mode_before
     import torch
 
     m = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]
-    old = m.fp32_precision
-    m.fp32_precision = "bf16"
+    with _mode_lock:
+        if _mode_users == 0:
+            _mode_before = m.fp32_precision
+            m.fp32_precision = "bf16"
+        _mode_users += 1
     try:
         yield
     finally:
-        m.fp32_precision = old
+        with _mode_lock:
+            _mode_users -= 1
+            if _mode_users == 0:
+                m.fp32_precision = _mode_before
 
 
 def _probe() -> bool:
@@ -138,13 +153,15 @@ def resolve_engine(setting: str, prefer: bool = False) -> str:
 
 
 def mm(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> None:
-    """``out = A · B`` for fp32 2-D arrays (views; ``out`` written in place), one thread: the
-    calling thread's OpenMP team is set to one thread (fastgrad's pool threads keep it; the
-    kernels' inline calls run inside :func:`one_omp_thread`, which restores it)."""
+    """``out = A · B`` for fp32 2-D arrays (views; ``out`` written in place), one thread, in
+    oneDNN's bf16 math mode (:func:`fp32_precision_bf16`, around this call only): the calling
+    thread's OpenMP team is set to one thread (fastgrad's pool threads keep it; the kernels'
+    inline calls run inside :func:`one_omp_thread`, which restores it)."""
     import torch
 
     set_n, get_n = _torch_omp()
     if get_n() != 1:
         set_n(1)
     f = torch.from_numpy
-    torch.mm(f(A), f(B), out=f(out))
+    with fp32_precision_bf16():
+        torch.mm(f(A), f(B), out=f(out))

@@ -104,7 +104,9 @@ def assert_gemm_kernel_invariant(run, xp, bp):
     part = np.empty_like(full)
     for r0, r1 in ((0, 7), (7, 300), (300, m)):
         for c0, c1 in ((0, 64), (64, 1088), (1088, n)):
-            _bf16dot.gemm_tile(xp[r0:r1], bp, c0, c1, part[r0:r1, c0:c1])
+            _bf16dot.gemm_tile(
+                xp[r0:r1], bp, c0, c1, part[r0:r1, c0:c1], spec=kspec("bf16" if bp.dtype == np.uint32 else "f32")
+            )
     assert np.array_equal(full.view(np.uint32), part.view(np.uint32))
     old = numba.get_num_threads()
     try:
@@ -200,14 +202,26 @@ def native_isas() -> list[str]:
 
 
 def set_isa(name):
-    """The native ISA setting ``name`` (None: back to the default) for the ops (the settings) and
-    for direct calls of the kernel module (``_bf16dot.select_isa``: the op layer makes it the
-    kernel's at each LM-head call; a test calling ``_bf16dot`` itself makes it here)."""
+    """The native ISA setting ``name`` (None: back to the default) for the ops (the settings); a
+    test calling the kernel module itself passes :func:`kspec` (the kernels keep no setting)."""
+    from fastgrad import _config
+
+    _config.set_native_isa(name)
+
+
+def kspec(kind="bf16"):
+    """The native variant for operand ``kind`` under the ISA setting in force (what the op layer's
+    plan would name: ``_bf16dot.variant``), for tests calling ``_bf16dot``'s GEMMs directly."""
     from fastgrad import _config
     from fastgrad.kernels import _bf16dot
 
-    _config.set_native_isa(name)
-    _bf16dot.select_isa(_config.native_isa())
+    return _bf16dot.variant(kind, _config.native_isa())
+
+
+def kform(kind="bf16"):
+    """The ``A`` form :func:`kspec`'s variant prefers (``"pairs"`` / ``"f32"``), or None."""
+    spec = kspec(kind)
+    return None if spec is None else spec.a_forms[0]
 
 
 @pytest.fixture(params=native_isas())

@@ -8,10 +8,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from common import native_isa  # noqa: F401  (the fixture)
+from common import kform, kspec, native_isa  # noqa: F401  (the fixture)
 
 import fastgrad as fg
 import fastgrad.torch  # noqa: F401  (fg.torch)
+from fastgrad.errors import InternalError
 from fastgrad.kernels import _bf16dot as B
 from fastgrad.kernels import _native
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("native_isa")
 
 def _run(X, W):
     out = np.full((X.shape[0], W.shape[0]), np.nan, np.float32)
-    B.matmul_nt(B.pairs(X), B.pack(B.pairs(W)), W.shape[0], out)
+    B.matmul_nt(B.pairs(X), B.pack(B.pairs(W)), W.shape[0], out, spec=kspec("bf16"))
     return out
 
 
@@ -59,7 +60,7 @@ def test_non_contiguous_rows_and_strided_output():
     W = rng.standard_normal((70, 129)).astype(BF)
     outbig = np.zeros((X.shape[0], 100), np.float32)
     out = outbig[:, 10:80]
-    B.matmul_nt(B.pairs(X), B.pack(B.pairs(W)), 70, out)
+    B.matmul_nt(B.pairs(X), B.pack(B.pairs(W)), 70, out, spec=kspec("bf16"))
     ref, den = _oracle(X, W)
     assert np.all(np.abs(out - ref) <= 129 * 2.0**-24 * den + 1e-30)
     assert np.all(outbig[:, :10] == 0) and np.all(outbig[:, 80:] == 0)  # nothing written outside
@@ -106,7 +107,7 @@ def test_variants_need_their_cpu_flags():
 def test_the_training_loss_uses_it_only_on_auto(monkeypatch):
     calls = []
     real = B.matmul_nt
-    monkeypatch.setattr(B, "matmul_nt", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(B, "matmul_nt", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 66, generator=g).bfloat16()
     w = (torch.randn(301, 66, generator=g) * 0.2).bfloat16()
@@ -145,23 +146,23 @@ def test_gradient_operands_and_accumulation_match_float64(M, K, N):
     ref = C0 + a64 @ b64
     den = np.abs(C0) + np.abs(a64) @ np.abs(b64)
     got = C0.copy()
-    B.matmul(B.pairs_of_f32(A), bp, N, got, acc=True)
+    B.matmul(B.pairs_of_f32(A), bp, N, got, acc=True, spec=kspec("bf16"))
     # K products exact, K fp32 additions onto C: |error| <= (K+1)·2⁻²⁴·(|C| + Σ|a||b|)
     assert np.all(np.abs(got - ref) <= (K + 1) * 2.0**-24 * den + 1e-30)
     # the transposed pairs of Aᵀ are the same operand, bitwise the same result
     got_t = C0.copy()
-    B.matmul(B.pairs_of_f32(np.ascontiguousarray(A.T), transpose=True), bp, N, got_t, acc=True)
+    B.matmul(B.pairs_of_f32(np.ascontiguousarray(A.T), transpose=True), bp, N, got_t, acc=True, spec=kspec("bf16"))
     assert np.array_equal(got.view(np.uint32), got_t.view(np.uint32))
     # Aᵀ paired per task by matmul_tn; A paired in place over itself
     got_tn = C0.copy()
-    B.matmul_tn(np.ascontiguousarray(A.T), bp, N, got_tn, acc=True, form=B.a_form())
+    B.matmul_tn(np.ascontiguousarray(A.T), bp, N, got_tn, acc=True, form=kform(), spec=kspec("bf16"))
     assert np.array_equal(got.view(np.uint32), got_tn.view(np.uint32))
     got_ip = C0.copy()
-    B.matmul(B.pairs_in_place(A.copy(), B.a_form()), bp, N, got_ip, acc=True)
+    B.matmul(B.pairs_in_place(A.copy(), kform()), bp, N, got_ip, acc=True, spec=kspec("bf16"))
     assert np.array_equal(got.view(np.uint32), got_ip.view(np.uint32))
     # without acc the output's old values are ignored
     fresh = np.full((M, N), np.nan, np.float32)
-    B.matmul(B.pairs_of_f32(A), bp, N, fresh)
+    B.matmul(B.pairs_of_f32(A), bp, N, fresh, spec=kspec("bf16"))
     assert np.all(np.abs(fresh - a64 @ b64) <= K * 2.0**-24 * (np.abs(a64) @ np.abs(b64)) + 1e-30)
 
 
@@ -176,7 +177,7 @@ def test_k_blocking_is_bitwise_one_sum(monkeypatch):
     for kc in (10**6, 256, 7):
         monkeypatch.setattr(B, "_KC", kc)
         out = np.empty((50, 130), np.float32)
-        B.matmul(xp, bp, 130, out)
+        B.matmul(xp, bp, 130, out, spec=kspec("bf16"))
         res.append(out)
     for r in res[1:]:
         assert np.array_equal(res[0].view(np.uint32), r.view(np.uint32))
@@ -211,19 +212,21 @@ def test_flce_grad_on_the_kernel_matches_float64_and_blas(monkeypatch, BT, H, V,
 def test_the_a_operand_takes_the_variants_form(request):
     """``vdpbf16ps`` reads ``A`` as pairs (``g`` paired over itself); the FMA variants read fp32
     ``A`` (``g`` itself, untouched); either way the same sums (the tests above, per ISA)."""
-    spec = B.variant("bf16")
+    spec = kspec("bf16")
     g = _bf16_valued_f32(np.random.default_rng(0), (5, 9))
     keep = g.copy()
-    p = B.pairs_in_place(g, B.a_form())
+    p = B.pairs_in_place(g, kform())
     if spec.a_forms[0] == "f32":
-        assert B.a_form() == "f32" and p is g and np.array_equal(g, keep)
+        assert kform() == "f32" and p is g and np.array_equal(g, keep)
     else:
-        assert B.a_form() == "pairs" and p.dtype == np.uint32 and p.shape == (5, 5)
+        assert kform() == "pairs" and p.dtype == np.uint32 and p.shape == (5, 5)
     if request.node.callspec.params["native_isa"] == "avx2":
         assert spec.name == "avx2_bf16" and spec.a_forms[0] == "f32"
     if "f32" not in spec.a_forms:  # fp32 A on the pairs-only variant: refused, not misread
-        with pytest.raises(ValueError, match="takes A"):
-            B.gemm_tile(keep, B.interleave(keep.astype(BF).T.copy()), 0, 5, np.empty((5, 5), np.float32))
+        with pytest.raises(InternalError, match="takes A"):
+            B.gemm_tile(
+                keep, B.interleave(keep.astype(BF).T.copy()), 0, 5, np.empty((5, 5), np.float32), spec=kspec("bf16")
+            )
 
 
 @needs_kernel
@@ -238,11 +241,11 @@ def test_packed_rows_leave_power_of_two_strides():
     W = rng.standard_normal((256, 90)).astype(BF)
     bp = B.pack(B.pairs(W))
     assert bp.shape == (45, 320) and not bp[:, 256:].any()
-    xa = X.astype(np.float32) if B.a_form() == "f32" else B.pairs(X)
+    xa = X.astype(np.float32) if kform() == "f32" else B.pairs(X)
     got = np.full((37, 256), np.nan, np.float32)
-    B.matmul_nt(xa, bp, 256, got)
+    B.matmul_nt(xa, bp, 256, got, spec=kspec("bf16"))
     flat = np.full_like(got, np.nan)
-    B.gemm_tile(xa, np.ascontiguousarray(bp[:, :256]), 0, 256, flat)
+    B.gemm_tile(xa, np.ascontiguousarray(bp[:, :256]), 0, 256, flat, spec=kspec("bf16"))
     assert np.array_equal(got.view(np.uint32), flat.view(np.uint32))
     ref, den = _oracle(X, W)
     assert np.all(np.abs(got - ref) <= 90 * 2.0**-24 * den + 1e-30)
@@ -258,7 +261,7 @@ def test_matmul_copies_an_fp32_a_that_would_alias(monkeypatch, kind, layout, ak)
     ``k`` (one block, four, one per pair): the same bits as the same GEMM on a contiguous ``A``,
     with and without ``acc``, within fp32's bound of float64."""
     monkeypatch.setattr(B, "_AK", ak)
-    if not B.available(kind) or (kind == "bf16" and B.a_form("bf16") != "f32"):
+    if not B.available(kind) or (kind == "bf16" and kform("bf16") != "f32"):
         pytest.skip(f"no {kind} variant taking fp32 A under this ISA setting (vdpbf16ps takes pairs)")
     rng = np.random.default_rng(12)
     M, K, N = 600, 255, 130  # two row tasks; an odd K (bf16: a last pair with a zero)
@@ -278,8 +281,8 @@ def test_matmul_copies_an_fp32_a_that_would_alias(monkeypatch, kind, layout, ak)
     C = rng.standard_normal((M, N)).astype(np.float32)
     for acc in (False, True):
         got, want = C.copy(), C.copy()
-        B.matmul(A, bp, N, got, acc=acc)
-        B.matmul(Ac, bp, N, want, acc=acc)
+        B.matmul(A, bp, N, got, acc=acc, spec=kspec(kind))
+        B.matmul(Ac, bp, N, want, acc=acc, spec=kspec(kind))
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
         a64, b64 = A.astype(np.float64), Bm.astype(np.float64)
         ref = a64 @ b64 + (C if acc else 0)

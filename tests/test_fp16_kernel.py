@@ -7,7 +7,7 @@ variant and the AVX2 + FMA one); the kernel needs AVX2 + FMA at least.
 
 import numpy as np
 import pytest
-from common import native_isa  # noqa: F401  (the fixture)
+from common import kspec, native_isa  # noqa: F401  (the fixture)
 
 import fastgrad as fg
 from fastgrad.kernels import _bf16dot as B
@@ -47,12 +47,12 @@ def test_matches_float64(M, K, N, transposed):
     a_op = np.ascontiguousarray(A.T).T if transposed else A
     a64, b64 = A.astype(np.float64), Bm.astype(np.float64)
     fresh = np.full((M, N), np.nan, np.float32)
-    B.matmul(a_op, _b(Bm), N, fresh)
+    B.matmul(a_op, _b(Bm), N, fresh, spec=kspec("f32"))
     den = np.abs(a64) @ np.abs(b64)
     assert np.all(np.abs(fresh - a64 @ b64) <= K * 2.0**-24 * den + 1e-30)
     C0 = rng.standard_normal((M, N)).astype(np.float32)
     got = C0.copy()
-    B.matmul(a_op, _b(Bm), N, got, acc=True)
+    B.matmul(a_op, _b(Bm), N, got, acc=True, spec=kspec("f32"))
     assert np.all(np.abs(got - (C0 + a64 @ b64)) <= (K + 1) * 2.0**-24 * (np.abs(C0) + den) + 1e-30)
     # and as close to float64 as sgemm, within its factor
     sg = A @ Bm
@@ -68,12 +68,12 @@ def test_strided_operands_and_output():
     Bm = _f16_valued(rng, (129, 70))
     outbig = np.zeros((A.shape[0], 100), np.float32)
     out = outbig[:, 10:80]
-    B.matmul(A, _b(Bm), 70, out)
+    B.matmul(A, _b(Bm), 70, out, spec=kspec("f32"))
     ref = A.astype(np.float64) @ Bm
     assert np.all(np.abs(out - ref) <= 129 * 2.0**-24 * (np.abs(A) @ np.abs(Bm)) + 1e-30)
     assert np.all(outbig[:, :10] == 0) and np.all(outbig[:, 80:] == 0)
     out_t = np.empty((A.shape[0], 70), np.float32)
-    B.matmul(np.ascontiguousarray(A.T).T, _b(Bm), 70, out_t)
+    B.matmul(np.ascontiguousarray(A.T).T, _b(Bm), 70, out_t, spec=kspec("f32"))
     assert np.array_equal(out_t.view(np.uint32), np.ascontiguousarray(out).view(np.uint32))
 
 
@@ -87,7 +87,7 @@ def test_bitwise_independent_of_tiling_k_blocking_and_threads(monkeypatch):
 
     def run():
         out = np.empty((700, 1100), np.float32)
-        B.matmul(A, bp, 1100, out)
+        B.matmul(A, bp, 1100, out, spec=kspec("f32"))
         return out
 
     full = assert_gemm_kernel_invariant(run, A, bp)
@@ -95,7 +95,7 @@ def test_bitwise_independent_of_tiling_k_blocking_and_threads(monkeypatch):
     for kc in (10**6, 7):
         monkeypatch.setattr(B, "_KC", kc)
         other = np.empty_like(full)
-        B.matmul(A, bp, 1100, other)
+        B.matmul(A, bp, 1100, other, spec=kspec("f32"))
         assert np.array_equal(full.view(np.uint32), other.view(np.uint32))
 
 
@@ -106,7 +106,7 @@ def test_special_values_and_fp16_subnormals():
     A = np.array([[np.inf, 1.0], [np.nan, 0.0], [2.0**-24, 2.0**-24], [65504.0, -65504.0]], np.float32)
     Bm = np.array([[1.0, 0.0, 2.0**-24], [0.0, 1.0, 2.0**-24]], np.float32)
     got = np.empty((4, 3), np.float32)
-    B.matmul(A, _b(Bm), 3, got)
+    B.matmul(A, _b(Bm), 3, got, spec=kspec("f32"))
     with np.errstate(invalid="ignore"):
         ref = A @ Bm
     assert np.array_equal(np.isnan(got), np.isnan(ref))

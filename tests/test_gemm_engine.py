@@ -185,7 +185,7 @@ def _engine_run(name, X, W, G_blocks, vc, rows, together=False):
     if name == "native":
         from fastgrad.kernels import _bf16dot
 
-        spec = _bf16dot.variant(kind)
+        spec = _bf16dot.variant(kind, _config.native_isa())
         gemm = tiling.GemmChoice(exact=kind, variant=spec.name, a_form=spec.a_forms[0])
     else:
         gemm = tiling.GemmChoice(engine=name)
@@ -305,29 +305,29 @@ def test_auto_keeps_blas_where_only_the_avx2_variant_runs(monkeypatch, dtype):
         set_isa("auto")
         # an AVX2-only CPU, simulated: the best variant is the AVX2 one
         monkeypatch.setattr(B, "variant", lambda k="bf16", isa=None: avx2 if k == kind else None)
-        assert B.auto_variant(kind) is None
-        assert _engine.choose(dt) == "blas" and "native" in _engine.engines(dt)
+        assert B.auto_variant(kind, "auto") is None
+        assert _engine.choose(dt, "auto", "auto") == "blas" and "native" in _engine.engines(dt, "auto")
         assert not in_use()
         # an explicit "avx2" setting runs the AVX2 kernel
         set_isa("avx2")
-        assert B.auto_variant(kind) is avx2
-        assert _engine.choose(dt) == "native" and in_use()
+        assert B.auto_variant(kind, "avx2") is avx2
+        assert _engine.choose(dt, "auto", "avx2") == "native" and in_use()
         with fg.gemm("blas"):
             assert not in_use()
         # an AMD AVX-512 CPU on "auto": the native kernel (_bf16dot.AUTO_AVX512_VENDORS)
         set_isa("auto")
         monkeypatch.setattr(B, "variant", lambda k="bf16", isa=None: avx512 if k == kind else None)
         monkeypatch.setattr(B._cpu, "vendor", lambda: "AuthenticAMD")
-        assert B.auto_variant(kind) is avx512
-        assert _engine.choose(dt) == "native" and in_use()
+        assert B.auto_variant(kind, "auto") is avx512
+        assert _engine.choose(dt, "auto", "auto") == "native" and in_use()
         # an Intel AVX-512 CPU on "auto": BLAS (measured faster on an Emerald Rapids Xeon); an
         # explicit "avx512" setting runs the kernel there
         monkeypatch.setattr(B._cpu, "vendor", lambda: "GenuineIntel")
-        assert B.auto_variant(kind) is None
-        assert _engine.choose(dt) == "blas" and not in_use()
+        assert B.auto_variant(kind, "auto") is None
+        assert _engine.choose(dt, "auto", "auto") == "blas" and not in_use()
         set_isa("avx512")
-        assert B.auto_variant(kind) is avx512
-        assert _engine.choose(dt) == "native" and in_use()
+        assert B.auto_variant(kind, "avx512") is avx512
+        assert _engine.choose(dt, "auto", "avx512") == "native" and in_use()
     finally:
         set_isa(None)
 

@@ -287,14 +287,18 @@ def test_a_build_failure_warns_once_and_falls_back(monkeypatch):
     assert B.variant("bf16") is None and not B.available("bf16") and not B.available("f32")
 
 
-def test_gemm_tile_preconditions_raise_value_error():
-    """Every precondition of the raw-pointer call is a ValueError (so ``python -O`` keeps it)."""
+def test_gemm_tile_preconditions_raise_internal_error():
+    """Every precondition of the raw-pointer call is an ``InternalError`` (an invariant, not a
+    user's ``ValueError``; raised, so ``python -O`` keeps it)."""
+    from fastgrad.errors import InternalError
+
     if not B.available("f32"):
         pytest.skip("no native kernel here")
+    spec = B.variant("f32")
     A = np.ones((4, 8), np.float32)
     bp = np.ones((8, 64), np.float32)
     out = np.zeros((4, 64), np.float32)
-    B.gemm_tile(A, bp, 0, 64, out)
+    B.gemm_tile(A, bp, 0, 64, out, spec=spec)
     assert np.all(out == 8)
     bad = [
         (A, bp[:7], 0, 64, out),  # B too short in k
@@ -312,14 +316,18 @@ def test_gemm_tile_preconditions_raise_value_error():
     ro.flags.writeable = False
     bad.append((A, bp, 0, 64, ro))
     for args in bad:
-        with pytest.raises(ValueError):
-            B.gemm_tile(*args)
-    with pytest.raises(ValueError, match="C-contiguous"):
+        with pytest.raises(InternalError):
+            B.gemm_tile(*args, spec=spec)
+    with pytest.raises(InternalError, match="variant given"):  # no variant: never a silent choice
+        B.gemm_tile(A, bp, 0, 64, out, spec=None)
+    with pytest.raises(InternalError, match="operands"):  # a bf16 variant on fp32 operands
+        B.gemm_tile(A, bp, 0, 64, out, spec=B.variant("bf16") or N.SPECS["avx2_bf16"])
+    with pytest.raises(InternalError, match="C-contiguous"):
         B.pairs_in_place(np.ones((4, 8), np.float32)[:, ::2], "pairs")
-    with pytest.raises(ValueError, match="form"):  # the plan's A form, named (GemmChoice.a_form)
+    with pytest.raises(InternalError, match="form"):  # the plan's A form, named (GemmChoice.a_form)
         B.pairs_in_place(np.ones((4, 8), np.float32), None)
     with pytest.raises(ValueError, match="ISA"):
-        B.select_isa("sse2")
+        B.variant("f32", "sse2")
 
 
 def test_isa_setting(monkeypatch):
@@ -331,22 +339,21 @@ def test_isa_setting(monkeypatch):
     monkeypatch.setenv("FASTGRAD_NATIVE_ISA", "AVX2")
     try:
         assert _config.native_isa() == "avx2"
-        # the op layer makes the setting the kernel module's at each LM-head call's GEMM choice
+        # the op layer resolves the variant from the setting into the call's GEMM choice
         from fastgrad.ops import _engines
 
-        assert _engines.gemm_choice(np.float16).isa == "avx2" and B.selected_isa() == "avx2"
+        c = _engines.gemm_choice(np.float16)
+        assert c.isa == "avx2" and c.variant in (None, "avx2_f32")
         if B.available():
-            assert B.variant("bf16").isa == "avx2" and B.variant("f32").isa == "avx2"
+            assert B.variant("bf16", "avx2").isa == "avx2" and B.variant("f32", "avx2").isa == "avx2"
         _config.set_native_isa("auto")  # the setter beats the environment
         assert _config.native_isa() == "auto" and _engines.gemm_choice(np.float16).isa == "auto"
-        assert B.selected_isa() == "auto"
         with pytest.raises(ValueError, match="isa"):
             _config.set_native_isa("neon2")
     finally:
         _config.set_native_isa(None)
         monkeypatch.delenv("FASTGRAD_NATIVE_ISA")
-        B.select_isa(_config.native_isa())
-    assert B.selected_isa() == "auto"
+    assert not hasattr(B, "select_isa") and not hasattr(B, "_isa")  # the kernel module keeps no setting
 
 
 @pytest.mark.parametrize("name,a_form", _FORMS, ids=[f"{n}-{f}" for n, f in _FORMS])

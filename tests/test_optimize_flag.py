@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent(
 
     import fastgrad as fg
     from fastgrad import _config
+    from fastgrad.errors import InternalError
     from fastgrad.kernels import _bf16dot as B
 
     _config.set_native_isa(sys.argv[1])
@@ -47,8 +48,8 @@ SCRIPT = textwrap.dedent(
         out = np.zeros((4, 64), np.float32)
         for bp in (np.ones((7, 64), np.float32), np.ones((8, 32), np.float32)):  # too short, too narrow
             try:
-                B.gemm_tile(A, bp, 0, 64, out)
-            except ValueError:
+                B.gemm_tile(A, bp, 0, 64, out, spec=B.variant("f32", sys.argv[1]))
+            except InternalError:
                 refused += 1
     print(sys.flags.optimize, B.available(), refused, h.hexdigest())
     """

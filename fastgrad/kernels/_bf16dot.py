@@ -25,10 +25,11 @@ variant; ``A`` in the form the variant prefers (the plan's ``GemmChoice.a_form``
 ``kernels/_engine.resolve`` takes from the spec): ``X`` read in place as 32-bit pairs
 (broadcast per row) on ``vdpbf16ps``, fp32 values on the FMA variants (``X`` widened
 once, ``g`` read in place, ``gᵀ`` copied transposed per task: one broadcast load per value, no
-pairing pass).  :func:`variant` picks the variant (the ISA setting :func:`select_isa`, pushed
-by ``fastgrad._config.set_native_isa`` / ``FASTGRAD_NATIVE_ISA``).  Calls go through
+pairing pass).  Every GEMM takes the variant as an argument (``spec``: the plan's
+``GemmChoice.variant``, which ``kernels/_engine.resolve`` picks with :func:`auto_variant` from the
+ISA setting the op layer passes); the module holds no setting.  Calls go through
 ``ctypes``, which releases the GIL, so the tiles run on fastgrad's GEMM pool; every operand is
-checked first (:func:`gemm_tile`: ``ValueError``, never ``assert``).  Passes of at most
+checked first (:func:`gemm_tile`: ``InternalError``, never ``assert``).  Passes of at most
 ``_KC`` pairs over ``k`` keep ``B``'s strip in L2; a pass after the first sums onto the stored
 fp32 values (the same additions in the same order).  The gradient GEMMs read ``B`` as consecutive
 rows interleaved (:func:`interleave`) and, on ``vdpbf16ps``, ``A`` as the top halves of fp32
@@ -44,6 +45,7 @@ import numpy as np
 from .. import _cpu
 from .. import dtypes as D
 from .._jit import tjit
+from ..errors import InternalError
 from ..tiling import NATIVE_COLS, b_cols, b_size, npad
 from . import _native
 
@@ -62,37 +64,36 @@ _KC = 256
 #: CPU's L2 holds it; not measured on one: none was at hand), so each row tile's ``A`` stays in
 #: L1 over several column tiles.
 _NS = 128
-#: the native ISA setting (``fastgrad._config.set_native_isa``; the op layer makes it this module's at
-#: each LM-head call's GEMM choice, ``kernels/_engine.resolve``): ``"auto"`` (the best variant the
-#: CPU runs), ``"avx512"`` or ``"avx2"`` (only that ISA's)
+#: the native ISA settings (``fastgrad._config.set_native_isa``): ``"auto"`` (the best variant the CPU
+#: runs), ``"avx512"`` or ``"avx2"`` (only that ISA's).  This module keeps no setting: the op layer
+#: resolves the variant once per call (``kernels/_engine.resolve`` → ``GemmChoice.variant``) and every
+#: GEMM here takes that spec as an argument, so a call runs the variant its plan names whatever
+#: another thread's call chose (``tests/test_lm_head_threads.py``)
 ISAS = ("auto", "avx512", "avx2")
-_isa = "auto"
 
 
-def select_isa(isa: str) -> None:
-    """Use the variants of ``isa`` (:data:`ISAS`) from now on, process-wide (``fastgrad._config``
-    pushes its setting here; tests call it directly).  Raises ``ValueError`` for another name."""
-    global _isa
+def _check_isa(isa: str) -> str:
     if isa not in ISAS:
         raise ValueError(f"native ISA must be one of {', '.join(ISAS)}; got {isa!r}")
-    _isa = isa
+    return isa
 
 
-def selected_isa() -> str:
-    """The ISA setting in force here (:func:`select_isa`)."""
-    return _isa
-
-
-def variant(kind: str = "bf16", isa: str | None = None) -> _native.KernelSpec | None:
+def variant(kind: str = "bf16", isa: str = "auto") -> _native.KernelSpec | None:
     """The kernel variant the GEMMs of operand ``kind`` (``"bf16"``: bf16 pairs; ``"f32"``: fp32)
-    run on: the first of ``_native.PREFERENCE[kind]`` of the ISA setting (``isa``, default
-    :func:`selected_isa`; ``"auto"``: any) that the CPU runs and that compiled; None: BLAS."""
-    want = _isa if isa is None else isa
+    run on under the ISA setting ``isa``: the first of ``_native.PREFERENCE[kind]`` of that ISA
+    (``"auto"``: any) that the CPU runs and that compiled; None: BLAS.  Pure: a function of the
+    CPU and ``isa``.  Raises ``ValueError`` for an ISA not in :data:`ISAS`."""
+    _check_isa(isa)
     for name in _native.PREFERENCE[kind]:
         spec = _native.SPECS[name]
-        if want in ("auto", spec.isa) and _native.compiled(spec) is not None:
+        if isa in ("auto", spec.isa) and _native.compiled(spec) is not None:
             return spec
     return None
+
+
+def spec_named(name: str | None) -> _native.KernelSpec | None:
+    """The spec a plan names (``GemmChoice.variant``), or None for None."""
+    return None if name is None else _native.SPECS[name]
 
 
 #: per operand kind, whether the GEMM setting ``"auto"`` runs the AVX2 + FMA variant when it is
@@ -118,14 +119,14 @@ AUTO_AVX2 = {"bf16": False, "f32": False}
 AUTO_AVX512_VENDORS = {"bf16": frozenset({"AuthenticAMD"}), "f32": frozenset({"AuthenticAMD"})}
 
 
-def auto_variant(kind: str = "bf16") -> _native.KernelSpec | None:
-    """The variant the GEMM setting ``"auto"`` runs for operand ``kind``: :func:`variant`, except
-    None (BLAS) under the ISA setting ``"auto"`` where that is an AVX2 variant and
-    :data:`AUTO_AVX2` says BLAS is faster there, or an AVX-512 variant on a CPU whose vendor is not
-    in :data:`AUTO_AVX512_VENDORS`.  An explicit ISA setting (``"avx2"``, ``"avx512"``: CI,
-    tests) runs its variant."""
-    spec = variant(kind)
-    if spec is None or _isa != "auto":
+def auto_variant(kind: str = "bf16", isa: str = "auto") -> _native.KernelSpec | None:
+    """The variant the GEMM setting ``"auto"`` runs for operand ``kind`` under the ISA setting
+    ``isa``: :func:`variant`, except None (BLAS) under the ISA setting ``"auto"`` where that is an
+    AVX2 variant and :data:`AUTO_AVX2` says BLAS is faster there, or an AVX-512 variant on a CPU
+    whose vendor is not in :data:`AUTO_AVX512_VENDORS`.  An explicit ISA setting (``"avx2"``,
+    ``"avx512"``: CI, tests) runs its variant."""
+    spec = variant(kind, isa)
+    if spec is None or isa != "auto":
         return spec
     if spec.isa == "avx2" and not AUTO_AVX2[kind]:
         return None
@@ -134,39 +135,41 @@ def auto_variant(kind: str = "bf16") -> _native.KernelSpec | None:
     return spec
 
 
-def _kernels(kind: str = "bf16", spec: _native.KernelSpec | None = None) -> dict:
-    spec = variant(kind) if spec is None else spec
-    if spec is not None and spec.kind != kind:
-        raise ValueError(f"variant {spec.name!r} takes {spec.kind} operands, not {kind}")
-    k = None if spec is None else _native.compiled(spec)
-    if spec is None or k is None:
-        raise ValueError(f"no native {kind} GEMM kernel runs on this CPU (ISA setting {_isa!r}); check available()")
+def _kernels(kind: str, spec: _native.KernelSpec | None) -> dict:
+    if spec is None:
+        raise InternalError(f"no native {kind} GEMM variant given (the plan's GemmChoice.variant is None)")
+    if spec.kind != kind:
+        raise InternalError(f"variant {spec.name!r} takes {spec.kind} operands, not {kind}")
+    k = _native.compiled(spec)
+    if k is None:
+        raise InternalError(f"the native variant {spec.name!r} does not run on this CPU; check available()")
     return {"spec": spec, **k}
 
 
-def a_form(kind: str = "bf16") -> str | None:
+def a_form(kind: str = "bf16", isa: str = "auto") -> str | None:
     """The form of ``A`` the variant for ``kind`` prefers (its ``a_forms[0]``): ``"pairs"``
     (``vdpbf16ps``) or ``"f32"`` (the FMA variants: fp32 values, for bf16 two per pair of ``B``);
     None where no variant runs.  The kernels take the form from their plan (``GemmChoice.a_form``,
     the same rule: ``kernels/_engine.resolve``) and pass it to :func:`pairs_in_place`,
     :func:`matmul_tn` and :class:`Logits`; this query is for tests and tools."""
-    spec = variant(kind)
+    spec = variant(kind, isa)
     return None if spec is None else spec.a_forms[0]
 
 
-def available(kind: str = "bf16") -> bool:
+def available(kind: str = "bf16", isa: str = "auto") -> bool:
     """A variant for operand ``kind`` runs here (:func:`variant`): ``"bf16"`` on AVX-512 BF16,
     AVX-512F or AVX2 + FMA; ``"f32"`` (the fp16 operands) on AVX-512F or AVX2 + FMA; compiled
     once per process."""
-    return variant(kind) is not None
+    return variant(kind, isa) is not None
 
 
 def pairs(a16: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
     """A 2-D bf16 array (its uint16 bits) as ``[rows, ceil(cols/2)]`` uint32 pairs: a view when
-    C-contiguous with an even number of columns, else a zero-padded copy into ``buf``."""
+    C-contiguous with an even, non-zero number of columns (an empty row's strides may be anything:
+    ``(2, 4)`` for a ``[BT, 0]`` view), else a zero-padded copy into ``buf``."""
     u = a16.view(np.uint16) if a16.dtype != np.uint16 else a16
     r, c = u.shape
-    if c % 2 == 0 and u.flags.c_contiguous:
+    if c % 2 == 0 and c > 0 and u.flags.c_contiguous and u.strides[0] == 2 * c:
         return u.view(np.uint32)
     kp = (c + 1) // 2
     p = np.empty((r, 2 * kp), np.uint16) if buf is None else buf[: r * 2 * kp].reshape(r, 2 * kp)
@@ -303,7 +306,7 @@ def pairs_of_f32(g: np.ndarray, transpose: bool = False) -> np.ndarray:
 
 def _check_form(form: str | None) -> None:
     if form not in ("pairs", "f32"):
-        raise ValueError(f"form (the plan's GemmChoice.a_form) must be 'pairs' or 'f32', got {form!r}")
+        raise InternalError(f"form (the plan's GemmChoice.a_form) must be 'pairs' or 'f32', got {form!r}")
 
 
 def pairs_in_place(g: np.ndarray, form: str | None) -> np.ndarray:
@@ -316,7 +319,7 @@ def pairs_in_place(g: np.ndarray, form: str | None) -> np.ndarray:
 
     _check_form(form)
     if g.dtype != np.float32 or g.ndim != 2 or not g.flags.c_contiguous:
-        raise ValueError(f"g must be a C-contiguous 2-D float32 array, got {g.dtype}, ndim {g.ndim}")
+        raise InternalError(f"g must be a C-contiguous 2-D float32 array, got {g.dtype}, ndim {g.ndim}")
     if form == "f32":
         return g
     u = g.view(np.uint32)
@@ -341,30 +344,32 @@ def _check_tile(xp: np.ndarray, bp: np.ndarray, c0: int, c1: int, out: np.ndarra
     removes those, and the kernel reads and writes through raw pointers)."""
     for name, a in (("xp", xp), ("bp", bp), ("out", out)):
         if not isinstance(a, np.ndarray) or a.ndim != 2:
-            raise ValueError(
+            raise InternalError(
                 f"{name} must be a 2-D numpy array, got {type(a).__name__} of ndim {getattr(a, 'ndim', None)}"
             )
         if any(st % 4 for st in a.strides):
-            raise ValueError(f"{name}'s strides must be multiples of 4 bytes, got {a.strides}")
+            raise InternalError(f"{name}'s strides must be multiples of 4 bytes, got {a.strides}")
     if xp.dtype not in (np.uint32, np.float32):
-        raise ValueError(f"xp must be uint32 (bf16 pairs) or float32, got {xp.dtype}")
+        raise InternalError(f"xp must be uint32 (bf16 pairs) or float32, got {xp.dtype}")
     if bp.dtype not in (np.uint32, np.float32) or (bp.dtype == np.float32 and xp.dtype != np.float32):
-        raise ValueError(f"bp must be uint32 (bf16 pairs) or, with float32 xp, float32; got {bp.dtype}, xp {xp.dtype}")
+        raise InternalError(
+            f"bp must be uint32 (bf16 pairs) or, with float32 xp, float32; got {bp.dtype}, xp {xp.dtype}"
+        )
     if xp.dtype == np.uint32 and xp.strides[1] != 4:
-        raise ValueError(f"xp (bf16 pairs) must have unit column stride, got strides {xp.strides}")
+        raise InternalError(f"xp (bf16 pairs) must have unit column stride, got strides {xp.strides}")
     if out.dtype != np.float32 or out.strides[1] != 4 or not out.flags.writeable:
-        raise ValueError(
+        raise InternalError(
             f"out must be writeable float32 with unit column stride, got {out.dtype}, strides {out.strides}"
         )
     if not (
         isinstance(c0, (int, np.integer)) and isinstance(c1, (int, np.integer)) and 0 <= c0 <= c1 and c0 % _COLS == 0
     ):
-        raise ValueError(f"c0, c1 must satisfy 0 <= c0 <= c1 with c0 a multiple of {_COLS}, got {c0}, {c1}")
+        raise InternalError(f"c0, c1 must satisfy 0 <= c0 <= c1 with c0 a multiple of {_COLS}, got {c0}, {c1}")
     if out.shape != (xp.shape[0], c1 - c0):
-        raise ValueError(f"out must have shape {(xp.shape[0], c1 - c0)}, got {out.shape}")
+        raise InternalError(f"out must have shape {(xp.shape[0], c1 - c0)}, got {out.shape}")
     krows = (xp.shape[1] + 1) // 2 if (xp.dtype == np.float32 and bp.dtype == np.uint32) else xp.shape[1]
     if bp.strides[1] != 4 or bp.shape[0] < krows or bp.shape[1] < npad(c1):
-        raise ValueError(
+        raise InternalError(
             f"bp must have unit column stride and shape at least {(krows, npad(c1))}, "
             f"got {bp.shape}, strides {bp.strides}"
         )
@@ -377,18 +382,20 @@ def gemm_tile(
     c1: int,
     out: np.ndarray,
     acc: bool = False,
-    spec: _native.KernelSpec | None = None,
+    *,
+    spec: _native.KernelSpec | None,
 ) -> None:
     """``out[M, c1-c0] (+)= A · B[:, c0:c1]`` in fp32; ``c0`` a multiple of 64; ``acc``: summed
-    onto ``out``.  One thread, on the variant :func:`variant` picks.
+    onto ``out``.  One thread, on the variant ``spec`` (the plan's ``GemmChoice.variant``,
+    :func:`spec_named`; tests: :func:`variant`).
 
     ``xp`` uint32: the bf16 kernel, ``A`` as pairs [M, KP] (rows of unit stride) and ``bp`` the
     packed [KP, NPAD] pairs; ``xp`` float32: the fp32 kernel, ``A`` [M, K] of any strides (``Aᵀ``
     of a C-contiguous array too) and ``bp`` fp32 [K, ≥ 64·⌈c1/64⌉] with unit column stride.
 
-    ``spec``: run this variant (tests) instead of :func:`variant`'s.  Raises ``ValueError`` on
-    any operand that breaks these rules (checked before the native call, also under ``python
-    -O``) or when no variant runs here (:func:`available`)."""
+    Raises :class:`fastgrad.errors.InternalError` on any operand that breaks these rules (checked
+    before the native call, also under ``python -O``), or a ``spec`` that is None, of another
+    operand kind or A form, or not runnable here (:func:`available`)."""
     _check_tile(xp, bp, c0, c1, out)
     kind = "bf16" if bp.dtype == np.uint32 else "f32"
     a_form = "pairs" if xp.dtype == np.uint32 else "f32"
@@ -403,7 +410,7 @@ def gemm_tile(
     k = _kernels(kind, spec)
     sp = k["spec"]
     if a_form not in sp.a_forms:
-        raise ValueError(f"variant {sp.name!r} takes A as {' or '.join(sp.a_forms)}, not {a_form}")
+        raise InternalError(f"variant {sp.name!r} takes A as {' or '.join(sp.a_forms)}, not {a_form}")
     fns, MR = k["fns"], sp.mr
     ns = max(_NS, 4 * sp.cols)
     lda, ska = xp.strides[0] // 4, xp.strides[1] // 4
@@ -491,18 +498,20 @@ def _copy_rows(lo, hi, src, dst):
                 dst[i, j] = src[i, j]
 
 
-def matmul(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False) -> None:
+def matmul(
+    xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False, *, spec: _native.KernelSpec | None
+) -> None:
     """``out[M, n] (+)= A · B`` over the GEMM pool from the pairs ``xp`` [M, KP] and the packed
     ``bp`` [KP, ≥ n]: tiles of ≤ 512 rows × ≤ 512 columns (column spans on 64-column
     boundaries), from the shapes only (bitwise the same at any thread count, and any tiling:
-    each output is one fixed sequence of additions, onto ``out``'s value with ``acc``)."""
+    each output is one fixed sequence of additions, onto ``out``'s value with ``acc``), on the
+    variant ``spec`` (:func:`gemm_tile`)."""
     from ._gemm import ROW_BLOCK, _run, _spans
 
     cols = _col_spans(n)
-    kind = "bf16" if bp.dtype == np.uint32 else "f32"
-    spec = variant(kind) if xp.dtype == np.float32 else None
     if (
-        spec is not None
+        xp.dtype == np.float32
+        and spec is not None
         and spec.isa == "avx2"
         and xp.ndim == 2
         and xp.shape[1] > 0
@@ -528,25 +537,34 @@ def matmul(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = 
                 a = buf[:, : k1 - k0]
                 _copy_rows(0, r1 - r0, xp[r0:r1, k0:k1], a)
                 for c0, c1 in cols:
-                    gemm_tile(a, bp[k0 // per :], c0, c1, out[r0:r1, c0:c1], acc or k0 > 0)
+                    gemm_tile(a, bp[k0 // per :], c0, c1, out[r0:r1, c0:c1], acc or k0 > 0, spec=spec)
 
         _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(xp.shape[0], ROW_BLOCK)])
         return
     _run(
         [
-            (lambda r0=r0, r1=r1, c0=c0, c1=c1: gemm_tile(xp[r0:r1], bp, c0, c1, out[r0:r1, c0:c1], acc))
+            (lambda r0=r0, r1=r1, c0=c0, c1=c1: gemm_tile(xp[r0:r1], bp, c0, c1, out[r0:r1, c0:c1], acc, spec=spec))
             for r0, r1 in _spans(xp.shape[0], ROW_BLOCK)
             for c0, c1 in cols
         ]
     )
 
 
-def matmul_nt(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray) -> None:
+def matmul_nt(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, *, spec: _native.KernelSpec | None) -> None:
     """``out[M, n] = X · Wᵀ`` from ``X``'s pairs and ``W``'s :func:`pack`: :func:`matmul`."""
-    matmul(xp, bp, n, out)
+    matmul(xp, bp, n, out, spec=spec)
 
 
-def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False, *, form: str | None) -> None:
+def matmul_tn(
+    g: np.ndarray,
+    bp: np.ndarray,
+    n: int,
+    out: np.ndarray,
+    acc: bool = False,
+    *,
+    form: str | None,
+    spec: _native.KernelSpec | None,
+) -> None:
     """``out[M, n] (+)= gᵀ · B`` for ``g`` fp32 ``[K, M]`` of bf16 values and the packed ``bp``
     [ceil(K/2), ≥ n] (:func:`interleave`): tasks of ≤ 512 rows of ``out`` (two from 128 rows),
     each pairing its columns of ``g`` into its thread's scratch (``form="pairs"``: ``vdpbf16ps``)
@@ -572,7 +590,7 @@ def matmul_tn(g: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool 
             xp = _local((r1 - r0) * kp)[: (r1 - r0) * kp].reshape(r1 - r0, kp)
             _top_pairs_t(0, r1 - r0, u[:, r0:r1], xp)
         for c0, c1 in cols:
-            gemm_tile(xp, bp, c0, c1, out[r0:r1, c0:c1], acc)
+            gemm_tile(xp, bp, c0, c1, out[r0:r1, c0:c1], acc, spec=spec)
 
     # ≤ 512 rows per task, and at least two tasks from 128 rows on (a filtered tile's few kept
     # columns would otherwise run on one thread); the sums do not depend on the split
@@ -592,7 +610,15 @@ class Logits:
     given), ``W``'s chunk widened and transposed."""
 
     def __init__(
-        self, input: np.ndarray, W: np.ndarray, vc: int, x32: np.ndarray | None = None, take=None, *, form: str | None
+        self,
+        input: np.ndarray,
+        W: np.ndarray,
+        vc: int,
+        x32: np.ndarray | None = None,
+        take=None,
+        *,
+        form: str | None,
+        spec: _native.KernelSpec | None,
     ):
         """``take(name, size, dtype)``: where the buffers come from (the LM-head loop's
         ``Workspace.take``: the plan's list, ``tiling.lm_head_buffers``); default recycled
@@ -623,6 +649,7 @@ class Logits:
             self.wbuf = take("w_pairs_padded", vc * (H + 1), np.uint16) if H % 2 else None
         self.bp = np.empty((0, 0), np.uint32)
         self.n = 0
+        self.spec = spec
 
     def chunk(self, v0: int, v1: int) -> None:
         if self.f16:
@@ -633,4 +660,4 @@ class Logits:
         self.n = v1 - v0
 
     def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
-        matmul_nt(self.xp[b0:b1], self.bp, self.n, out)
+        matmul_nt(self.xp[b0:b1], self.bp, self.n, out, spec=self.spec)

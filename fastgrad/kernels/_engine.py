@@ -28,15 +28,15 @@ from . import _bf16dot, _gemm
 __all__ = ["engines", "choose", "resolve"]
 
 
-def engines(dtype) -> list[str]:
+def engines(dtype, isa: str = "auto") -> list[str]:
     """The engines that can run operands of ``dtype`` on this CPU (the native kernel under the
-    ISA setting of ``_bf16dot``): ``"native"`` first where it runs, then ``"blas"``,
+    ISA setting ``isa``): ``"native"`` first where it runs, then ``"blas"``,
     ``"onednn"`` (the latter needs PyTorch; only listed, not probed)."""
     kind = native_kind(dtype)
-    return (["native"] if kind is not None and _bf16dot.available(kind) else []) + ["blas", "onednn"]
+    return (["native"] if kind is not None and _bf16dot.available(kind, isa) else []) + ["blas", "onednn"]
 
 
-def choose(dtype, setting: str = "auto") -> str:
+def choose(dtype, setting: str = "auto", isa: str = "auto") -> str:
     """The engine for ``dtype`` under a GEMM setting: ``"auto"`` → ``"native"`` where it runs
     and ``_bf16dot.auto_variant`` takes it (not on an AVX2-only CPU under the ISA setting
     ``"auto"``: BLAS is faster there), else ``"blas"``; ``"blas"`` / ``"onednn"`` as given.
@@ -46,20 +46,20 @@ def choose(dtype, setting: str = "auto") -> str:
     if setting != "auto":
         raise ValueError(f"setting must be 'auto', 'blas' or 'onednn', got {setting!r}")
     # no variant, or an AVX2 one where BLAS is faster (_bf16dot.AUTO_AVX2): BLAS
-    return "blas" if _auto_spec(dtype)[1] is None else "native"
+    return "blas" if _auto_spec(dtype, isa)[1] is None else "native"
 
 
-def _auto_spec(dtype):
+def _auto_spec(dtype, isa: str):
     """``(kind, spec)``: the native kernel's operand kind for ``dtype`` (``"bf16"``, ``"f32"`` for
     fp16, None) and the variant the GEMM setting ``"auto"`` runs it on (None: BLAS) — the one rule
     :func:`choose` and :func:`resolve` share."""
     kind = native_kind(dtype)
-    return kind, (None if kind is None else _bf16dot.auto_variant(kind))
+    return kind, (None if kind is None else _bf16dot.auto_variant(kind, isa))
 
 
 def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool = False) -> GemmChoice:
     """The GEMMs of one LM-head call of operands ``dtype`` under the settings ``setting`` (the
-    GEMM setting), ``isa`` (the native ISA setting; made the kernel module's from now on) and
+    GEMM setting), ``isa`` (the native ISA setting) and
     ``prefer_onednn`` (inside ``fastgrad.torch``'s training loss).
 
     * ``engine``: ``"onednn"`` for the setting ``"onednn"`` (where usable), or ``"auto"`` with
@@ -71,10 +71,12 @@ def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool
     * ``logits16``: ``exact == "bf16"`` inside the training loss (``prefer_onednn``).
     * ``beta1``: the ``"blas"`` engine where NumPy's BLAS adds a product onto its output in the
       call (``_gemm.blas_accumulates``: OpenBLAS's ``cblas_sgemm``, ``beta = 1``).
+
+    Pure: the same arguments give the same choice on this CPU; nothing is set process-wide (the
+    kernels run the variant the choice names: ``_bf16dot.spec_named(choice.variant)``).
     """
-    _bf16dot.select_isa(isa)
     engine = _onednn.resolve_engine(setting, prefer_onednn)
-    kind, spec = _auto_spec(dtype) if setting == "auto" else (None, None)
+    kind, spec = _auto_spec(dtype, isa) if setting == "auto" else (None, None)
     exact = kind if spec is not None else None
     return GemmChoice(
         engine=engine,

@@ -44,8 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
+import threadpoolctl
 
 from .. import _onednn
+from ..errors import InternalError
 
 #: The most output rows (resp. columns) per BLAS call.  A dimension is cut into equal parts of
 #: at most this size (``_spans``), so the tasks are balanced over the pool; never derived from
@@ -205,8 +207,9 @@ def _after_fork_in_child() -> None:
     them may have held) do not exist there.  Forget the pools (the child makes its own on first
     use) and take a fresh lock; without this the child's first GEMM waits forever on a worker
     that is not there (a DataLoader worker, ``multiprocessing``'s ``fork`` context)."""
-    global _lock, _pools
+    global _lock, _pools, _blas_lock
     _lock = threading.Lock()
+    _blas_lock = threading.Lock()
     _pools = {}
 
 
@@ -222,23 +225,49 @@ def _pool(n: int) -> ThreadPoolExecutor:
         return p
 
 
+_blas_lock = threading.Lock()
+_blas_users = 0  # kernel calls inside single_threaded_blas now, in every thread
+_blas_limit = None  # threadpoolctl's limiter of the first of them (restores the BLAS's threads)
+
+
+def _release_blas_control() -> None:
+    """threadpoolctl (≥ 3.8) lets only the thread that last set OpenBLAS's (process-wide) thread
+    count set it again until that thread lets go, and silently ignores the others: let go at once,
+    so the call that ends last — in any thread — restores the count."""
+    ctl = getattr(threadpoolctl, "OpenBLASController", None)
+    clear = getattr(ctl, "clear_controlling_thread", None)
+    if clear is not None:
+        clear()
+
+
 @contextlib.contextmanager
 def single_threaded_blas(engine: str = "blas"):
-    """For the duration: the BLAS on one thread and, for ``engine == "onednn"``, PyTorch's bf16
-    math mode for fp32 matmuls (all restored afterwards).  ``engine`` is the call's choice
-    (``tiling.GemmChoice.engine``, made by the op layer); nothing here reads a setting."""
-    global _controller
+    """For the duration: the BLAS on one thread (each tile is one single-threaded call on the
+    GEMM pool).  The BLAS's thread count is process-wide: concurrent kernel calls are counted —
+    the first limits it, the last restores what the first found — so two calls in two Python
+    threads never undo each other's limit (an undone limit changes OpenBLAS's sums: bits that
+    depend on timing).  ``engine`` is the call's choice (``tiling.GemmChoice.engine``, made by
+    the op layer); nothing here reads a setting; the ``"onednn"`` engine's math mode is set
+    around each of its own ``torch.mm`` calls (``_onednn.mm``), not here."""
+    global _controller, _blas_users, _blas_limit
     if engine not in ("blas", "onednn"):
-        raise ValueError(f"engine must be 'blas' or 'onednn', got {engine!r}")
-    if _controller is None:
-        from threadpoolctl import ThreadpoolController
-
-        _controller = ThreadpoolController()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_controller.limit(limits=1, user_api="blas"))
-        if engine == "onednn":
-            stack.enter_context(_onednn.fp32_precision_bf16())
+        raise InternalError(f"engine must be 'blas' or 'onednn', got {engine!r}")
+    with _blas_lock:
+        if _controller is None:
+            _controller = threadpoolctl.ThreadpoolController()
+        if _blas_users == 0:
+            _blas_limit = _controller.limit(limits=1, user_api="blas")
+            _release_blas_control()
+        _blas_users += 1
+    try:
         yield
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0 and _blas_limit is not None:
+                _blas_limit.restore_original_limits()
+                _release_blas_control()
+                _blas_limit = None
 
 
 def blas_for(engine_of):

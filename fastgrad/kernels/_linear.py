@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
+from ..errors import InternalError
 from ._gemm import matmul_nn, matmul_tn, row_tasks, run_rows, run_tasks
 
 
@@ -122,21 +123,19 @@ def _narrow_rows(lo, hi, src, scale, code, dst):
 def narrow(src: np.ndarray, out: np.ndarray, scale: float | None = None) -> np.ndarray:
     """``out[...] = src`` rounded to ``out``'s dtype (fp32, bf16 or fp16; RNE, bitwise
     :func:`fastgrad.dtypes.from_float32`) for 2-D fp32 ``src`` and ``out`` of its shape (any
-    strides, unit column stride for 16-bit ``out``), on the GEMM pool: no OpenMP region, so a
+    strides: every layout the op layer accepts for ``out=``), on the GEMM pool: no OpenMP region, so a
     process that forks afterwards (a DataLoader worker) can run the op again in the child
     (GNU OpenMP terminates a child of a process that used it).  ``scale`` (16-bit ``out``): each
     value multiplied by ``np.float32(scale)`` in fp32 first (two roundings, as PyTorch's
     ``(g * s).to(dtype)``).  Returns ``out``."""
     if src.shape != out.shape or src.ndim != 2 or src.dtype != np.float32:
-        raise ValueError(f"narrow: src must be 2-D float32 of out's shape {out.shape}, got {src.dtype} {src.shape}")
+        raise InternalError(f"narrow: src must be 2-D float32 of out's shape {out.shape}, got {src.dtype} {src.shape}")
     if out.dtype == np.float32 and scale is None:
         out[...] = src
         return out
-    if out.dtype not in (D.BFLOAT16, D.FLOAT16) or out.strides[1] != out.itemsize:
-        raise ValueError(
-            f"narrow: out must be bfloat16 or float16 with unit column stride (float32 without scale), got {out.dtype}"
-        )
-    if out.size:  # without a scale, times 1: exact, the same bits
+    if out.dtype not in (D.BFLOAT16, D.FLOAT16):
+        raise InternalError(f"narrow: out must be bfloat16 or float16 (float32 without scale), got {out.dtype}")
+    if out.size:  # without a scale, times 1: exact, the same bits (a 16-bit view: any strides)
         s = np.float32(1.0 if scale is None else scale)
         run_rows(_narrow_rows, out.shape[0], src, s, D.code_of(out.dtype), out.view(np.uint16))
     return out

@@ -140,6 +140,7 @@ class Operands:
         self.kind = plan.gemm.exact_for(input, weight)  # "bf16", "f32" (fp16 operands) or None (BLAS)
         self.engine = plan.gemm.engine
         self.form = plan.gemm.a_form  # the native variant's A form (bf16: "pairs" or "f32")
+        self.spec = _bf16dot.spec_named(plan.gemm.variant) if self.kind else None  # the plan's variant
         self.b16, self.f16k = self.kind == "bf16", self.kind == "f32"
         self.Hp = _bf16dot.npad(H) if self.f16k else H
         self.W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
@@ -154,7 +155,7 @@ class Operands:
         # the logits on the exact-product kernel (its packed W tile, X in its A form)
         self.lg = None
         if self.kind and logits:
-            self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp, take=ws.take, form=self.form)
+            self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp, take=ws.take, form=self.form, spec=self.spec)
         self.W32p: np.ndarray | None = None
         self.W32: np.ndarray | None = None
         # the gradient GEMMs' operands and products (weight_tiles="all": the FLCE grad)
@@ -192,11 +193,11 @@ class Operands:
         input dtype (each product exact).  ``G`` is read, not written."""
         H = self.H
         if self.b16:
-            _bf16dot.matmul_tn(G, self.xinter[b0], H, out, acc=acc, form=self.form)
+            _bf16dot.matmul_tn(G, self.xinter[b0], H, out, acc=acc, form=self.form, spec=self.spec)
         elif self.f16k:
             if self.Xp is None:
                 raise ValueError("the fp32 kernel's X is missing")
-            _bf16dot.matmul(G.T, self.Xp[b0:b1], H, out, acc=acc)
+            _bf16dot.matmul(G.T, self.Xp[b0:b1], H, out, acc=acc, spec=self.spec)
         else:
             run_tasks(self._grad_weight_tasks(G, b0, b1, out, acc), self.engine)
 
@@ -221,11 +222,11 @@ class Operands:
             if self._bp_i is None:
                 v0, v1 = self._v
                 self._bp_i = _bf16dot.interleave(self.W[v0:v1], self.wt_inter)
-            _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), self._bp_i, H, out, acc=True)
+            _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), self._bp_i, H, out, acc=True, spec=self.spec)
         elif self.f16k:
             if self.W32p is None:
                 raise ValueError("the fp32 kernel's W tile is missing (no chunk yet)")
-            _bf16dot.matmul(G, self.W32p, H, out, acc=True)
+            _bf16dot.matmul(G, self.W32p, H, out, acc=True, spec=self.spec)
         else:
             run_tasks(self._grad_input_tasks(G, b0, b1, out), self.engine)
 

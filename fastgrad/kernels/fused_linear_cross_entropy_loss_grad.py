@@ -134,7 +134,9 @@ def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flag
             flags[i, t // fb] = True  # the target column is never filtered
 
 
-def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, engine="blas", form=None) -> None:
+def _filtered_products(
+    G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, engine="blas", form=None, spec=None
+) -> None:
     """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc): on
     the fp32 engines ``_linear.kept_products`` (the rule the training loss's filter shares), the
     tile's kept columns of ``G`` and rows of ``W32`` gathered.
@@ -143,7 +145,7 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, e
     for the exact-product bf16 kernel: the row tile interleaved as ``B``
     (:func:`_bf16dot.interleave`; ``rb`` even, so a row block starts on a pair), the tile's bf16
     weight rows (uint16 bits), and scratch for the gathered rows and their interleaving; ``form``:
-    the plan's A form of the bf16 kernel (``GemmChoice.a_form``).  ``g`` holds bf16 values
+    the plan's A form of the bf16 kernel (``GemmChoice.a_form``), ``spec`` its variant.  ``g`` holds bf16 values
     (the epilogue rounds it), so both ways compute every product exactly."""
     nb, nv = G.shape
     g_c, w_c, q_c, p_c = bufs
@@ -175,11 +177,11 @@ def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, e
         Gc = g_c[: nr * nk].reshape(nr, nk)
         np.take(G[r0:r1], cols, axis=1, out=Gc)
         Q = q_c[: nk * H].reshape(nk, H)
-        _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q, form=form)
+        _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q, form=form, spec=spec)
         Wg = w16_buf[: nk * H].reshape(nk, H)
         np.take(W16, cols, axis=0, out=Wg)
         wp = _bf16dot.interleave(Wg, wi_buf)
-        _bf16dot.matmul(_bf16dot.pairs_in_place(Gc, form), wp, H, gi_rows[r0:r1], acc=True)
+        _bf16dot.matmul(_bf16dot.pairs_in_place(Gc, form), wp, H, gi_rows[r0:r1], acc=True, spec=spec)
         gwt[cols] += Q
 
 
@@ -291,7 +293,7 @@ class FlceGrad:
                 gwt[...] = 0
                 self.first = False
             b16_ops = None if self.fb16 is None else (ops.xinter[b0], *self.fb16)
-            _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, b16_ops, eng, ops.form)
+            _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, b16_ops, eng, ops.form, ops.spec)
         else:  # the dense tile: the plan's GEMMs (Operands: BLAS, oneDNN or the native kernel)
             ops.grad_products(G, b0, b1, gwt, not self.first, gi_rows)  # may overwrite G (bf16 pairs)
             self.first = False

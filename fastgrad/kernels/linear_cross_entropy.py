@@ -504,7 +504,7 @@ def _bf16_logits(input, W, vc, plan, gemm, ws):
         return None
     if input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16:
         raise ValueError(f"plan.logits16 with {input.dtype} / {W.dtype} operands (bf16 expected)")
-    return _bf16dot.Logits(input, W, vc, take=ws.take, form=gemm.a_form)
+    return _bf16dot.Logits(input, W, vc, take=ws.take, form=gemm.a_form, spec=_bf16dot.spec_named(gemm.variant))
 
 
 def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False, gemm=BLAS, progress=None):
@@ -547,6 +547,7 @@ class _RecomputeGrad:
         gi, gw = self.gi, self.gw
         self.rows, self.consts = rows, consts
         self.input, self.W, self.cdt, self.gemm = input, W, cdt, gemm
+        self.spec = _bf16dot.spec_named(gemm.variant)  # the plan's native variant (None: BLAS)
         BT, H = input.shape
         self.BT, self.H = BT, H
         K = W.shape[0]
@@ -665,10 +666,12 @@ class _RecomputeGrad:
             ec = self.e_col[: ng * w].reshape(ng, w)
             run_rows(_round_g_bf16, ng, G, self.e_row[b0:b1, v0 // self.vc], ec)
             if acc is not None:
-                _bf16dot.matmul_tn(G, X, H, acc, acc=k > 0, form=self.gemm.a_form)
+                _bf16dot.matmul_tn(G, X, H, acc, acc=k > 0, form=self.gemm.a_form, spec=self.spec)
                 run_rows(_add_outer, w, acc, ec.sum(0), self.x_bar[k])
             if gi is not None:
-                _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.gemm.a_form), self.Wc, H, gi[b0:b1], acc=v0 > 0)
+                _bf16dot.matmul(
+                    _bf16dot.pairs_in_place(G, self.gemm.a_form), self.Wc, H, gi[b0:b1], acc=v0 > 0, spec=self.spec
+                )
             return
         if gi is not None:
             th = None if v0 == 0 else self.th[: nb * H].reshape(nb, H)
