@@ -561,7 +561,13 @@ def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
                 meta = json.load(f)
         dt = dtype if dtype is not None else meta.get("dtype")
         if dt is None:
-            raise invalid("dtype", f"given for the raw file {path} (--dtype or a {side} sidecar)", "none", OP)
+            raise invalid(
+                "dtype",
+                f"the dtype of the raw file {path}: its sidecar {side} "
+                '(like {"dtype": "bfloat16", "shape": [2048, 896]}) or a dtype argument',
+                "neither",
+                OP,
+            )
         dt = parse_dtype(dt)
         raw = np.fromfile(path, dtype=np.uint8)
         if raw.size % dt.itemsize:
@@ -578,6 +584,20 @@ def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
             raise invalid("shape", f"{a.size} elements (the size of {path})", str(shape), OP)
         a = a.reshape(shape)
     return a
+
+
+def read_sidecar(path: str) -> dict | None:
+    """The ``<stem>.json`` sidecar of a raw ``.bin`` file (``{"dtype": ..., "shape": [...]}``), or
+    None when ``path`` is not a ``.bin`` file or has none (or it is not such a JSON object)."""
+    if os.path.splitext(path)[1].lower() != ".bin":
+        return None
+    side = os.path.splitext(path)[0] + ".json"
+    try:
+        with open(side) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and "dtype" in meta else None
 
 
 def save_array(path: str, a: np.ndarray) -> str:
@@ -599,6 +619,7 @@ __all__ = [
     "compare",
     "CompareResult",
     "load_array",
+    "read_sidecar",
     "save_array",
     "parse_dtype",
     "STANDARDS",

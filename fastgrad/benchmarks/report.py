@@ -12,11 +12,34 @@ from .runner import SCHEMA
 
 
 def save(report: dict, path: str) -> str:
+    """Write ``report`` to ``path`` whole or not at all (a temporary file renamed over it): a run
+    that saves after every case and is interrupted leaves the last complete save."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=json_default)
-        f.write("\n")
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1, default=json_default)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def save_text(text: str, path: str) -> str:
+    """Write ``text`` to ``path`` whole or not at all (as :func:`save`)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
 
 
@@ -179,6 +202,17 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def partial_note(report: dict) -> str:
+    """ "Partial: ..." for a report written before its run finished (``settings.complete`` False), else ""."""
+    st = report.get("settings") or {}
+    if st.get("complete", True):
+        return ""
+    return (
+        f"Partial: {st.get('cases_done', '?')} of {st.get('cases_total', '?')} cases "
+        "(written as the run went; it was interrupted or is still running)"
+    )
+
+
 def format_markdown(report: dict) -> str:
     """A Markdown table of every row (for README / bench/results)."""
     head = [
@@ -204,6 +238,9 @@ def format_markdown(report: dict) -> str:
     ]
     for n, b in report.get("bounds", {}).items():
         out.append(f"Copy bandwidth ({n} threads): {b['copy_gbps']:.1f} GB/s  ")
+    partial = partial_note(report)
+    if partial:
+        out.append(partial + "  ")
     out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["rows"]:
         if r["status"] != "ok":

@@ -205,7 +205,6 @@ def _child_main():
     and its inputs dropped before the next job.
     """
     spec = json.loads(sys.stdin.read())
-    results = []
     for job in spec["jobs"]:
         rows = []
         try:
@@ -221,16 +220,21 @@ def _child_main():
                 specs = [(ri, backend) for ri, backend in job["rows"]]
                 rows = run_rows(case, specs, inp, spec["threads"], spec["repeat"], spec["budget"], memory=True)
                 inp = None
-            results.append({"ok": True, "rows": rows})
+            result = {"ok": True, "rows": rows}
         except Exception as e:  # noqa: BLE001
-            results.append({"ok": False, "error": f"{type(e).__name__}: {e}", "rows": rows})
-    sys.stdout.write("\n@@FASTGRAD-BENCH@@" + json.dumps(results) + "\n")
-    sys.stdout.flush()
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}", "rows": rows}
+        # one line per job, as soon as it is done: the parent reports each case while the next runs
+        sys.stdout.write("\n" + _MARK + json.dumps(result) + "\n")
+        sys.stdout.flush()
 
 
-def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None) -> list:
+_MARK = "@@FASTGRAD-BENCH@@"
+
+
+def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None, on_job=None) -> list:
     """Run ``jobs`` ([(case, [(runner index, backend), ...]), ...]) in one fresh interpreter;
-    returns one list of rows per job."""
+    returns one list of rows per job.  ``on_job(k, rows)`` is called as each job's rows arrive
+    (the child writes one line per job), so a caller can report a case while the next one runs."""
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -245,27 +249,61 @@ def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None) -> list:
     )
     cmd = [sys.executable, "-c", "from fastgrad.benchmarks.runner import _child_main; _child_main()"]
 
-    def failed(note):
-        return [
-            [dict(_row_base(c, c.runners[ri], b, n), status="error", note=note[:300]) for ri, b in specs]
-            for c, specs in jobs
-        ]
+    def failed(c, specs, note):
+        return [dict(_row_base(c, c.runners[ri], b, n), status="error", note=note[:300]) for ri, b in specs]
 
-    try:
-        p = subprocess.run(cmd, input=payload, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return failed("subprocess timed out")
-    out = p.stdout.rsplit("@@FASTGRAD-BENCH@@", 1)
-    if len(out) != 2:
-        err = (p.stderr or "").strip().splitlines()[-1:] or [f"exit status {p.returncode}"]
-        return failed(f"subprocess failed: {err[0]}")
-    results = []
-    for (c, specs), res in zip(jobs, json.loads(out[1])):
+    results: list = []
+
+    def take(res) -> None:
+        c, specs = jobs[len(results)]
         rows = res["rows"]
         if not res["ok"]:
             for ri, b in specs[len(rows) :]:
                 rows.append(dict(_row_base(c, c.runners[ri], b, n), status="error", note=res["error"]))
         results.append(rows)
+        if on_job is not None:
+            on_job(len(results) - 1, rows)
+
+    import tempfile
+    import threading
+
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        timer, fired = None, threading.Event()
+        if timeout is not None:
+
+            def kill() -> None:
+                fired.set()
+                p.kill()
+
+            timer = threading.Timer(timeout, kill)
+            timer.start()
+        try:
+            assert p.stdin is not None and p.stdout is not None
+            p.stdin.write(payload)
+            p.stdin.close()
+            for line in p.stdout:
+                if line.startswith(_MARK) and len(results) < len(jobs):
+                    take(json.loads(line[len(_MARK) :]))
+            p.wait()
+        except BaseException:  # Ctrl-C: the child goes with the parent
+            p.kill()
+            p.wait()
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if len(results) < len(jobs):
+            if fired.is_set():
+                note = "subprocess timed out"
+            else:
+                err.seek(0)
+                last = err.read().strip().splitlines()[-1:] or [f"exit status {p.returncode}"]
+                note = f"subprocess failed: {last[0]}"
+            for c, specs in jobs[len(results) :]:
+                results.append(failed(c, specs, note))
+                if on_job is not None:
+                    on_job(len(results) - 1, results[-1])
     return results
 
 
@@ -284,6 +322,7 @@ def run(
     progress=None,
     copy_bytes=None,
     only_rows=None,
+    on_case=None,
 ) -> dict:
     """Run ``cases`` and return the report dict (see ``docs/benchmarks.md`` for the schema).
 
@@ -293,7 +332,11 @@ def run(
 
     ``backends``: fastgrad backends, one row each per fastgrad runner; ``thread_counts``: the
     thread settings (None: the default); ``memory=False`` runs memory cases in-process
-    without peak RSS.  ``progress(row)`` is called after each row.
+    without peak RSS.  ``progress(row)`` is called after each row; ``on_case(report, done,
+    total)`` after each case with the report so far (``settings.complete`` False until the last
+    case: a caller writes it as it grows, so an interrupted run keeps what finished).  Cases run
+    in the given order; with ``memory``, each memory case in a fresh subprocess (in quick mode
+    one subprocess for all of them, reporting each as it finishes).
     """
     from .timing import default_threads
 
@@ -301,10 +344,65 @@ def run(
     mid = machine_id(info)
     has_torch = use_torch and torch_module() is not None
     torch_note = None if has_torch else ("torch disabled (--no-torch)" if not use_torch else "torch not installed")
-    rows, bounds = [], {}
+    rows: list = []
+    bounds: dict = {}
     t_start = time.time()
     if copy_bytes is None:
         copy_bytes = (64 if quick else 512) * 2**20
+    settings: dict = {
+        "quick": quick,
+        "repeat": repeat,
+        "budget_s": budget_s,
+        "threads": [int(n) if n is not None else default_threads() for n in thread_counts],
+        "backends": list(backends),
+        "torch": has_torch,
+        "memory_subprocess": memory,
+        "gemm_engine": _gemm_engines(has_torch),
+        "complete": False,
+        "cases_done": 0,
+        "cases_total": len(cases) * len(thread_counts),
+    }
+    report: dict = {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "elapsed_s": 0.0,
+        "machine": info,
+        "machine_id": mid,
+        "versions": vers,
+        "settings": settings,
+        "bounds": bounds,
+        "notes": [torch_note] if torch_note else [],
+        "rows": rows,
+    }
+    total = len(cases) * len(thread_counts)
+    done = 0
+
+    def finish_case(case, case_rows, skipped, nthr, bw) -> None:
+        nonlocal done
+        if case.bound == "copy" and bw is not None:
+            br = _row_base(
+                case,
+                C.Runner("bound", "bound", None),
+                "bound",
+                nthr,
+                note="bytes at the measured copy bandwidth",
+            )
+            br.update(time_median_s=case.bytes / (bw["gbps"] * 1e9), reps=0)
+            br["time_p20_s"] = br["time_p80_s"] = br["time_median_s"]
+            case_rows.append(br)
+        _derive(case_rows)
+        for r in case_rows + skipped:
+            r["machine"] = mid
+            r["versions"] = vers
+            rows.append(r)
+            if progress:
+                progress(r)
+        done += 1
+        report["elapsed_s"] = time.time() - t_start
+        settings["cases_done"] = done
+        if on_case:
+            on_case(report, done, total)
+
     for n in thread_counts:
         nthr = int(n) if n is not None else default_threads()
         with threads(nthr):
@@ -334,18 +432,21 @@ def run(
                     else:
                         specs.append((ri, r.name))
                 planned.append((case, specs, skipped))
-            # memory cases: in a fresh subprocess (one per case; one for all of them in quick mode)
-            mem = [(c, s) for c, s, _ in planned if c.memory and memory and s]
-            mem_rows = {}
-            groups = [mem] if quick else [[j] for j in mem]
-            for g in groups:
-                if g:
-                    for (c, _), rws in zip(g, run_in_subprocess(g, nthr, repeat, budget_s, quick)):
-                        mem_rows[c.id] = rws
+            mem = [(c, sp, sk) for c, sp, sk in planned if c.memory and memory and sp]
+            if quick and mem:  # one subprocess for all of them, each case reported as it arrives
+                jobs = [(c, sp) for c, sp, _ in mem]
+
+                def arrived(k, rws, mem=mem, nthr=nthr, bw=bw):
+                    finish_case(mem[k][0], rws, mem[k][2], nthr, bw)
+
+                run_in_subprocess(jobs, nthr, repeat, budget_s, quick, on_job=arrived)
+            in_quick_group = {id(c) for c, _, _ in mem} if quick else set()
             for case, specs, skipped in planned:
-                case_rows = []
-                if case.id in mem_rows:
-                    case_rows = mem_rows[case.id]
+                if id(case) in in_quick_group:
+                    continue
+                case_rows: list = []
+                if case.memory and memory and specs:
+                    case_rows = run_in_subprocess([(case, specs)], nthr, repeat, budget_s, quick)[0]
                 elif specs:
                     err = None
                     try:
@@ -358,45 +459,10 @@ def run(
                     else:
                         case_rows = run_rows(case, specs, inp, nthr, repeat, budget_s)
                     inp = None
-                if case.bound == "copy" and bw is not None:
-                    br = _row_base(
-                        case,
-                        C.Runner("bound", "bound", None),
-                        "bound",
-                        nthr,
-                        note="bytes at the measured copy bandwidth",
-                    )
-                    br.update(time_median_s=case.bytes / (bw["gbps"] * 1e9), reps=0)
-                    br["time_p20_s"] = br["time_p80_s"] = br["time_median_s"]
-                    case_rows.append(br)
-                _derive(case_rows)
-                for r in case_rows + skipped:
-                    r["machine"] = mid
-                    r["versions"] = vers
-                    rows.append(r)
-                    if progress:
-                        progress(r)
-    return {
-        "schema": SCHEMA,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "elapsed_s": time.time() - t_start,
-        "machine": info,
-        "machine_id": mid,
-        "versions": vers,
-        "settings": {
-            "quick": quick,
-            "repeat": repeat,
-            "budget_s": budget_s,
-            "threads": [int(n) if n is not None else default_threads() for n in thread_counts],
-            "backends": list(backends),
-            "torch": has_torch,
-            "memory_subprocess": memory,
-            "gemm_engine": _gemm_engines(has_torch),
-        },
-        "bounds": bounds,
-        "notes": [torch_note] if torch_note else [],
-        "rows": rows,
-    }
+                finish_case(case, case_rows, skipped, nthr, bw)
+    report["elapsed_s"] = time.time() - t_start
+    settings["complete"] = True
+    return report
 
 
 def _derive(rows: list) -> None:

@@ -1,10 +1,15 @@
 """The ``fastgrad`` command.
 
 ``fastgrad [options]``            the main job: large-vocabulary FLCE gradient (see ``run.py``)
-``fastgrad bench [options]``      benchmark report (``bench.py``)
+``fastgrad case OP [options]``    a device test case: inputs + golden as .bin/.json, manifest (``case.py``)
+``fastgrad golden OP [options]``  golden outputs through the float64 reference (``golden.py``;
+                                  ``--from-msprobe``: ``msprobe.py``)
 ``fastgrad compare [options]``    Ascend accuracy standards on two outputs (``compare.py``)
-``fastgrad golden OP [options]``  golden outputs through the float64 reference (``golden.py``)
+``fastgrad bench [options]``      benchmark report (``bench.py``; ``--from-profile``: ``profile.py``)
 ``fastgrad ttk-plugin --out DIR``  write the TTK golden plugin file (``ttk_plugin.py``)
+
+``fastgrad -h`` lists them all (``_common.SUBCOMMAND_HELP``); an op is named by fastgrad's name or
+its aclnn name (``_common.resolve_op``).
 
 Error convention, for every subcommand: a bad flag, file, shape or value prints **one line** on
 stderr (``fastgrad: --flag: expected ..., got ...``) and exits with status 2, without a
@@ -29,7 +34,7 @@ from ._common import (  # noqa: F401 - the command's shared pieces, re-exported
     OneLineParser,
 )
 
-SUBCOMMANDS = ("bench", "compare", "golden", "run", "ttk-plugin")
+SUBCOMMANDS = ("bench", "case", "compare", "golden", "run", "ttk-plugin")
 
 
 def _one_line(text: object) -> str:

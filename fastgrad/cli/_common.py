@@ -45,3 +45,143 @@ def write_markdown(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
     print(f"wrote {path}")
+
+
+#: Every subcommand of ``fastgrad``, as ``fastgrad -h`` lists them.
+SUBCOMMAND_HELP = (
+    ("case OP --shape DIMS --dtype DT --out DIR", "write a device test case: inputs + golden as .bin/.json, manifest"),
+    ("golden OP --inputs DIR --out DIR", "golden outputs of an op from input files (float64 reference)"),
+    ("golden --from-msprobe RANK_DIR --out DIR", "recompute and judge an msprobe dump's calls of the seven ops"),
+    ("compare ACTUAL GOLDEN", "Ascend accuracy standards (single / double benchmark, legacy)"),
+    ("bench [--headline|--quick]", "benchmark report against PyTorch and the machine's bounds"),
+    ("bench --from-profile CSV", "an NPU profile's kernels beside the CPU on the same shapes"),
+    ("ttk-plugin --out DIR", "write fastgrad's TTK golden plugin file"),
+)
+
+
+def subcommand_epilog() -> str:
+    width = max(len(u) for u, _ in SUBCOMMAND_HELP)
+    lines = [f"  fastgrad {u:<{width}}  {h}" for u, h in SUBCOMMAND_HELP]
+    return "subcommands (`fastgrad SUBCOMMAND -h` for each):\n" + "\n".join(lines)
+
+
+#: The seven ops by their aclnn names (``fastgrad/ops/<op>.py``'s ``DECL.aclnn``; kept here so that
+#: ``fastgrad -h`` and the parsers need no import of the ops; ``tests/test_cli_case.py`` checks it).
+ACLNN_NAMES = {
+    "aclnnFusedLinearOnlineMaxSum": "fused_linear_online_max_sum",
+    "aclnnFusedCrossEntropyLossWithMaxSum": "fused_cross_entropy_loss_with_max_sum",
+    "aclnnFusedLinearCrossEntropyLossGrad": "fused_linear_cross_entropy_loss_grad",
+    "aclnnCrossEntropyLossGrad": "cross_entropy_loss_grad",
+    "aclnnScaledMaskedSoftmaxBackward": "scaled_masked_softmax_backward",
+    "aclnnSmoothL1LossBackward": "smooth_l1_loss_backward",
+    "aclnnEmbeddingDenseBackward": "embedding_dense_backward",
+}
+OP_NAMES = tuple(ACLNN_NAMES.values())
+#: the aclnn name of each op
+ACLNN_OF = {v: k for k, v in ACLNN_NAMES.items()}
+
+
+#: short names (as ``fastgrad bench --ops`` takes them)
+SHORT_NAMES = {
+    "flce": "fused_linear_cross_entropy_loss_grad",
+    "flce_grad": "fused_linear_cross_entropy_loss_grad",
+    "floms": "fused_linear_online_max_sum",
+    "fce": "fused_cross_entropy_loss_with_max_sum",
+    "ce": "cross_entropy_loss_grad",
+    "ce_grad": "cross_entropy_loss_grad",
+    "softmax": "scaled_masked_softmax_backward",
+    "smooth_l1": "smooth_l1_loss_backward",
+    "embedding": "embedding_dense_backward",
+}
+
+
+def resolve_op(name: str) -> str | None:
+    """fastgrad's op name for ``name``: the op name itself, its aclnn name (``aclnnCrossEntropyLossGrad``,
+    case-insensitive, the ``aclnn`` prefix optional) or a short name (:data:`SHORT_NAMES`); None
+    when it names none of the seven ops."""
+    key = name.strip()
+    if key in OP_NAMES:
+        return key
+    if key.lower() in SHORT_NAMES:
+        return SHORT_NAMES[key.lower()]
+    low = key.lower().replace("_", "")
+    for aclnn, op in ACLNN_NAMES.items():
+        if low in (aclnn.lower(), aclnn.lower()[len("aclnn") :], op.replace("_", "")):
+            return op
+    return None
+
+
+def op_choices() -> str:
+    """The op names a command accepts, for its help and its errors."""
+    return ", ".join(f"{op} ({ACLNN_OF[op]})" for op in OP_NAMES)
+
+
+#: The SoC profiles (``fastgrad/soc.py``; the names only, so the parser imports nothing heavy).
+SOC_CHOICES = (
+    "Ascend910B (Atlas A2, the default), Ascend910_93 (A3), Ascend950, or a finer CANN name such as Ascend910B3"
+)
+
+
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """``--soc-version NAME`` and ``--strict`` / ``--no-strict``: the device a golden follows."""
+    p.add_argument(
+        "--soc-version",
+        metavar="NAME",
+        help=f"SoC whose kernels the golden follows: {SOC_CHOICES} (default: FASTGRAD_SOC_VERSION, else Ascend910B)",
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--strict",
+        dest="strict",
+        action="store_const",
+        const=True,
+        default=None,
+        help="reject exactly what the SoC's op_api and tiling reject, with their status codes "
+        "(default: FASTGRAD_STRICT)",
+    )
+    g.add_argument("--no-strict", dest="strict", action="store_const", const=False, help="strict mode off")
+
+
+def enter_device(stack, args) -> dict:
+    """Enter ``args.soc_version`` / ``args.strict`` on ``stack`` (a ``contextlib.ExitStack``); returns
+    what a manifest records: ``{"soc_version": the name in force, "soc_profile": its profile,
+    "strict": strict mode}``.  A SoC fastgrad has no profile for is a :class:`CliError`."""
+    import fastgrad as fg
+
+    from .. import _config
+    from ..soc import profile_name
+
+    if getattr(args, "soc_version", None):
+        try:
+            stack.enter_context(fg.soc_version(args.soc_version))
+        except ValueError:
+            raise CliError("--soc-version", SOC_CHOICES, repr(args.soc_version)) from None
+    if getattr(args, "strict", None) is not None:
+        stack.enter_context(fg.strict(args.strict))
+    try:
+        soc = _config.get_soc_version()
+    except ValueError as e:
+        raise CliError(f"FASTGRAD_SOC_VERSION: {e}") from None
+    out = {"soc_version": soc, "soc_profile": profile_name(soc), "strict": bool(_config.is_strict())}
+    det = getattr(_config, "is_deterministic", None)  # the device's deterministic-mode kernels
+    if det is not None:
+        out["deterministic"] = bool(det())
+    return out
+
+
+def refuse_missing_kernel(op: str, soc: str, flag: str = "--soc-version") -> None:
+    """One line (exit 2) when SoC ``soc`` has no kernel for ``op`` (the fused linear ops on Ascend950:
+    ops-nn's ``op_host/config`` holds ascend910b and ascend910_93 binaries only)."""
+    from ..soc import SOC_VERSIONS, get_profile
+
+    if (
+        op in ("fused_linear_online_max_sum", "fused_linear_cross_entropy_loss_grad")
+        and not get_profile(soc).fused_linear_ops
+    ):
+        have = ", ".join(s for s in SOC_VERSIONS if get_profile(s).fused_linear_ops)
+        raise CliError(
+            flag,
+            f"a SoC with a kernel of {ACLNN_OF[op]} ({have})",
+            soc,
+            hint="ops-nn's op_host/config of the op holds ascend910b and ascend910_93 binaries only",
+        )

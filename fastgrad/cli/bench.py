@@ -2,14 +2,18 @@
 
 Usage::
 
+    fastgrad bench --headline      (the README's headline: the LM-head gradient at Qwen2.5-0.5B's
+                                    shape against PyTorch fp32/bf16 and the GEMM bound, a few minutes)
     fastgrad bench [--quick] [--ops flce,ce,...] [--threads 1,2] [--backend cpu,acl]
                    [--repeat N] [--budget S] [--json PATH] [--plot DIR] [--markdown PATH]
                    [--compare other.json] [--from-json PATH] [--no-torch] [--list]
     fastgrad bench --from-profile op_summary_*.csv|kernel_details.csv [--repeat N] [--json PATH]
                    (an NPU profile's kernels of the seven ops beside the CPU: ``fastgrad/cli/profile.py``)
 
-Prints a table; ``--json`` writes the report (schema in ``docs/benchmarks.md``), ``--plot``
-one PNG per op (needs matplotlib), ``--markdown`` a Markdown table.  ``--compare other.json``
+Prints a line per row and one per case as it finishes (with the time so far and an estimate of
+the time left), then the table; ``--json`` writes the report (schema in ``docs/benchmarks.md``)
+and ``--markdown`` a Markdown table after every case (an interrupted run keeps the cases that
+finished, marked partial; exit 130), ``--plot`` one PNG per op at the end (needs matplotlib).  ``--compare other.json``
 prints a saved report (e.g. from an NPU host running ``--backend acl``) beside this one;
 ``--from-json`` renders a saved report instead of running.  Exit status 0, or 2 on bad usage.
 """
@@ -48,6 +52,27 @@ QUICK_NOTE = (
 
 REPORT_JSON = "a fastgrad bench report (JSON, from fastgrad bench --json)"
 
+#: ``--headline``: the case and rows of the README's first figure
+HEADLINE_CASE = "fused_linear_cross_entropy_loss_grad[memory-saving]/bf16/BT=2048,H=896,V=151936"
+HEADLINE_ROWS = ("fastgrad", "torch-fp32", "torch-bf16", "bound")
+
+
+def row_labels(case, backends=("cpu",)) -> list[str]:
+    """A case's rows as the results name them (``report._label``): ``fastgrad:cpu``,
+    ``fastgrad:cpu (out=)``, ``torch-fp32``, ..."""
+    out = []
+    for r in case.runners:
+        if r.kind == "fastgrad":
+            out += [f"fastgrad:{b}" + (f" ({r.mode})" if r.mode else "") for b in backends]
+        else:
+            out.append(r.name)
+    return out
+
+
+def _duration(s: float) -> str:
+    s = max(0.0, s)
+    return f"{s:.0f}s" if s < 90 else (f"{s / 60:.0f}m{s % 60:02.0f}s" if s < 3600 else f"{s / 3600:.1f}h")
+
 
 def _load_report(path: str, flag: str) -> dict:
     """A saved report, or one line (exit 2) saying what the file is instead."""
@@ -75,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="fastgrad bench",
         description="fastgrad benchmark report: every public op against PyTorch and the machine's bounds.",
+    )
+    p.add_argument(
+        "--headline",
+        action="store_true",
+        help="the README's headline, a few minutes: the LM-head gradient at Qwen2.5-0.5B's shape ("
+        + HEADLINE_CASE
+        + ") with the rows "
+        + ",".join(HEADLINE_ROWS)
+        + ", --repeat 3",
     )
     p.add_argument(
         "--quick",
@@ -162,14 +196,26 @@ def main(argv: list[str]) -> int:
     if args.from_json:
         report = _load_report(args.from_json, "--from-json")
     else:
-        cases = B.select(B.all_cases(args.quick), _csv(args.ops))
+        from ._common import resolve_op
+
+        if args.headline:
+            if args.ops or args.rows is not None or args.quick:
+                raise CliError("--headline", "no --ops, --rows or --quick with it (it names its own)", "both")
+            args.ops, args.rows = HEADLINE_CASE, list(HEADLINE_ROWS)
+            args.repeat = args.repeat or 3
+        words = [resolve_op(w) if resolve_op(w) and w.lower().startswith("aclnn") else w for w in _csv(args.ops)]
+        cases = B.select(B.all_cases(args.quick), words)
         if not cases:
             print(f"fastgrad bench: no case matches --ops {args.ops!r}", file=sys.stderr)
             return 2
         if args.list:
             for c in cases:
                 print(c.id + (f"    ({c.note})" if c.note else ""))
-                print("    rows: " + ", ".join(r.name for r in c.runners))
+                labels = row_labels(c)
+                names = list(dict.fromkeys(r.name for r in c.runners))
+                print("    rows: " + ", ".join(labels))
+                if names != labels:
+                    print("    --rows names: " + ", ".join(names))
             return 0
         if args.rows is not None:
             names = sorted({r.name for c in cases for r in c.runners})
@@ -205,29 +251,64 @@ def main(argv: list[str]) -> int:
         repeat = args.repeat or (3 if args.quick else 5)
         budget = args.budget if args.budget is not None else (2.0 if args.quick else 30.0)
 
+        from ..benchmarks.report import _label, save_text
+
+        last_case = [None]
+
         def progress(r):
             if not args.quiet:
+                if r["case"] != last_case[0]:
+                    last_case[0] = r["case"]
+                    print(f"  {r['case']}", file=sys.stderr, flush=True)
                 t = r.get("time_median_s")
                 tt = f"{t * 1e3:.3g} ms" if t else r["status"] + (f" ({r['note'][:70]})" if r.get("note") else "")
-                print(
-                    f"  {r['case']}  {r['backend']}{' ' + r['variant'] if r.get('variant') else ''}"
-                    f"  thr={r['threads']}: {tt}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(f"    {_label(r)}  thr={r['threads']}: {tt}", file=sys.stderr, flush=True)
 
-        report = B.run(
-            cases,
-            backends=backends,
-            thread_counts=thr,
-            repeat=repeat,
-            budget_s=budget,
-            quick=args.quick,
-            use_torch=not args.no_torch,
-            memory=not args.no_subprocess,
-            progress=progress,
-            only_rows=None if args.rows is None else set(args.rows),
-        )
+        state = {"report": None}
+
+        def on_case(rep, done, total):
+            state["report"] = rep
+            if args.json:
+                B.save(rep, args.json)
+            if args.markdown:
+                save_text(B.format_markdown(rep), args.markdown)
+            if not args.quiet:
+                el = rep["elapsed_s"]
+                eta = f", about {_duration(el / done * (total - done))} left" if done < total else ""
+                print(f"  [{done}/{total}] cases done, {_duration(el)} so far{eta}", file=sys.stderr, flush=True)
+
+        if not args.quiet:
+            print(
+                f"fastgrad bench: {len(cases)} case(s) x {len(thr)} thread setting(s); a line per row, "
+                "one per case as it finishes"
+                + ("; the report is written after each case" if args.json or args.markdown else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            report = B.run(
+                cases,
+                backends=backends,
+                thread_counts=thr,
+                repeat=repeat,
+                budget_s=budget,
+                quick=args.quick,
+                use_torch=not args.no_torch,
+                memory=not args.no_subprocess,
+                progress=progress,
+                only_rows=None if args.rows is None else set(args.rows),
+                on_case=on_case,
+            )
+        except KeyboardInterrupt:
+            rep = state["report"]
+            kept = [p for p in (args.json, args.markdown) if p and rep is not None]
+            done = rep["settings"]["cases_done"] if rep is not None else 0
+            print(
+                f"fastgrad bench: interrupted after {done} of {len(cases) * len(thr)} case(s)"
+                + (f"; kept them in {', '.join(kept)} (marked partial)" if kept else ""),
+                file=sys.stderr,
+            )
+            return 130
     print(B.format_table(report))
     if args.quick or (report.get("settings") or {}).get("quick"):
         print(f"\nnote: {QUICK_NOTE}")

@@ -9,8 +9,11 @@ Usage::
 Files are ``.npy``, ``.pt`` (one tensor, e.g. an msprobe dump's ``dump_tensor_data/*.pt``: loaded
 with ``map_location="cpu", weights_only=True``) or raw little-endian ``.bin`` dumps (as the aclnn
 sample programs write them).  A ``.bin`` file's dtype comes from ``--dtype`` (``--golden-dtype`` /
-``--reference-dtype`` when they differ, e.g. an fp32 golden beside a bf16 output) or from a
-``<stem>.json`` sidecar; ``--shape`` reshapes every file (element counts must agree).
+``--reference-dtype`` when they differ, e.g. an fp32 golden beside a bf16 output), from its
+``<stem>.json`` sidecar (``fastgrad golden --format bin`` and ``fastgrad case`` write one), or,
+for a raw dump without one, from the other side's sidecar or ``.npy`` header, shape included: a
+raw NPU output against ``fastgrad case``'s golden needs neither ``--dtype`` nor ``--shape``.
+``--shape`` reshapes every file (element counts must agree).
 ``--dtype`` also names the output dtype whose thresholds apply (default: the actual file's).
 
 Exit status: 0 pass, 1 fail, 2 bad usage or unreadable input.  See :mod:`fastgrad.compare`
@@ -138,6 +141,42 @@ def _same_size(args, actual, golden, ref) -> None:
     )
 
 
+def _is_raw(path: str) -> bool:
+    return not path.lower().endswith((".npy", ".pt", ".pth"))
+
+
+def _meta(path: str) -> dict | None:
+    """What a file says of itself: a ``.bin``'s sidecar, a ``.npy``'s header (dtype, shape); None
+    for a raw file without a sidecar (and for ``.pt``, read whole only when compared)."""
+    from ..compare import read_sidecar
+
+    if path.lower().endswith(".npy"):
+        import numpy as np
+
+        from ..dtypes import dtype_name
+
+        try:
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+        dt = "bfloat16" if a.dtype.kind == "V" and a.dtype.itemsize == 2 else dtype_name(a.dtype)
+        return {"dtype": dt, "shape": list(a.shape)}
+    return read_sidecar(path) if _is_raw(path) else None
+
+
+def _donor(what: str, metas: dict) -> dict | None:
+    """The dtype and shape a raw file without a sidecar takes: the golden's for the output under
+    test and the reference (a float64 golden gives its shape only, not its dtype), the output's for the golden."""
+    order = ["GOLDEN", "--reference", "ACTUAL"] if what != "GOLDEN" else ["ACTUAL", "--reference"]
+    for other in order:
+        m = metas.get(other)
+        if other != what and m is not None:
+            if what != "GOLDEN" and m.get("dtype") not in THRESHOLD_DTYPES:
+                continue
+            return m
+    return None
+
+
 def main(argv: list[str]) -> int:
     from ..compare import REL_EPS, compare, load_array
     from ..errors import AclnnError
@@ -145,19 +184,39 @@ def main(argv: list[str]) -> int:
     p = build_parser()
     args = p.parse_args(argv)
 
-    def load(path, dtype):  # the dtype options describe raw .bin files; .npy and .pt carry their own
-        return load_array(path, dtype if not path.lower().endswith((".npy", ".pt", ".pth")) else None, args.shape)
-
     _check_file(args.actual, "ACTUAL")
     _check_file(args.golden, "GOLDEN")
     if args.reference:
         _check_file(args.reference, "--reference")
+    files = [("ACTUAL", args.actual), ("GOLDEN", args.golden)] + (
+        [("--reference", args.reference)] if args.reference else []
+    )
+    metas = {what: _meta(path) for what, path in files}
+
+    def load(what, path, dtype, dtype_flag):
+        # the dtype options describe raw .bin files; .npy and .pt carry their own.  A raw .bin
+        # without a dtype option takes its own sidecar's, else the other files' (a raw NPU dump
+        # beside fastgrad's golden, whose sidecar knows the dtype and the shape)
+        if _is_raw(path) and dtype is None and metas[what] is None:
+            donor = _donor(what, metas)
+            if donor is None:
+                stem = path[: -len(".bin")] if path.lower().endswith(".bin") else path
+                raise CliError(
+                    what,
+                    f"the dtype of the raw file {path!r}: {dtype_flag} DT (and --shape DIMS), or its sidecar "
+                    f'{stem}.json like {{"dtype": "bfloat16", "shape": [2048, 896]}} (fastgrad golden --format bin '
+                    "and fastgrad case write one beside each .bin)",
+                    "a .bin with no sidecar, and no other file with one to take them from",
+                )
+            return load_array(path, donor["dtype"], args.shape if args.shape is not None else donor.get("shape"))
+        return load_array(path, dtype if _is_raw(path) else None, args.shape)
+
     try:
-        actual = load(args.actual, args.dtype)
-        golden = load(args.golden, args.golden_dtype or args.dtype)
+        actual = load("ACTUAL", args.actual, args.dtype, "--dtype")
+        golden = load("GOLDEN", args.golden, args.golden_dtype or args.dtype, "--golden-dtype")
         ref = None
         if args.reference:
-            ref = load(args.reference, args.reference_dtype or args.dtype)
+            ref = load("--reference", args.reference, args.reference_dtype or args.dtype, "--reference-dtype")
         _same_size(args, actual, golden, ref)
         if args.standard == "double" and ref is None:
             print("fastgrad compare: --standard double needs --reference", file=sys.stderr)

@@ -3,9 +3,13 @@
 Usage::
 
     fastgrad golden OP --inputs DIR --out DIR [--format npy|bin] [--attr NAME=VALUE ...]
-                       [--backend reference]
+                       [--dtype PARAM=DT ...] [--shape PARAM=DIMS ...]
+                       [--soc-version NAME] [--strict|--no-strict] [--backend reference]
     fastgrad golden --from-msprobe RANK_DIR --out DIR [--bench-dump DIR] [--soc-version NAME]
                        (an msprobe dump's calls of the seven ops: ``fastgrad/cli/msprobe.py``)
+
+``OP`` is fastgrad's name of the op or its aclnn name (``aclnnCrossEntropyLossGrad``).
+``fastgrad case OP ...`` generates the inputs too (a whole device test case).
 
 Input convention (``DIR``):
 
@@ -13,7 +17,7 @@ Input convention (``DIR``):
   (``input.npy``, ``weight.npy``, ``target_mask.npy`` ...; bfloat16 arrays saved from
   ``ml_dtypes`` are stored by NumPy as ``|V2`` and read back as bfloat16);
 * or ``<param>.bin`` — a raw little-endian dump, with a sidecar ``<param>.json``
-  ``{"dtype": "bfloat16", "shape": [2048, 896]}``;
+  ``{"dtype": "bfloat16", "shape": [2048, 896]}``, or ``--dtype PARAM=DT --shape PARAM=DIMS``;
 * ``attrs.json`` — optional, the scalar parameters: ``{"reduction": "mean", "beta": 1.0}``;
   ``--attr name=value`` (value parsed as JSON, else taken as a string) overrides it.
 
@@ -21,8 +25,9 @@ Parameters without a file or attribute take the op's defaults; a required parame
 file is one line naming it (exit 2).  Outputs go to ``OUT/<output_name>.npy`` (or ``.bin`` + ``.json``
 sidecar with ``--format bin``), named as in :data:`OUTPUT_NAMES`; outputs that are None
 (e.g. ``vocab_parallel_logits`` without ``return_logits``) are not written.
-``OUT/manifest.json`` records the op, backend, versions, the inputs, the attributes and the
-outputs (dtype, shape, file).
+``OUT/manifest.json`` records the op, backend, SoC (``--soc-version``, else ``FASTGRAD_SOC_VERSION``,
+else Ascend910B), strict mode, versions, the inputs, the attributes and the outputs (dtype,
+shape, file).  A SoC without a kernel of the op (the fused linear ops on Ascend950) is refused.
 
 The outputs are computed by the float64 reference backend with the device's roundings
 (``--backend`` may name another one, e.g. ``cpu`` to produce the third-party output of a
@@ -74,21 +79,46 @@ def _parse_attr(text: str):
         return k.strip(), v
 
 
-def read_inputs(op: str, inputs_dir: str, attrs: dict | None = None) -> tuple[dict, list]:
+def read_inputs(
+    op: str,
+    inputs_dir: str,
+    attrs: dict | None = None,
+    dtypes: dict | None = None,
+    shapes: dict | None = None,
+) -> tuple[dict, list]:
     """The keyword arguments of ``op`` found in ``inputs_dir`` (+ ``attrs``), and the names of
-    files that match no parameter."""
+    files that match no parameter.  ``dtypes`` / ``shapes``: ``{param: dtype / shape}`` of raw
+    ``.bin`` files without a sidecar."""
     import fastgrad as fg
 
-    from ..compare import load_array
+    from ..compare import load_array, read_sidecar
+    from ._common import CliError
 
     fn = getattr(fg, op)
     params = [p for p in inspect.signature(fn).parameters if p != "out"]
+    dtypes, shapes = dtypes or {}, shapes or {}
+    for flag, given in (("--dtype", dtypes), ("--shape", shapes)):
+        bad = [k for k in given if k not in params]
+        if bad:
+            raise CliError(flag, f"PARAM=... for a parameter of {op} ({', '.join(params)})", ", ".join(bad))
     kwargs, used = {}, {"attrs.json"}
     for p in params:
         for ext in (".npy", ".bin"):
             path = os.path.join(inputs_dir, p + ext)
             if os.path.exists(path):
-                kwargs[p] = load_array(path)
+                if ext == ".bin" and read_sidecar(path) is None and p not in dtypes:
+                    raise CliError(
+                        "--inputs",
+                        f"the dtype and shape of the raw {p}.bin: its sidecar {p}.json like "
+                        f'{{"dtype": "bfloat16", "shape": [2048, 896]}}, or --dtype {p}=DT --shape {p}=DIMS',
+                        f"{path!r} without {p}.json",
+                    )
+                try:
+                    kwargs[p] = load_array(path, dtypes.get(p), shapes.get(p))
+                except ValueError as e:
+                    raise CliError(
+                        "--inputs", f"a readable {p}{ext}", repr(path), hint=" ".join(str(e).split())
+                    ) from None
                 used.add(p + ext)
                 if ext == ".bin":
                     used.add(p + ".json")
@@ -110,18 +140,34 @@ def read_inputs(op: str, inputs_dir: str, attrs: dict | None = None) -> tuple[di
 
 
 def golden(
-    op: str, inputs_dir: str, out_dir: str, *, attrs: dict | None = None, fmt: str = "npy", backend: str = "reference"
+    op: str,
+    inputs_dir: str,
+    out_dir: str,
+    *,
+    attrs: dict | None = None,
+    fmt: str = "npy",
+    backend: str = "reference",
+    dtypes: dict | None = None,
+    shapes: dict | None = None,
+    device: dict | None = None,
 ) -> dict:
     """Run ``op`` on the inputs in ``inputs_dir`` through ``backend`` and write its outputs to
-    ``out_dir``; returns ``{output_name: array}`` (None outputs omitted)."""
+    ``out_dir``; returns ``{output_name: array}`` (None outputs omitted).  ``device``: the SoC
+    and strict mode in force, for the manifest (default: the current settings)."""
     import fastgrad as fg
 
+    from .. import _config
     from ..compare import save_array
     from ..dtypes import dtype_name
 
     if op not in OUTPUT_NAMES:
         raise ValueError(f"unknown op {op!r}; one of: {', '.join(OPS)}")
-    kwargs, unused = read_inputs(op, inputs_dir, attrs)
+    if device is None:
+        from ..soc import profile_name
+
+        soc = _config.get_soc_version()
+        device = {"soc_version": soc, "soc_profile": profile_name(soc), "strict": _config.is_strict()}
+    kwargs, unused = read_inputs(op, inputs_dir, attrs, dtypes, shapes)
     missing = [
         n
         for n, p in inspect.signature(getattr(fg, op)).parameters.items()
@@ -153,6 +199,7 @@ def golden(
     manifest = {
         "op": op,
         "backend": backend,
+        **device,
         "fastgrad": fg.__version__,
         "inputs": {
             k: ({"dtype": dtype_name(v.dtype), "shape": list(v.shape)} if isinstance(v, np.ndarray) else {"value": v})
@@ -166,15 +213,48 @@ def golden(
     return outputs
 
 
+def _param_values(flag: str, items: list, parse) -> dict:
+    """``--dtype PARAM=DT`` / ``--shape PARAM=DIMS`` into ``{param: value}``."""
+    from ._common import CliError
+
+    out = {}
+    for text in items:
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip():
+            raise CliError(
+                flag, "PARAM=VALUE, e.g. " + ("log_prob=bf16" if flag == "--dtype" else "log_prob=64,32000"), repr(text)
+            )
+        try:
+            out[name.strip()] = parse(value)
+        except (ValueError, TypeError):
+            raise CliError(
+                flag, "a dtype such as bf16" if flag == "--dtype" else "sizes such as 64,32000", repr(text)
+            ) from None
+    return out
+
+
+def _dims(text: str) -> tuple:
+    dims = tuple(int(p) for p in text.split(",") if p.strip())
+    if any(d < 0 for d in dims):
+        raise ValueError(text)
+    return dims
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from ._common import add_device_options, op_choices
+
     p = OneLineParser(
         prog="fastgrad golden",
-        description="Golden outputs of a fastgrad op from input files, through the float64 reference backend.",
+        description="Golden outputs of a fastgrad op from input files, through the float64 reference backend "
+        "(`fastgrad case OP ...` generates the inputs too).",
+        epilog="From an msprobe dump instead: fastgrad golden --from-msprobe RANK_DIR --out DIR "
+        "[--bench-dump DIR] [--soc-version NAME] [--backend NAME] [--quiet] (every call of the seven ops "
+        "recomputed and judged; --bench-dump DIR writes an msprobe dump of fastgrad's outputs for msprobe compare).",
     )
-    p.add_argument("op", help="public op name: " + ", ".join(OPS))
+    p.add_argument("op", metavar="OP", help="the op, by fastgrad's or aclnn's name: " + op_choices())
     p.add_argument("--inputs", required=True, metavar="DIR", help="directory of <param>.npy/.bin files")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for <output>.npy/.bin")
-    p.add_argument("--format", default="npy", choices=["npy", "bin"], help="output file format")
+    p.add_argument("--format", default="npy", choices=["npy", "bin"], help="output file format (bin: + .json sidecar)")
     p.add_argument(
         "--attr",
         action="append",
@@ -182,37 +262,81 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="scalar parameter (JSON value), e.g. --attr reduction='\"sum\"' or --attr beta=0.5",
     )
+    p.add_argument(
+        "--dtype",
+        action="append",
+        default=[],
+        metavar="PARAM=DT",
+        help="dtype of a raw PARAM.bin without its PARAM.json sidecar, e.g. --dtype log_prob=bf16",
+    )
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="PARAM=DIMS",
+        help="shape of a raw PARAM.bin without its sidecar, e.g. --shape log_prob=64,32000 (default: 1-D)",
+    )
+    add_device_options(p)
     p.add_argument("--backend", default="reference", help="backend computing the outputs (default reference)")
+    p.add_argument(
+        "--from-msprobe",
+        metavar="RANK_DIR",
+        help="instead of OP/--inputs: recompute an msprobe dump's calls of the seven ops (see below)",
+    )
+    p.add_argument("--bench-dump", metavar="DIR", help="with --from-msprobe: an msprobe dump of fastgrad's outputs")
     return p
 
 
 def main(argv: list[str]) -> int:
-    from ..errors import AclnnError
+    import contextlib
 
-    if any(a == "--from-msprobe" or a.startswith("--from-msprobe=") for a in argv):
+    from ..dtypes import parse_dtype
+    from ..errors import AclnnError
+    from ._common import CliError, enter_device, op_choices, refuse_missing_kernel, resolve_op
+
+    if any(a == "--from-msprobe" or a.startswith("--from-msprobe=") for a in argv) and not any(
+        a in ("-h", "--help") for a in argv
+    ):
         from .msprobe import main as from_msprobe  # `fastgrad golden --from-msprobe RANK_DIR --out DIR`
 
         return from_msprobe(argv)
     p = build_parser()
     args = p.parse_args(argv)
-    if args.op not in OUTPUT_NAMES:
-        print(f"fastgrad golden: unknown op {args.op!r}; one of: {', '.join(OPS)}", file=sys.stderr)
-        return 2
+    op = resolve_op(args.op)
+    if op is None:
+        raise CliError("OP", "one of " + op_choices(), repr(args.op))
+    if args.bench_dump:
+        raise CliError("--bench-dump", "--from-msprobe RANK_DIR with it", "OP --inputs")
     if not os.path.isdir(args.inputs):
         print(f"fastgrad golden: --inputs {args.inputs!r} is not a directory", file=sys.stderr)
         return 2
+    dtypes = _param_values("--dtype", args.dtype, parse_dtype)
+    shapes = _param_values("--shape", args.shape, _dims)
     from .run import _prepare_out
 
-    _prepare_out(args.out)  # writable before any work (a CliError: one line, exit 2)
-    try:
-        attrs = dict(_parse_attr(a) for a in args.attr)
-        outputs = golden(args.op, args.inputs, args.out, attrs=attrs, fmt=args.format, backend=args.backend)
-    except AclnnError as e:  # a rejected input is a usage error (exit 2); 1 means "a check failed"
-        print(f"fastgrad golden: {args.op} rejected the inputs: {e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, TypeError, NotImplementedError) as e:
-        print(f"fastgrad golden: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as stack:
+        device = enter_device(stack, args)
+        refuse_missing_kernel(op, device["soc_version"])
+        _prepare_out(args.out)  # writable before any work (a CliError: one line, exit 2)
+        try:
+            attrs = dict(_parse_attr(a) for a in args.attr)
+            outputs = golden(
+                op,
+                args.inputs,
+                args.out,
+                attrs=attrs,
+                fmt=args.format,
+                backend=args.backend,
+                dtypes=dtypes,
+                shapes=shapes,
+                device=device,
+            )
+        except AclnnError as e:  # a rejected input is a usage error (exit 2); 1 means "a check failed"
+            print(f"fastgrad golden: {op} rejected the inputs: {e}", file=sys.stderr)
+            return 2
+        except (OSError, ValueError, TypeError, NotImplementedError) as e:
+            print(f"fastgrad golden: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     for name, a in outputs.items():
         print(f"{os.path.join(args.out, name + '.' + args.format)}  {a.dtype} {list(a.shape)}")
     return 0

@@ -3,7 +3,7 @@
 Usage::
 
     fastgrad golden --from-msprobe RANK_DIR --out DIR [--bench-dump DIR] [--soc-version NAME]
-                    [--backend reference] [--quiet]
+                    [--strict|--no-strict] [--backend reference] [--quiet]
 
 ``RANK_DIR`` is one rank's msprobe dump (``step<N>/rank<R>/`` or ``proc<pid>/``, made with
 ``PrecisionDebugger(task="tensor", level="L1" or "mix")``).  Every call of the seven ops (and of
@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 
-from ._common import CliError, OneLineParser
+from ._common import CliError, OneLineParser, add_device_options, enter_device
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-msprobe", required=True, metavar="RANK_DIR", help="msprobe step<N>/rank<R>/ directory")
     p.add_argument("--out", required=True, metavar="DIR", help="summary.csv, unmapped.csv, entries/ go here")
     p.add_argument("--bench-dump", metavar="DIR", help="write an msprobe-format dump whose outputs are fastgrad's")
-    p.add_argument("--soc-version", metavar="NAME", help="SoC profile of the golden (Ascend910B, Ascend910_93, ...)")
+    add_device_options(p)
     p.add_argument("--backend", default="reference", help="backend computing the golden (default reference)")
     p.add_argument("-q", "--quiet", action="store_true", help="no table, only the verdict line")
     return p
@@ -44,18 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     import contextlib
 
-    import fastgrad as fg
-
     args = build_parser().parse_args(argv)
     with contextlib.ExitStack() as stack:
-        if args.soc_version:
-            soc = getattr(fg, "soc_version", None)
-            if soc is None:
-                raise CliError("--soc-version", "a fastgrad with SoC profiles (fg.soc_version)", "none")
-            try:
-                stack.enter_context(soc(args.soc_version))
-            except ValueError as e:
-                raise CliError(f"--soc-version: {e}") from None
+        args.device = enter_device(stack, args)
         return _run(args)
 
 
@@ -87,7 +78,7 @@ def _run(args) -> int:
     meta = {
         "dump": os.path.abspath(dump.path),
         "backend": args.backend,
-        "soc_version": args.soc_version,
+        **args.device,
         "fastgrad": fg.__version__,
         "standard": "single (ATK single benchmark); integer outputs exact",
     }

@@ -38,7 +38,7 @@ import numpy as np
 from ..benchmarks.report import json_default
 from ..benchmarks.timing import current_rss, peak_rss
 from . import checkpoint as ck
-from ._common import CliError, OneLineParser
+from ._common import CliError, OneLineParser, subcommand_epilog
 
 MiB = 2**20
 DEFAULT: dict[str, Any] = dict(bt=2048, hidden=896, vocab=151936, dtype="bfloat16")
@@ -184,10 +184,12 @@ class _Version(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="fastgrad",
-        description="Large-vocabulary LM-head gradient (aclnnFusedLinearCrossEntropyLossGrad) on the CPU, "
-        "in bounded memory. Subcommands: fastgrad bench | compare | golden (`fastgrad SUBCOMMAND -h`). "
-        "Exit status: 0 done, 1 --check failed, 2 bad usage/file/value or the job does not fit, "
+        description="The main job: the large-vocabulary LM-head gradient (aclnnFusedLinearCrossEntropyLossGrad)\n"
+        "on the CPU, in bounded memory, checked against a float64 golden.\n"
+        "Exit status: 0 done, 1 --check failed, 2 bad usage/file/value or the job does not fit,\n"
         "3 internal error.",
+        epilog=subcommand_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action=_Version)
     g = p.add_argument_group("shape and precision (generated data)")
