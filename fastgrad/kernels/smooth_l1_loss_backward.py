@@ -25,8 +25,9 @@ where ``beta' = beta`` when ``grad_out`` has one element (the device's scalar DA
 ``d·fp32(1/beta)``, which is ``±(1 - 2**-24)`` for some beta, e.g. 1.7).  Source: ops-nn
 ``loss/smooth_l1_loss_grad_v2/op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h`` and
 ``op_host/arch35/smooth_l1_loss_grad_v2_tiling.cpp:87-97`` (``doutIsScalar``).  Below
-``beta = 1e-6`` the device's ``1/beta`` is NaN (``tiling.cpp:145``) and fastgrad keeps
-``d/beta`` (0 at beta = 0): see docs/device_parity.md.
+``beta = fp32(1e-6)`` the device's ``1/beta`` is NaN (``tiling.cpp:145``, :func:`inverse_beta`):
+``0 < beta < 1e-6`` gives NaN in the quadratic zone, as the device (docs/device_parity.md
+row 5f); at ``beta = 0`` fastgrad keeps 0 for ``d = 0`` (row 5a).
 
 and one round-to-nearest-even to the output format.  16-bit data is read and written as
 ``uint16`` bit patterns (format code ``BF16``/``F16``), never widened as whole tensors.
@@ -42,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._jit import njit, pjit, prange
-from ..dtypes import FLOAT32, code_of, from_f32, from_float32, promote, storage_view, to_f32, to_float32
+from ..dtypes import FLOAT32, code_of, from_f32, promote, storage_view, to_f32
 from ._strided import strided_base as _base
 
 OP = "smooth_l1_loss_backward"
@@ -311,31 +312,29 @@ def run(grad_out, input, target, beta: float, scale: float, out: np.ndarray, ker
     bcmp = b32
     if grad_out.size != 1:
         bcmp = np.nextafter(b32, np.float32(np.inf)) if np.isfinite(b32) else np.float32(np.nan)
-    with np.errstate(over="ignore", divide="ignore"):
-        inv = np.float32(np.float32(1.0) / b32) if b32 > 0 else np.float32(0.0)
-    tiny = not np.isfinite(inv)  # beta an fp32 subnormal: 1/beta overflows fp32
-    if tiny:
-        inv = np.float32(0.0)  # the |d| < beta elements are fixed up below
+    inv = inverse_beta(b32)
     if out.dtype == FLOAT32:
         _sl1_f32(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, bcmp, inv, den, sc)
     else:
         _sl1_u16(bases[0][0], bases[1][0], bases[2][0], ob, sh, st, offs, code_of(out.dtype), bcmp, inv, den, sc)
-    if tiny:
-        _fix_tiny_beta(grad_out, input, target, b32, bcmp, sc, out)
 
 
-def _fix_tiny_beta(grad_out, input, target, b32, bcmp, sc, out) -> None:
-    """The |d| < beta elements for an fp32-subnormal beta: ``d/beta`` exactly as ``d·(1/beta)``
-    would give it were 1/beta representable — both scaled by 2**64 (exact: d is subnormal too)."""
-    f = [np.broadcast_to(to_float32(a), out.shape).reshape(-1) for a in (grad_out, input, target)]
-    d = f[1] - f[2]
-    sel = np.abs(d) < bcmp
-    if not sel.any():
-        return
-    pre = np.float32(2.0**64)
-    inv = np.float32(np.float32(1.0) / (b32 * pre))
-    v = ((d[sel] * pre) * inv + np.float32(0.0)) * f[0][sel] * sc
-    out.reshape(-1)[sel] = from_float32(v.astype(np.float32), out.dtype)  # out: C-contiguous
+#: the arch35 tiling's threshold below which ``1/beta`` is NaN (``fabsf(sigma) < 1e-6f``)
+INV_BETA_MIN = np.float32(1e-6)
+
+
+def inverse_beta(b32: np.float32) -> np.float32:
+    """The 950 tiling's fp32 constant ``invertSigma`` (ops-nn ``loss/smooth_l1_loss_grad_v2/
+    op_host/arch35/smooth_l1_loss_grad_v2_tiling.cpp:145``): ``fabsf(sigma) < 1e-6f ? NAN :
+    1 / sigma`` — NaN for ``0 < beta < fp32(1e-6)`` (every fp32-subnormal beta included), so the
+    quadratic zone's ``d·invβ`` is NaN there (docs/device_parity.md row 5f).  ``beta = 0``
+    gives 0 here: its zone is the single point ``d = 0`` (tensor DAG) or empty (scalar DAG),
+    where fastgrad keeps the limit value 0 (row 5a)."""
+    if b32 == 0:
+        return np.float32(0.0)
+    if abs(b32) < INV_BETA_MIN:
+        return np.float32(np.nan)
+    return np.float32(np.float32(1.0) / b32)
 
 
 def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out, smooth_l1_kernel="dag"):

@@ -103,8 +103,11 @@ def smooth_l1_loss_backward(
 
     bit for bit: a ``grad_out`` of more than one element compares strictly, so ``|d| == beta``
     gives ``d * fp32(1/beta)`` (``1 - 2**-24`` for beta = 1.7); a one-element ``grad_out``
-    takes the scalar DAG (``|d| >= beta`` -> sign).  Below beta = 1e-6 the 950 gives NaN:
-    fastgrad keeps ``d/beta`` there, and 0 at beta = 0, d = 0 (docs/device_parity.md, rows 5-5f).
+    takes the scalar DAG (``|d| >= beta`` -> sign).  For ``0 < beta < fp32(1e-6)`` the
+    device's ``1/beta`` is NaN (the arch35 tiling's ``fabsf(sigma) < 1e-6f ? NAN : 1/sigma``),
+    so the quadratic zone (``|d| <= beta``, resp. ``|d| < beta``) gives NaN and the rest
+    ``±grad_out``, as on the device; at ``beta = 0``, ``d = 0`` fastgrad keeps the limit value
+    0 where the tensor DAG gives NaN (docs/device_parity.md, rows 5-5f).
 
     Both: ``grad_input = s * grad_out * (fp32(1/N) if reduction == "mean" else 1)``,
     rounded once (round-to-nearest-even) to the output dtype; 16-bit inputs are widened to

@@ -3,7 +3,8 @@
 Computes in float64 on the broadcast inputs and rounds once to the promoted dtype (then casts
 to ``out``'s dtype when that differs, as the device's final Cast does).  ``beta`` is taken as
 the fp32 value the device receives, and the quadratic zone multiplies by the device's fp32
-constant ``1/beta`` (ops-nn ``arch35/smooth_l1_loss_grad_v2_tiling.cpp:145``); the zone is
+constant ``1/beta`` (ops-nn ``arch35/smooth_l1_loss_grad_v2_tiling.cpp:145``; NaN for
+``0 < beta < fp32(1e-6)``, so the zone is NaN there, row 5f); the zone is
 ``|d| <= beta`` for a tensor ``grad_out`` and ``|d| < beta`` for a one-element one (the two
 DAGs of ``op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h``).  ``smooth_l1_kernel="tbe"`` (the
 A2/A3 profiles) takes the 910B TBE formula instead (``_tbe``).
@@ -35,12 +36,15 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out, sm
     t = np.broadcast_to(np.asarray(target, dtype=np.float64), shape)
     b32 = np.float32(beta)
     b = float(b32)
-    # the device's tiling constant 1/beta, an fp32 value (for an fp32-subnormal beta, where it
-    # overflows, the value it would have with an unbounded exponent)
-    with np.errstate(over="ignore", divide="ignore"):
-        inv = float(np.float32(np.float32(1.0) / b32)) if b > 0 else 0.0
-    if not np.isfinite(inv):
-        inv = float(np.float32(1.0 / (b * 2.0**64))) * 2.0**64
+    # the device's tiling constant 1/beta, an fp32 value; NaN below fp32(1e-6) (arch35
+    # smooth_l1_loss_grad_v2_tiling.cpp:145, docs/device_parity.md row 5f); beta = 0 keeps the
+    # limit value 0 at d = 0 (row 5a)
+    if b == 0:
+        inv = 0.0
+    elif b < float(np.float32(1e-6)):
+        inv = float("nan")
+    else:
+        inv = float(np.float32(np.float32(1.0) / b32))
     # the tensor DAG (grad_out of more than one element) compares strictly, the scalar DAG not
     strict = np.asarray(grad_out).size != 1
     with np.errstate(invalid="ignore", divide="ignore"):
