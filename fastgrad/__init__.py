@@ -15,19 +15,24 @@ Backends: ``available_backends``, ``set_backend``, ``use_backend``; strict devic
 ``soc_version``, ``set_soc_version``, ``get_soc_version`` (fastgrad/soc.py); errors:
 :class:`AclnnError` with ``.status``; large fresh outputs on recycled memory:
 ``output_cache``, ``set_output_cache_limit``, ``empty_cache``, ``output_cache_info``; the GEMM
-engine of the fused linear kernels: ``gemm_engine``, ``set_gemm_engine``, ``gemm``; every
+engine of the fused linear kernels: ``gemm_engine``, ``set_gemm_engine``, ``gemm``; the
+device's deterministic mode (``ACL_OPT_DETERMINISTIC``): ``deterministic``, ``set_deterministic``,
+``is_deterministic``; every
 setting in force at once: ``settings()`` (a frozen :class:`Settings`, fastgrad/_config.py).
 """
 
 from ._config import (
     Settings,
+    deterministic,
     gemm,
     gemm_engine,
     get_num_threads,
     get_soc_version,
+    is_deterministic,
     is_strict,
     num_threads,
     progress,
+    set_deterministic,
     set_gemm_engine,
     set_num_threads,
     set_soc_version,
@@ -83,6 +88,9 @@ __all__ = [
     "set_gemm_engine",
     "settings",
     "Settings",
+    "deterministic",
+    "set_deterministic",
+    "is_deterministic",
     "empty_cache",
     "output_cache",
     "output_cache_info",

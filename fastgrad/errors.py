@@ -26,6 +26,9 @@ ACLNN_ERR_INNER_NULLPTR = 561103
 #: a generated aclnn API whose op_host tiling fails (e.g. ``scaled_masked_softmax_grad_v2_tiling.cpp:130-132``)
 ACLNN_ERR_INNER_TILING_ERROR = 561002
 
+#: the two calls of an aclnn API, in order (:attr:`AclnnError.phase`)
+PHASES = ("workspace", "run")
+
 _NAMES = {
     ACLNN_ERR_PARAM_NULLPTR: "ACLNN_ERR_PARAM_NULLPTR",
     ACLNN_ERR_PARAM_INVALID: "ACLNN_ERR_PARAM_INVALID",
@@ -60,18 +63,45 @@ class AclnnError(Exception):
         The offending parameter's name, when there is one (the first, when several are wrong).
     reasons : tuple of str
         Every reason found (a declaration check collects them all).
+    phase : {"workspace", "run"}
+        Which of the aclnn API's two calls fails on the device: ``"workspace"`` — the first
+        call, ``aclnnXxxGetWorkspaceSize`` (the op_api's checks, a tiling refusal of a
+        generated API), the default — or ``"run"`` — the second call, ``aclnnXxx`` (the
+        launch; e.g. an l0 op that discards its launcher's status, docs/device_parity.md rows
+        0a and 3f).  The ``"acl"`` backend tags the device's own errors by the call that
+        returned them.
     """
 
-    def __new__(cls, status: int, message: str = "", param: str | None = None, reasons: Iterable[str] = ()):
+    #: the default phase: the workspace-size call (``aclnnXxxGetWorkspaceSize``)
+    phase: str = "workspace"
+
+    def __new__(
+        cls,
+        status: int,
+        message: str = "",
+        param: str | None = None,
+        reasons: Iterable[str] = (),
+        phase: str = "workspace",
+    ):
         if cls is AclnnError:
             cls = _BY_STATUS.get(int(status), AclnnError)
         return super().__new__(cls)
 
-    def __init__(self, status: int, message: str = "", param: str | None = None, reasons: Iterable[str] = ()):
+    def __init__(
+        self,
+        status: int,
+        message: str = "",
+        param: str | None = None,
+        reasons: Iterable[str] = (),
+        phase: str = "workspace",
+    ):
+        if phase not in PHASES:
+            raise ValueError(f"AclnnError: phase: expected one of {PHASES}, got {phase!r}")
         self.status = int(status)
         self.param = param
         self.reasons = tuple(reasons) or (message,)
         self.message = message
+        self.phase = phase
         super().__init__(status, message, param, self.reasons)
 
     def __str__(self) -> str:
@@ -80,7 +110,7 @@ class AclnnError(Exception):
         return f"{self.message} [aclnn {self.status} {name}]"
 
     def __reduce__(self):
-        return (AclnnError, (self.status, self.message, self.param, self.reasons))
+        return (AclnnError, (self.status, self.message, self.param, self.reasons, self.phase))
 
 
 class AclnnNullptrError(AclnnError, TypeError):

@@ -258,3 +258,114 @@ def test_flce_950_out_of_range_target_is_the_platform_error():
         with fg.soc_version("Ascend950"), pytest.raises(fg.AclnnError) as e:
             fg.fused_linear_cross_entropy_loss_grad(*args, **kw)
         assert e.value.status == 361001                                       # the op_api's :317
+
+
+# --- row 5f: smooth-L1 on 950 with 0 < beta < 1e-6 -----------------------------------------------
+
+def _arch35_smooth_l1_dag(predict, label, dout, sigma, reduction):
+    """ops-nn loss/smooth_l1_loss_grad_v2, statement by statement, in fp32 (PromteT = float):
+    the tiling (op_host/arch35/smooth_l1_loss_grad_v2_tiling.cpp) — doutIsScalar for a 1-element
+    dout (:87-97), reduceMeanCof = float(1.0 / (double)n) for mean (:110-127), sigma, negSigma =
+    -sigma, invertSigma = fabsf(sigma) < 1e-6f ? NAN : 1 / sigma (:138-145) — and the DAG
+    (op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h): SmoothL1LossGradV2OpDag (:61-87, strict
+    compares) or SmoothL1LossGradV2OpScalarDag (:112-138, >= / <=)."""
+    f = np.float32
+    shape = np.broadcast_shapes(predict.shape, label.shape, dout.shape)
+    p, lab, do = (np.broadcast_to(a, shape).astype(f) for a in (predict, label, dout))
+    scalar = dout.size == 1
+    sig = f(sigma)
+    neg_sig = f(-1.0) * sig
+    inv = f(np.nan) if abs(sig) < f(1e-6) else f(f(1) / sig)
+    cof = f(1.0 / predict.size) if reduction == "mean" else f(1.0)
+    with np.errstate(invalid="ignore"):
+        x = p - lab                                                   # OpX
+        xabs = np.abs(x)                                              # OpXAbs
+        x_inv = x * inv                                               # OpXInvertSigma (Muls)
+        if scalar:
+            c_neg, c_pos, c_x = x <= neg_sig, x >= sig, xabs >= sig   # LE, GE, GE
+        else:
+            c_neg, c_pos, c_x = x < neg_sig, x > sig, xabs > sig      # LT, GT, GT
+        sel_pos = np.where(c_pos, f(1), f(0))                         # OpSelectPos
+        sel_neg = np.where(c_neg, f(-1), f(0))                        # OpSelectNeg
+        sel_x = np.where(c_x, f(0), x_inv)                            # OpSelectX
+        res = ((sel_pos + sel_neg) + sel_x) * do                      # OpAddPosNeg, OpAdd, OpRes
+        return (res * cof).astype(f)                                  # Mul0
+
+
+@pytest.mark.parametrize("beta", [5e-7, 9.99e-7, 1e-12, 1e-39, 1e-6, 1.5e-6])
+@pytest.mark.parametrize("dout_shape", [(), (1,), (7,)])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_smooth_l1_950_beta_below_1e6_is_the_arch35_nan(beta, dout_shape, reduction):
+    b = F32(beta)
+    d = np.array([0.0, -0.0, b / 2, -b / 2, b, -b, np.nextafter(b, F32(1)), -np.nextafter(b, F32(1)),
+                  1.0, -3.0], F32)
+    label = np.zeros(7, F32) + F32(0.25)
+    rows = []
+    for k in range(0, d.size, 7):
+        chunk = np.resize(d[k:k + 7], 7)
+        rows.append(chunk)
+    rng = np.random.default_rng(5)
+    for chunk in rows:
+        predict = (chunk + label).astype(F32)
+        dout = (rng.random(dout_shape) + 0.5).astype(F32)
+        want = _arch35_smooth_l1_dag(predict, label, dout, beta, reduction)
+        with fg.soc_version("Ascend950"):
+            got = fg.smooth_l1_loss_backward(dout, predict, label, reduction, beta)
+        np.testing.assert_array_equal(got, want)
+    # the point of the row: below fp32(1e-6) the quadratic zone is NaN, outside it ±dout·cof
+    if b < F32(1e-6):
+        with fg.soc_version("Ascend950"):
+            got = fg.smooth_l1_loss_backward(np.ones(2, F32), np.array([0.0, 2.0], F32), np.zeros(2, F32),
+                                             "none", beta)
+        assert np.isnan(got[0]) and got[1] == 1.0
+        with fg.soc_version("Ascend910B"):                            # the TBE kernel: d/(β + 1e-6)
+            assert np.isfinite(fg.smooth_l1_loss_backward(np.ones(2, F32), np.array([0.0, 2.0], F32),
+                                                          np.zeros(2, F32), "none", beta)).all()
+
+
+def test_smooth_l1_950_16bit_below_1e6_is_nan_in_the_zone():
+    import ml_dtypes
+
+    bf = np.dtype(ml_dtypes.bfloat16)
+    predict = np.array([0.0, 1.0, -2.0], bf)
+    label = np.zeros(3, bf)
+    for dt in (bf, np.dtype(np.float16)):
+        p, lab = predict.astype(dt), label.astype(dt)
+        want = _arch35_smooth_l1_dag(p, lab, np.ones(3, dt), 5e-7, "none").astype(dt)
+        with fg.soc_version("Ascend950"):
+            got = fg.smooth_l1_loss_backward(np.ones(3, dt), p, lab, "none", 5e-7)
+        assert got.dtype == dt
+        np.testing.assert_array_equal(got.astype(F32), want.astype(F32))
+        assert np.isnan(got[0].astype(F32)) and got[1] == 1 and got[2] == -1
+
+
+# --- N8: AclnnError.phase is a declared attribute, kept by pickling; N7: the exports ------------
+
+def test_aclnn_error_phase_is_declared_and_pickled():
+    import pickle
+
+    e = fg.AclnnError(561103, "no kernel", "input")
+    assert e.phase == "workspace" and fg.AclnnError.phase == "workspace"
+    r = fg.AclnnError(561103, "no kernel", "input", phase="run")
+    back = pickle.loads(pickle.dumps(r))
+    assert type(back) is type(r) and back.phase == "run" and back.status == 561103 and back.param == "input"
+    p = pickle.loads(pickle.dumps(fg.AclnnError(161002, "bad", "x")))
+    assert isinstance(p, fg.AclnnParamError) and p.phase == "workspace"
+    with pytest.raises(ValueError, match="phase"):
+        fg.AclnnError(161002, "bad", phase="launch")
+    # the strict run-phase refusal of row 0a survives a round trip to a worker and back
+    x = np.zeros((3, 4), np.float16)
+    with fg.strict(), fg.soc_version("Ascend950"), pytest.raises(fg.AclnnError) as ei:
+        fg.fused_linear_online_max_sum(x, np.zeros((5, 4), np.float16), np.zeros(3, np.int64), 0, 5)
+    assert ei.value.phase == "run" and pickle.loads(pickle.dumps(ei.value)).phase == "run"
+
+
+def test_deterministic_mode_is_exported():
+    assert fg.deterministic is _config.deterministic
+    assert fg.set_deterministic is _config.set_deterministic
+    assert fg.is_deterministic is _config.is_deterministic
+    assert {"deterministic", "set_deterministic", "is_deterministic"} <= set(fg.__all__)
+    assert not fg.is_deterministic()
+    with fg.deterministic():
+        assert fg.is_deterministic()
+    assert not fg.is_deterministic()
