@@ -546,6 +546,12 @@ class TrainingPlan:
         logits run on the fp32 engines (not the bf16 kernel) and the gradient follows in the same
         call (the statistics), and then where nothing is filtered and ``grad_weight`` is summed in
         the compute dtype (the gradient).
+    grad16 : bool
+        ``precision="fast"`` in the fused row blocks (the gradient in the same call as the
+        statistics, on the bf16 logits kernel, dense, ``grad_weight`` summed in fp32): ``g``
+        rounded to bf16 with its rounding error's mean part restored, and both gradient GEMMs on
+        the exact-product bf16 kernel — the three GEMMs of the step on the kernel, no fp32 copy of
+        the weight (:func:`fast_fused`).
     """
 
     BT: int
@@ -569,6 +575,7 @@ class TrainingPlan:
     accumulate_in_gemm: bool = False
     staged_statistics: bool = False
     staged_gradient: bool = False
+    grad16: bool = False
     buffers: tuple[Buffer, ...] = ()
 
     @property
@@ -612,6 +619,16 @@ def training_modes(*, want_grad: bool, recompute: bool, filtered: bool, K: int, 
     a gradient over a non-empty vocabulary is computed."""
     filtering = bool(filtered and want_grad and K > 0)
     return bool(recompute and want_grad and not filtered and K > 0 and BT > 0), filtering
+
+
+def fast_fused(
+    *, logits16: bool, fast: bool, want_grad: bool, recompute: bool, filtering: bool, accum16_gw: bool, K: int, BT: int
+) -> bool:
+    """``TrainingPlan.grad16``: ``precision="fast"``'s bf16 gradient GEMMs in the fused row blocks
+    — the one rule the plan is made by and the kernel checks its plan against."""
+    return bool(
+        logits16 and fast and want_grad and not recompute and not filtering and not accum16_gw and K > 0 and BT > 0
+    )
 
 
 def plan_training_loss(
@@ -663,6 +680,16 @@ def plan_training_loss(
     # gradient to follow; the gradient where it is dense and grad_weight summed in the compute dtype
     staged_stats = bool(staged) and not logits16 and want_grad and not recompute
     staged_grad = staged_stats and not filtering and not (accum16 and g3[1]) and K > 0
+    grad16 = fast_fused(
+        logits16=logits16,
+        fast=fast,
+        want_grad=want_grad,
+        recompute=recompute,
+        filtering=filtering,
+        accum16_gw=accum16 and g3[1],
+        K=K,
+        BT=BT,
+    )
     plan = TrainingPlan(
         BT=BT,
         K=K,
@@ -674,7 +701,7 @@ def plan_training_loss(
         vocab_major=vocab_major,
         recompute_chunk=rc,
         recompute_rows=max(1, min(BT, budget // 2 // max(1, rc * itemsize))),
-        whole_weight=widen and K * H * 4 <= budget // 4 and not (logits16 and not want_grad),
+        whole_weight=widen and K * H * 4 <= budget // 4 and not (logits16 and not want_grad) and not grad16,
         budget_bytes=budget,
         logits16=bool(logits16),
         filter_rows=max(1, min(FILTER_ROWS, block)) if filtering else 0,
@@ -682,6 +709,7 @@ def plan_training_loss(
         accumulate_in_gemm=bool(beta1) and want_grad and not vocab_major,
         staged_statistics=staged_stats,
         staged_gradient=staged_grad,
+        grad16=grad16,
     )
     return replace(
         plan,
@@ -788,18 +816,30 @@ def training_buffers(
     nb_rows = plan.largest_block
     if logits16:
         out += logits16_buffers(BT, H, vc, a_form)
+    g16 = plan.grad16  # the gradient GEMMs on the bf16 kernel: no fp32 weight or X
     if widen and plan.whole_weight:
         add("w_whole", (K, H), cdt, "call")
-    elif widen and (not logits16 or gi):  # with the bf16 logits kernel: grad_input's operand only
+    elif widen and (not logits16 or (gi and not g16)):  # with the bf16 logits kernel: grad_input's operand only
         add("w_chunk", (vc, H), cdt, "tile")
         if plan.staged_statistics:  # the staged sweeps' second chunk
             add("w_chunk_next", (vc, H), cdt, "tile")
-    if widen and (not logits16 or want_grad):  # the forward alone on the bf16 logits kernel reads no X
+    if widen and (not logits16 or (want_grad and not g16)):  # the forward alone on the bf16 kernel reads no X
         add("x_block", (nb_rows, H), cdt, "tile")
     add("logits_block", (nb_rows, vc if fwd_only else max(K, 1)), cdt, "tile")
-    if gi and not plan.accumulate_in_gemm:
+    if g16:  # precision="fast" in the fused row blocks (kernels/linear_cross_entropy._RowStep)
+        nchunks = -(-K // vc)
+        add("fast_e_col", (-(-nb_rows // FAST_E_GROUP), vc), cdt, "tile")
+        add("fast_e_row", (nb_rows, nchunks), cdt, "tile")
+        add("fast_w_mean", (nchunks, H), cdt, "call")
+        add("fast_x_mean", (1, H), cdt, "tile")
+        if gw:
+            add("x_pairs_block", (b_size(nb_rows, H),), "uint32", "tile")
+        if gi:
+            add("w_pairs_chunk", (b_size(vc, H),), "uint32", "tile")
+            add("fast_product", (nb_rows, H), cdt, "tile")
+    if gi and not plan.accumulate_in_gemm and not g16:
         add("grad_input_product", (nb_rows, H), cdt, "tile")
-    if gw:
+    if gw and not g16:
         if accum16 or not plan.accumulate_in_gemm:  # (a 16-bit grad_weight: its products' scratch)
             add("grad_weight_product", (vc, H), cdt, "tile")
         if accum16:

@@ -34,6 +34,7 @@ def _errors(h, w, t, **kw):
     return bf16_grad_errors(h, w, t, {"fast": lambda a, b: ft.linear_cross_entropy(a, b, t, precision="fast", **kw)})
 
 
+@pytest.mark.parametrize("fused", [None, True], ids=["recompute", "fused"])
 @pytest.mark.parametrize(
     "shape,gen,budget",
     [
@@ -45,19 +46,28 @@ def _errors(h, w, t, **kw):
         ((150, 96, 4500), "rand", 2 * 2048 * 4 * 40),  # row blocks of 38 rows
     ],
 )
-def test_fast_accuracy_target(shape, gen, budget):
+def test_fast_accuracy_target(shape, gen, budget, fused, monkeypatch):
+    """Both schedules: the recompute (4 GEMMs) and the fused row blocks (3 GEMMs, ``plan.grad16``:
+    ``g`` rounded per row block and chunk, the mean correction per row block)."""
+    from fastgrad.kernels import linear_cross_entropy as K
+
     BT, H, V = shape
     h, w, t = bf16_lm_inputs(BT, H, V, gen)
+    ran = []
+    real = K._RowStep._fast_products_run
+    monkeypatch.setattr(K._RowStep, "_fast_products_run", lambda self, c: (ran.append(c), real(self, c))[1])
     if budget:
         tiling.set_workspace_budget(budget)
     try:
-        e = _errors(h, w, t)
+        e = _errors(h, w, t, **({} if fused is None else {"fused": fused}))
     finally:
         tiling.set_workspace_budget(None)
     for i, name in enumerate(("grad_input", "grad_weight")):
         fast, f32, b16 = e["fast"][i], e["torch-fp32"][i], e["torch-bf16"][i]
         assert fast <= 2 * f32 + 1e-12, (name, e)
         assert fast <= b16, (name, e)
+    # the fused schedule ran the row blocks' bf16 gradient GEMMs where the kernel runs
+    assert bool(ran) == (fused is True and bf16_kernel_available() and fg.settings().gemm == "auto")
 
 
 def _oracle(h, w, t, bias, cw, softcap, temperature, eps, zscale, reduction):
@@ -156,20 +166,28 @@ def test_fast_is_accurate_without_the_kernel(dtype):
         r = _fast_and_accurate(h, w, t, fused=False)
         for a, b in zip(r["fast"], r["accurate"]):
             assert torch.equal(a, b)
-    # fused=True computes the gradients in the forward (fp32 gradient GEMMs): no rounding either
-    r = _fast_and_accurate(h, w, t, fused=True)
+    # fused=True without the kernel (BLAS, or no bf16 operands): the fp32 gradient GEMMs, no rounding
+    # either; with bf16 operands on the kernel it rounds (plan.grad16: test_fast_accuracy_target)
+    with fg.gemm("blas"):
+        r = _fast_and_accurate(h, w, t, fused=True)
     for a, b in zip(r["fast"], r["accurate"]):
         assert torch.equal(a, b)
+    if dtype != torch.bfloat16:
+        r = _fast_and_accurate(h, w, t, fused=True)
+        for a, b in zip(r["fast"], r["accurate"]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not bf16_kernel_available(), reason="needs AVX2 + FMA (the kernel 'fast' runs on)")
 @pytest.mark.usefixtures("native_isa")  # once per native ISA of this machine
-def test_fast_takes_the_kernel_and_is_bitwise_across_threads():
+@pytest.mark.parametrize("fused", [None, True], ids=["recompute", "fused"])
+def test_fast_takes_the_kernel_and_is_bitwise_across_threads(fused):
     h, w, t = bf16_lm_inputs(101, 72, 4500, "rand", seed=2)
+    kw = {} if fused is None else {"fused": fused}
     with fg.num_threads(1):
-        one = _fast_and_accurate(h, w, t)
+        one = _fast_and_accurate(h, w, t, **kw)
     with fg.num_threads(2):
-        two = _fast_and_accurate(h, w, t)
+        two = _fast_and_accurate(h, w, t, **kw)
     for a, b in zip(one["fast"] + one["accurate"], two["fast"] + two["accurate"]):
         assert torch.equal(a, b)
     # the rounded gradient changed some bits: the kernel path ran
@@ -225,10 +243,20 @@ def test_op_fast_recompute_matches_float64():
         for p in ("accurate", "fast"):
             r = fg.linear_cross_entropy(h, w, t, return_grad=True, lse=torch.from_numpy(lse), precision=p)
             out[p] = (r.grad_input.double().numpy(), r.grad_weight.double().numpy())
+        # the fused row blocks (no lse: the statistics and the gradient in one call; plan.grad16)
+        tiling.set_workspace_budget(2 * 4200 * 4 * 40)  # row blocks of 40 rows: several, and chunks
+        try:
+            r = fg.linear_cross_entropy(h, w, t, return_grad=True, precision="fast")
+        finally:
+            tiling.set_workspace_budget(None)
+        out["fused"] = (r.grad_input.double().numpy(), r.grad_weight.double().numpy())
+        assert abs(float(r.loss) - float(np.mean(lse - z[np.arange(len(tt)), tt]))) <= 1e-6 * abs(float(r.loss))
     for i in range(2):
         # fp32 results: "accurate" within fp32's error; "fast" within twice the error of one
         # rounding of the exact gradient to bf16 (what a bf16 gradient carries anyway)
         once = np.abs(ref[i].astype(ml_dtypes.bfloat16).astype(np.float64) - ref[i]).mean()
         ea = np.abs(out["accurate"][i] - ref[i]).mean()
         ef = np.abs(out["fast"][i] - ref[i]).mean()
+        eu = np.abs(out["fused"][i] - ref[i]).mean()
         assert ea <= 1e-3 * once and np.isfinite(ef) and ef <= 2 * once, (i, ea, ef, once)
+        assert np.isfinite(eu) and eu <= 2 * once, (i, eu, once)

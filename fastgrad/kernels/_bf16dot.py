@@ -275,20 +275,28 @@ def _top_pairs(lo, hi, g, dst):
 @tjit
 def _top_pairs_t(lo, hi, g, dst):
     """dst[v, p] = top16(g[2p, v]) | top16(g[2p+1, v]) << 16 for the rows ``lo:hi`` of ``dst``
-    (zero past g's rows): ``gᵀ`` as the kernel's ``A``; 16 columns of ``g`` at a time (its rows
-    read a cache line at a time)."""
+    (zero past g's rows): ``gᵀ`` as the kernel's ``A``.  In strips of 16 pairs: the strip's 32
+    rows of ``g`` read along their rows into a small buffer (contiguous loads, vectorized), then
+    written transposed, 16 contiguous pairs per row of ``dst`` (2x the rate of reading ``g`` down
+    its columns 16 at a time: rows 8 KiB apart at a 2048-column chunk, one TLB entry each)."""
     k = g.shape[0]
     kp = dst.shape[1]
-    for v0 in range(lo, hi, 16):
-        v1 = min(hi, v0 + 16)
-        for p in range(kp):
+    hm = np.uint32(0xFFFF0000)
+    tmp = np.empty((16, hi - lo), np.uint32)
+    for p0 in range(0, kp, 16):
+        p1 = min(kp, p0 + 16)
+        for p in range(p0, p1):
             r = 2 * p
+            t = tmp[p - p0]
             if r + 1 < k:
-                for v in range(v0, v1):
-                    dst[v, p] = (g[r, v] >> np.uint32(16)) | (g[r + 1, v] & np.uint32(0xFFFF0000))
+                for v in range(lo, hi):
+                    t[v - lo] = (g[r, v] >> np.uint32(16)) | (g[r + 1, v] & hm)
             else:
-                for v in range(v0, v1):
-                    dst[v, p] = g[r, v] >> np.uint32(16)
+                for v in range(lo, hi):
+                    t[v - lo] = g[r, v] >> np.uint32(16)
+        for v in range(lo, hi):
+            for p in range(p0, p1):
+                dst[v, p] = tmp[p - p0, v - lo]
 
 
 def pairs_of_f32(g: np.ndarray, transpose: bool = False) -> np.ndarray:

@@ -59,7 +59,8 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
-from ..tiling import BLAS, FAST_E_GROUP, TrainingPlan, training_modes
+from ..errors import InternalError
+from ..tiling import BLAS, FAST_E_GROUP, TrainingPlan, fast_fused, training_modes
 from . import _bf16dot
 from ._gemm import (
     IN_BLAS,
@@ -879,13 +880,26 @@ class _RowStep:
         # the logits of bf16 operands on the exact-product bf16 kernel where the plan says so;
         # the weight then needs no widening for the forward alone
         self.bfl = bfl = _bf16_logits(input, W, vc, plan, gemm, ws)
+        # precision="fast" (plan.grad16): g rounded to bf16, both gradient GEMMs on the kernel too
+        self.b16 = b16 = plan.grad16
+        if b16 != fast_fused(
+            logits16=plan.logits16,
+            fast=bool(params.get("round_grad")),
+            want_grad=gi is not None or gw is not None or self.gb is not None,
+            recompute=recompute,
+            filtering=plan.filter_rows > 0,
+            accum16_gw=gw_code is not None,
+            K=W.shape[0],
+            BT=input.shape[0],
+        ):
+            raise InternalError(f"plan.grad16 is {b16}, the call's arguments say otherwise")
         # the whole weight in the compute dtype when it is small, else widened per chunk (double
         # buffered where a sweep runs in stages: chunk c + 1 widened while chunk c is read); the
         # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
         # fresh pages
         self.wfull = _block(W, 0, K, cdt, take("w_whole", K * H, cdt)) if (widen and plan.whole_weight) else None
         # (with the logits on the bf16 kernel the chunk is read by grad_input's GEMM alone)
-        chunked = widen and self.wfull is None and (bfl is None or gi is not None)
+        chunked = widen and self.wfull is None and (bfl is None or (gi is not None and not b16))
         wbuf = take("w_chunk", vc * H, cdt) if chunked else None
         self.wbufs: tuple = ()
         if wbuf is not None:
@@ -893,13 +907,13 @@ class _RowStep:
         nb_rows = plan.largest_block  # the equal row blocks' largest: the row-block buffers' size
         # the row block's X in the compute dtype: for the BLAS logits and the gradient GEMMs (the
         # forward alone on the bf16 logits kernel reads none)
-        self.need_x = bfl is None or self.want_grad
+        self.need_x = bfl is None or (self.want_grad and not b16)
         self.xbuf = take("x_block", nb_rows * H, cdt) if (input.dtype != cdt and self.need_x) else None
         self.Lbuf = take("logits_block", nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
         # the accumulating tiles' scratch products, unless they add in the BLAS call
         acc = plan.accumulate_in_gemm
-        self.tmp_h = take("grad_input_product", nb_rows * H, cdt) if (gi is not None and not acc) else None
-        need_w = gw is not None and (gw_code is not None or not acc)  # (a 16-bit grad_weight's products)
+        self.tmp_h = take("grad_input_product", nb_rows * H, cdt) if (gi is not None and not acc and not b16) else None
+        need_w = gw is not None and (gw_code is not None or not acc) and not b16  # (a 16-bit grad_weight's products)
         self.tmp_w = take("grad_weight_product", vc * H, cdt) if need_w else None
         self.all_rows = None
         if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
@@ -910,6 +924,28 @@ class _RowStep:
         self.first = True  # the first row block: grad_weight written, not summed onto
         self._filters(params, ws)
         self._w: dict[int, np.ndarray] = {}
+        if b16:
+            self._fast_buffers(gemm, ws)
+
+    def _fast_buffers(self, gemm, ws) -> None:
+        """``precision="fast"``'s state (``plan.grad16``): the rounding error's sums, the chunks'
+        mean rows of ``W`` (once per call), the row block's mean row of ``X``, the bf16 pairs of
+        ``X[b]`` (``grad_weight``'s ``B``) and of ``W``'s chunk (``grad_input``'s ``B``)."""
+        cdt, H, take, vc = self.cdt, self.H, ws.take, self.plan.v_chunk
+        nb_rows, nch = self.plan.largest_block, len(self.chunks)
+        self.spec = _bf16dot.spec_named(gemm.variant)
+        self.form = gemm.a_form
+        self.e_col = take("fast_e_col", -(-nb_rows // _E_GROUP) * vc, cdt)
+        self.e_row_buf = take("fast_e_row", nb_rows * nch, cdt)
+        self.w_bar = take("fast_w_mean", nch * H, cdt)[: nch * H].reshape(nch, H)
+        self.x_bar = take("fast_x_mean", H, cdt)[:H]
+        wu = self.W.view(np.uint16)
+        for c, (v0, v1) in enumerate(self.chunks):
+            run_rows(_col_mean16, H, wu[v0:v1], D.BF16, self.w_bar[c])
+        self.xi_buf = take("x_pairs_block", _bf16dot.b_size(nb_rows, H), np.uint32) if self.gw is not None else None
+        self.wi_buf = take("w_pairs_chunk", _bf16dot.b_size(vc, H), np.uint32) if self.gi is not None else None
+        self.prod = take("fast_product", nb_rows * H, cdt) if self.gi is not None else None
+        self.xint = None
 
     def _filters(self, params, ws) -> None:
         """Gradient filtering's state (module doc): on when ``filter_eps`` is given with a gradient."""
@@ -954,6 +990,12 @@ class _RowStep:
         self.offs = np.array([0 if self.fwd_only else nb * v0 for v0, _ in ch], np.int64) if ch else _EMPTY_I
         self.widths = np.array([v1 - v0 for v0, v1 in ch], np.int64) if ch else _EMPTY_I
         self._w = {}
+        if self.b16:
+            nch = len(self.chunks)
+            self.e_row = self.e_row_buf[: nb * nch].reshape(nb, nch)
+            self.e_row[...] = 0
+            run_rows(_col_mean16, self.H, self.input[b0:b1].view(np.uint16), D.BF16, self.x_bar)
+            self.xint = None if self.xi_buf is None else _bf16dot.interleave(self.input[b0:b1], self.xi_buf)
         if not self.recompute:
             self.m = np.full(nb, -np.inf, cdt)
             self.s = np.zeros(nb, cdt)
@@ -1064,7 +1106,11 @@ class _RowStep:
     def _gradient_sweep(self, *, with_pass: bool, staged: bool) -> Sweep:
         """Per chunk: (``with_pass``) its gradient pass, and its weight; its two gradient GEMMs
         (and ``grad_bias``'s column sums, ``with_pass``); a 16-bit ``grad_weight``'s product, then
-        its rounded scatter-add.  The GEMM tiles lead a stage."""
+        its rounded scatter-add.  The GEMM tiles lead a stage.  ``precision="fast"``
+        (``plan.grad16``, chunk by chunk): the pass, ``grad_bias``'s sums, ``g`` rounded to bf16,
+        then the two GEMMs on the bf16 kernel (:meth:`_fast_products`)."""
+        if self.b16:
+            return Sweep(len(self.chunks), (self._grad, self._colsum, self._round16, self._fast_products))
         steps: list[Callable[[int], list]] = [
             functools.partial(self._pass_and_weight, with_pass),
             self._grad_input_product,
@@ -1097,6 +1143,34 @@ class _RowStep:
         rows = tuple(a[b0:b1] for a in self.rows)
         args = (self.Lbuf, self.offs[c : c + 1], self.widths[c : c + 1], nb, self.cw_c, *rows)
         return row_tasks(_grad_pass, nb, *args, self.par, self.flags, self.recompute, self.bias_c, 0)
+
+    def _round16(self, c: int) -> list:
+        """``precision="fast"``: chunk ``c``'s ``G`` rounded to bf16 in place, its rounding error
+        summed per row (``e_row[:, c]``) and per row group and column (``e_col``)."""
+        nb, w = self.nb, self.widths[c]
+        ng = -(-nb // _E_GROUP)
+        ec = self.e_col[: ng * w].reshape(ng, w)
+        return row_tasks(_round_g_bf16, ng, self._chunk_block(c), self.e_row[:, c], ec)
+
+    def _fast_products(self, c: int) -> list:
+        """``precision="fast"``: chunk ``c``'s two gradient GEMMs on the bf16 kernel (one task:
+        the kernel's own parallel calls, on this thread) — ``grad_weight[v] (+)= Gᵀ·X[b]`` and
+        the mean part of the rounding error ``(Σ_t e)·mean_t X[b]``, then ``grad_input[b] (+)=
+        G·W[v]`` (``G`` overwritten by its pairs)."""
+        return [functools.partial(self._fast_products_run, c)]
+
+    def _fast_products_run(self, c: int) -> None:
+        v0, v1 = self.chunks[c]
+        G, H, nb, w = self._chunk_block(c), self.H, self.nb, v1 - v0
+        if self.gw is not None:
+            acc = self.gw[v0:v1]
+            _bf16dot.matmul_tn(G, self.xint, H, acc, acc=not self.first, form=self.form, spec=self.spec)
+            ng = -(-nb // _E_GROUP)
+            run_rows(_add_outer, w, acc, self.e_col[: ng * w].reshape(ng, w).sum(0), self.x_bar)
+        if self.gi is not None:
+            wi = _bf16dot.interleave(self.W[v0:v1], self.wi_buf)
+            gi = self.gi[self.b0 : self.b1]
+            _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), wi, H, gi, acc=v0 > 0, spec=self.spec)
 
     def _colsum(self, c: int) -> list:
         if self.gb is None:
@@ -1158,9 +1232,15 @@ class _RowStep:
         return self._colsum(c) + flags
 
     def end_rows(self) -> None:
-        """Filtered: the kept blocks' products (or the dense ones where every block is kept)."""
+        """Filtered: the kept blocks' products (or the dense ones where every block is kept).
+        ``precision="fast"``: ``grad_input[b] += e_row · w_bar``, the rounding error's mean part
+        over the chunks."""
         if self.filtered:
             self._kept_products()
+        if self.b16 and self.gi is not None and self.want_grad and self.K:
+            nb, H = self.nb, self.H
+            tmp = self.prod[: nb * H].reshape(nb, H)
+            matmul_nn(self.e_row, self.w_bar, self.gi[self.b0 : self.b1], tmp=tmp, engine=self.eng)
         self.first = False
 
     def _kept_products(self) -> None:
