@@ -10,7 +10,8 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "fastgrad"
 KERNEL_ALLOWED = {"fastgrad.dtypes", "fastgrad._jit", "fastgrad.tiling", "fastgrad.vocab_parallel",
                   "fastgrad.enums", "fastgrad._config", "fastgrad._outcache", "fastgrad._onednn",
                   "fastgrad._cpu", "fastgrad.errors"}
-SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided", "_bf16dot", "_native", "_engine", "_lm_head"}
+SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided", "_bf16dot", "_native", "_engine", "_lm_head",
+                         "_train_passes", "_train_recompute", "_train_rows"}
 
 
 def _imports(path: pathlib.Path):

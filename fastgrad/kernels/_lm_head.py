@@ -44,12 +44,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from .. import dtypes as D
 from .._outcache import empty as scratch
+from ..errors import InternalError
 from ..tiling import LinearCrossEntropyPlan, TrainingPlan, fp32_operands
 from . import _bf16dot
 from ._gemm import matmul_nt, nn_tasks, run_graph, run_tasks, tn_tasks
@@ -68,6 +69,18 @@ __all__ = [
     "RowEpilogue",
     "run_row_blocks",
 ]
+
+
+_T = TypeVar("_T")
+
+
+def need(x: _T | None, what: str) -> _T:
+    """``x``, which the plan's buffer list or the call's arguments guarantee here; an
+    :class:`~fastgrad.errors.InternalError` naming ``what`` where that broke (never ``assert``:
+    ``python -O`` removes those)."""
+    if x is None:
+        raise InternalError(f"{what} is missing (the plan and the kernel disagree)")
+    return x
 
 
 class Workspace:

@@ -1,0 +1,430 @@
+"""The training loss's element-wise passes (Numba) and row helpers: the statistics and gradient
+passes over a row block's logits, the ``precision="fast"`` rounding, gradient filtering's flags,
+gathers and scatters (``kernels/linear_cross_entropy.py``: the module doc)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes as D
+from .._jit import FASTMATH_SAFE, njit, tjit
+from ..tiling import FAST_E_GROUP
+from ._gemm import (
+    run_rows,
+)
+from ._linear import fp32_block, kept_products
+from ._vmath import exp_c, row_max_nan, row_sum_exp
+
+# ----------------------------------------------------------------------------------------------
+# dtype-generic scalar helpers (fp32: the vectorizable exp; fp64: libm)
+# ----------------------------------------------------------------------------------------------
+
+
+# The passes' scalar parameters, one array each (Numba types one array of the compute dtype and
+# one of int64 for every combination of features: one compiled pass, not one per combination),
+# read by name: ``par[P_SOFTCAP]``, ``flags[F_BIAS]`` (module constants: compile-time indices).
+# par (compute dtype): softcap, 1/softcap, 1/temperature, temperature, eps (label smoothing),
+#                      eps/V, eps·Σw/V, 2·lse_square_scale, -inf, one, zero
+P_SOFTCAP, P_INV_SOFTCAP, P_INV_TEMPERATURE, P_TEMPERATURE = 0, 1, 2, 3
+P_EPS, P_EPS_OVER_V, P_EPS_WSUM_OVER_V, P_Z_SCALE2 = 4, 5, 6, 7
+P_NEG_INF, P_ONE, P_ZERO = 8, 9, 10
+# flags (int64): has a softcap, has a bias, has class weights, needs Σ w·z (smoothing),
+#                needs the entropy's statistic Σ e·(z - max), has an entropy gradient (coef_h, μ)
+F_SOFTCAP, F_BIAS, F_CLASS_WEIGHT, F_ZSUM, F_ENTROPY_STAT, F_ENTROPY_GRAD = 0, 1, 2, 3, 4, 5
+
+
+# Row helpers of the chunk passes (besides ``_vmath.row_*``): loops over one row of a chunk given
+# as a 1-D slice, so that they vectorize (see ``_vmath``).
+
+
+@njit
+def _row_first(r, m):
+    for j in range(r.shape[0]):
+        if r[j] == m:
+            return j
+    return -1
+
+
+@njit(fastmath=FASTMATH_SAFE)
+def _row_sum(r, zero):
+    acc = zero
+    for j in range(r.shape[0]):
+        acc += r[j]
+    return acc
+
+
+@njit(fastmath=FASTMATH_SAFE)
+def _row_wsum(r, cw, zero):
+    acc = zero
+    for j in range(r.shape[0]):
+        acc += cw[j] * r[j]
+    return acc
+
+
+@njit(fastmath=FASTMATH_SAFE)
+def _row_sum_exp_dz(r, m, zero):
+    """``Σ_j exp(r[j] - m)·(r[j] - m)``; a term whose ``exp`` is 0 adds 0 (``r[j] = -inf``)."""
+    acc = zero
+    for j in range(r.shape[0]):
+        d = r[j] - m
+        e = exp_c(d)
+        acc += e * d if e != zero else zero
+    return acc
+
+
+@njit
+def _row_transform(r, bias, par, flags):
+    """z = softcap(L + bias) / T in place (``bias`` the row's slice of the bias)."""
+    cap = par[P_SOFTCAP]
+    icap = par[P_INV_SOFTCAP]
+    it = par[P_INV_TEMPERATURE]
+    for j in range(r.shape[0]):
+        x = r[j]
+        if flags[F_BIAS]:
+            x = x + bias[j]
+        if flags[F_SOFTCAP]:
+            x = cap * np.tanh(x * icap)
+        r[j] = x * it
+
+
+@njit
+def _row_grad_plain(r, a, e, lz, it, s):
+    """The common gradient (no softcap, no class weights, no bias): ``(a·p - e)/T`` with
+    ``z = r·s`` (``s``: 1 for stored z, ``1/T`` for recomputed raw logits)."""
+    for j in range(r.shape[0]):
+        r[j] = (a * exp_c(r[j] * s - lz) - e) * it
+
+
+@njit
+def _row_grad_entropy(r, a, e, h, mu, lz, it, s):
+    """With the entropy's term: ``(p·(a + h·(μ - z)) - e)/T`` (0·anything = 0 where p = 0)."""
+    for j in range(r.shape[0]):
+        x = r[j] * s
+        p = exp_c(x - lz)
+        q = p * (a + h * (mu - x))
+        r[j] = ((q if p != 0 else p) - e) * it
+
+
+@tjit
+def _stats_chunk(
+    lo, hi, L, off, width, nb, bias, cw, tcol, par, flags, transform, m_io, s_io, zt_io, zs_io, am_io, sz_io, vshift
+):
+    """One vocabulary chunk of the block (``L[off:off + nb·width]``, rows of ``width`` columns
+    starting at column ``v0 = off // nb + vshift``), while it is hot in cache: ``z = softcap(L + bias)/T``
+    in place (only with ``transform``), then the running row statistics are updated online:
+    max and its first index, ``Σ exp(z - max)`` and (``flags[F_ENTROPY_STAT]``) ``Σ exp(z - max)·(z - max)``
+    (both rescaled when the max grows), the target's ``z`` and ``Σ_v w_v z_v``.  NaN never
+    becomes the max and propagates through the sums."""
+    ninf = par[P_NEG_INF]
+    zero = par[P_ZERO]
+    v0 = off // nb + vshift
+    for i in range(lo, hi):
+        r = L[off + i * width : off + (i + 1) * width]
+        if transform:
+            _row_transform(r, bias[v0 : v0 + width] if flags[F_BIAS] else bias, par, flags)
+        cm = row_max_nan(r, ninf)[0]  # a NaN never becomes the max
+        m = m_io[i]
+        s = s_io[i]
+        sz = sz_io[i] if flags[F_ENTROPY_STAT] else zero
+        if cm > m:
+            if m != ninf:
+                f = exp_c(m - cm)
+                # Σ e'·(z - m') with e' = e·f and z - m' = (z - m) + (m - m')
+                sz = f * (sz + (m - cm) * s)
+                s = s * f
+            m = cm
+            am_io[i] = v0 + _row_first(r, cm)
+        if m != ninf:
+            s += row_sum_exp(r, m, zero)
+            if flags[F_ENTROPY_STAT]:
+                sz += _row_sum_exp_dz(r, m, zero)
+        m_io[i] = m
+        s_io[i] = s
+        if flags[F_ENTROPY_STAT]:
+            sz_io[i] = sz
+        if flags[F_ZSUM]:
+            if flags[F_CLASS_WEIGHT]:
+                zs_io[i] += _row_wsum(r, cw[v0 : v0 + width], zero)
+            else:
+                zs_io[i] += _row_sum(r, zero)
+        t = tcol[i]
+        if t >= v0 and t < v0 + width:
+            zt_io[i] = r[t - v0]
+
+
+@tjit
+def _grad_pass(
+    lo, hi, L, offs, widths, nb, cw, tcol, wt, lse, coef_ce, coef_z, coef_h, zmean, par, flags, recompute, bias, vshift
+):
+    """Overwrite z (or, with ``recompute``, the raw logits) by dloss/dL (``coef_h``, ``zmean``:
+    the entropy's upstream coefficient and ``μ = Σ p·z`` per row, read with ``flags[F_ENTROPY_GRAD]``).
+    Chunk ``c`` starts at vocabulary column ``offs[c] // nb + vshift``."""
+    nchunk = offs.shape[0]
+    cap = par[P_SOFTCAP]
+    icap = par[P_INV_SOFTCAP]
+    it = par[P_INV_TEMPERATURE]
+    T = par[P_TEMPERATURE]
+    one = par[P_ONE]
+    one_m_eps = one - par[P_EPS]
+    for i in range(lo, hi):
+        cc = coef_ce[i]
+        cz = coef_z[i]
+        lz = lse[i]
+        a = cc * (one_m_eps * wt[i] + par[P_EPS_WSUM_OVER_V]) + cz * par[P_Z_SCALE2] * lz
+        b = cc * one_m_eps * wt[i]
+        e = cc * par[P_EPS_OVER_V]
+        t = tcol[i]
+        h = coef_h[i] if flags[F_ENTROPY_GRAD] else par[P_ZERO]
+        mu = zmean[i] if flags[F_ENTROPY_GRAD] else par[P_ZERO]
+        # no per-column transform but the temperature: the vectorized loops (z = L·s, the
+        # product by 1 exact for stored z, the same operations as the general loop below)
+        plain = not flags[F_SOFTCAP] and not flags[F_CLASS_WEIGHT] and not (recompute and flags[F_BIAS])
+        s = it if recompute else one
+        for c in range(nchunk):
+            base = offs[c] + i * widths[c]
+            v0 = offs[c] // nb + vshift
+            if a == 0 and b == 0 and e == 0 and h == 0:
+                for j in range(widths[c]):
+                    L[base + j] = par[P_ZERO]
+                continue
+            if plain:
+                # the target column's term is applied after the vectorized loop, in the same
+                # order of operations as the general loop below
+                tin = t >= v0 and t < v0 + widths[c]
+                xt = L[base + t - v0] * s if tin else par[P_ZERO]
+                if h == 0:
+                    _row_grad_plain(L[base : base + widths[c]], a, e, lz, it, s)
+                else:
+                    _row_grad_entropy(L[base : base + widths[c]], a, e, h, mu, lz, it, s)
+                if tin:
+                    p = exp_c(xt - lz)
+                    g = a * p
+                    if h != 0 and p != 0:
+                        g = p * (a + h * (mu - xt))
+                    g -= e
+                    g -= b
+                    L[base + t - v0] = g * it
+                continue
+            for j in range(widths[c]):
+                x = L[base + j]
+                if recompute:
+                    if flags[F_BIAS]:
+                        x = x + bias[v0 + j]
+                    if flags[F_SOFTCAP]:
+                        x = cap * np.tanh(x * icap)
+                    x = x * it
+                p = exp_c(x - lz)
+                g = a * p
+                if h != 0 and p != 0:
+                    g = p * (a + h * (mu - x))
+                if flags[F_CLASS_WEIGHT]:
+                    g -= e * cw[v0 + j]
+                else:
+                    g -= e
+                if v0 + j == t:
+                    g -= b
+                if flags[F_SOFTCAP]:
+                    y = x * T * icap
+                    g = g * (one - y * y)
+                L[base + j] = g * it
+
+
+@tjit
+def _round_rows(lo, hi, dst, src, code):
+    """dst[q, :] = round(src[q, :]) to the 16-bit dtype ``code`` (RNE; bits)."""
+    h = dst.shape[1]
+    for q in range(lo, hi):
+        for j in range(h):
+            dst[q, j] = D.from_f32(src[q, j], code)
+
+
+#: rows per group of the rounding pass's partial column sums (fixed: bitwise at any thread count;
+#: the plan sizes its buffer from it)
+_E_GROUP = FAST_E_GROUP
+
+
+@tjit
+def _round_g_bf16(lo, hi, G, e_row, e_col):
+    """Row groups ``lo:hi`` of ``G`` (``_E_GROUP`` rows each) rounded to
+    bf16 in place (RNE; a bf16 subnormal to ±0, as the kernel reads it), with the rounding error
+    ``e = g - round(g)`` (exact in fp32) summed per row into ``e_row[i]`` and per group and
+    column into ``e_col[q, v]``.  A non-finite ``e`` (NaN/Inf ``g``) counts 0: the GEMM carries
+    it."""
+    nb, w = G.shape
+    zero = G.dtype.type(0)
+    inf = G.dtype.type(np.inf)
+    e = np.empty(w, G.dtype)
+    for q in range(lo, hi):
+        ec = e_col[q]
+        ec[:] = zero
+        for i in range(q * _E_GROUP, min(nb, (q + 1) * _E_GROUP)):
+            r = G[i]
+            for j in range(w):
+                g = r[j]
+                b = np.uint32(D.f32_to_bf16(g))
+                if np.uint32(b & np.uint32(0x7F80)) == 0:
+                    b = np.uint32(b & np.uint32(0x8000))
+                h = D.bf16_to_f32(b)
+                r[j] = h
+                d = g - h
+                d = d if abs(d) < inf else zero
+                e[j] = d
+                ec[j] += d
+            e_row[i] = _row_sum(e, zero)
+
+
+@tjit
+def _col_mean16(lo, hi, u, code, out):
+    """out[j] = mean over rows of the 16-bit ``u[:, j]`` (fp32 sums), columns ``lo:hi``."""
+    n = u.shape[0]
+    acc = np.zeros(hi - lo, out.dtype)
+    for i in range(n):
+        for j in range(lo, hi):
+            acc[j - lo] += D.to_f32(u[i, j], code)
+    for j in range(lo, hi):
+        out[j] = acc[j - lo] / n if n else acc[j - lo]
+
+
+@tjit
+def _add_outer(lo, hi, dst, a, b):
+    """dst[i, :] += a[i]·b for the rows ``lo:hi``."""
+    for i in range(lo, hi):
+        ai = a[i]
+        for j in range(dst.shape[1]):
+            dst[i, j] += ai * b[j]
+
+
+@tjit
+def _colsum_into(lo, hi, L, off, width, nb, out, v0):
+    for j in range(lo, hi):
+        acc = out[v0 + j]
+        for i in range(nb):
+            acc += L[off + i * width + j]
+        out[v0 + j] = acc
+
+
+@njit
+def _any_not_below(seg, th):
+    """Whether some ``|x|`` of the 1-D slice is not below ``th`` (NaN counts), vectorized."""
+    hits = 0
+    for j in range(seg.shape[0]):
+        hits += not (abs(seg[j]) < th)
+    return hits > 0
+
+
+@tjit
+def _filter_flags(lo, hi, L, off, width, nb, thr, fb, flags):
+    """For one vocabulary chunk (``L[off:off + nb·width]``, column ``v0 = off // nb`` on), set
+    ``flags[i, jb]`` when some ``|G[i, v]|`` of column block ``jb`` (``fb`` columns) is not
+    below ``thr[i]`` (NaN included); flags already set stay set.  Read-only on ``L``."""
+    v0 = off // nb
+    for i in range(lo, hi):
+        th = thr[i]
+        r = L[off + i * width : off + (i + 1) * width]
+        j = 0
+        while j < width:
+            jb = (v0 + j) // fb
+            j1 = min(width, (jb + 1) * fb - v0)
+            if _any_not_below(r[j:j1], th):
+                flags[i, jb] = True
+            j = j1
+
+
+@tjit
+def _gather_cols(lo, hi, L, coff, cw, r0, r1, out):
+    """out[i, q] = G[r0 + i, col q] from the chunked block layout (``coff``/``cw``: each gathered
+    column's offset in its chunk's flat storage and the chunk's width)."""
+    nq = coff.shape[0]
+    for i in range(lo, hi):
+        r = r0 + i
+        for q in range(nq):
+            out[i, q] = L[coff[q] + r * cw[q]]
+
+
+@tjit
+def _gather_rows(lo, hi, src, rows, dst):
+    """dst[q, :] = src[rows[q], :] (same dtype)."""
+    h = src.shape[1]
+    for q in range(lo, hi):
+        r = rows[q]
+        for j in range(h):
+            dst[q, j] = src[r, j]
+
+
+@tjit
+def _gather_rows_widen(lo, hi, src, rows, code, dst):
+    """dst[q, :] = fp32(src[rows[q], :]) for a uint16 (bf16/fp16 bits) source, exactly."""
+    h = src.shape[1]
+    for q in range(lo, hi):
+        r = rows[q]
+        for j in range(h):
+            dst[q, j] = D.to_f32(src[r, j], code)
+
+
+@tjit
+def _scatter_add_rows(lo, hi, dst, rows, src):
+    """dst[rows[q], :] += src[q, :] (rows distinct)."""
+    h = dst.shape[1]
+    for q in range(lo, hi):
+        r = rows[q]
+        for j in range(h):
+            dst[r, j] += src[q, j]
+
+
+@tjit
+def _scatter_add_rounded(lo, hi, dst, rows, src, code):
+    """dst[rows[q], :] = round(dst[rows[q], :] + src[q, :]) (rows distinct; 16-bit bits)."""
+    h = dst.shape[1]
+    for q in range(lo, hi):
+        r = rows[q]
+        for j in range(h):
+            dst[r, j] = D.from_f32(D.to_f32(dst[r, j], code) + src[q, j], code)
+
+
+def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode, X, gi_rows, gw, bufs, gw_code, eng):
+    """``gi_rows += G·W`` and ``gw += Gᵀ·X`` over the kept blocks only (module docstring), on
+    ``_linear.kept_products`` (the rule the FLCE grad's filter shares): the kept columns of ``G``
+    gathered from the row block's chunked logits, at most ``vc`` at a time; the kept weight rows
+    (widened exactly from ``wsrc``'s bits with ``wcode``); ``grad_weight``'s rows summed onto
+    (a 16-bit one with rounding, ``gw_code``)."""
+    # per vocabulary column: its offset in the block's flat storage at row 0, its chunk's width
+    chunk_w = np.repeat(widths, widths)
+    coff = np.repeat(offs, widths) + np.arange(K) - np.repeat(offs // nb, widths)
+
+    def gather_g(r0, r1, cq, out):
+        run_rows(_gather_cols, r1 - r0, Lbuf, coff[cq], chunk_w[cq], r0, r1, out)
+        return out
+
+    # 16-bit weight rows widened as gathered; a 16-bit grad_weight summed onto with rounding
+    gather_rows, widen_code = (_gather_rows, ()) if wcode is None else (_gather_rows_widen, (wcode,))
+    scatter_add, gw_round = (_scatter_add_rows, ()) if gw_code is None else (_scatter_add_rounded, (gw_code,))
+
+    def gather_w(cq, out):
+        run_rows(gather_rows, cq.size, wsrc, cq, *widen_code, out)
+        return out
+
+    def add_gw(cq, Q):
+        run_rows(scatter_add, cq.size, gw, cq, Q, *gw_round)
+
+    kept_products(
+        keep,
+        fb,
+        rb,
+        nb,
+        K,
+        group=vc,
+        gather_g=gather_g,
+        gather_w=gather_w,
+        X=X,
+        gi_rows=gi_rows,
+        add_gw=None if gw is None else add_gw,
+        bufs=bufs,
+        engine=eng,
+    )
+
+
+def _block(a: np.ndarray, r0: int, r1: int, cdt, buf):
+    """Rows r0:r1 as a C-contiguous array of the compute dtype (exact widening)."""
+    if cdt == np.float64:
+        return np.ascontiguousarray(a[r0:r1], dtype=np.float64)
+    return fp32_block(a, r0, r1, buf)

@@ -1,0 +1,231 @@
+"""The training loss's vocabulary-major recompute of the gradient from a saved log-sum-exp
+(``_vocab_major``, :class:`_RecomputeGrad` on the LM-head loop; ``kernels/linear_cross_entropy.py``:
+the module doc)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes as D
+from ..tiling import BLAS
+from . import _bf16dot
+from ._gemm import (
+    matmul_nn,
+    matmul_nt,
+    matmul_tn,
+    run_rows,
+)
+from ._lm_head import need
+from ._lm_head import run as run_tiles
+from ._train_passes import (
+    _E_GROUP,
+    _add_outer,
+    _block,
+    _col_mean16,
+    _colsum_into,
+    _grad_pass,
+    _round_g_bf16,
+    _round_rows,
+)
+
+
+def _bf16_logits(input, W, vc, plan, gemm, ws):
+    """A :class:`_bf16dot.Logits` (its buffers from the plan's ``ws``) where the plan runs the
+    logits on the bf16 kernel (``plan.logits16``, in the GEMM choice's ``a_form``), else None;
+    a ``ValueError`` for such a plan on other operands."""
+    if not plan.logits16:
+        return None
+    if input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16:
+        raise ValueError(f"plan.logits16 with {input.dtype} / {W.dtype} operands (bf16 expected)")
+    return _bf16dot.Logits(input, W, vc, take=ws.take, form=gemm.a_form, spec=_bf16dot.spec_named(gemm.variant))
+
+
+def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False, gemm=BLAS, progress=None):
+    """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk, on the LM-head
+    loop (``_lm_head.run`` over ``plan.recompute_grid``: vocabulary chunks outer, equal row blocks
+    inner; :class:`_RecomputeGrad` is its operands and its epilogue).
+
+    For each chunk of ``recompute_chunk`` columns: the weight's rows widened once; for each row
+    block of at most ``recompute_rows`` rows (all rows while ``[BT, chunk]`` fits half the
+    budget): the logits recomputed, turned into the gradient in place,
+    ``grad_input[b] (+)= G·W[v]`` and ``grad_weight[v] (+)= Gᵀ·X[b]``.  A
+    chunk's ``grad_weight`` is complete when its row loop ends, so a 16-bit ``grad_weight`` is
+    rounded once from its fp32 sum (as the fp32 result rounded at the end) and no fp32 ``[K, H]``
+    is held: the memory is the output plus ``O(vc·(BT + H))`` scratch.
+
+    ``round_grad`` (``precision="fast"``), with the logits on the bf16 kernel: the gradient is
+    rounded to bf16 in place and both gradient GEMMs run on the kernel (``W``'s chunk and ``X``'s
+    rows interleaved as its ``B``), then the rounding error's mean part is added back (the op's
+    docstring); the fp32 copies of ``X`` and of ``W``'s chunk are not made.
+
+    ``grads``: (grad_input, grad_weight, its 16-bit bits or itself, its dtype code or None,
+    grad_bias); ``rows``: the per-row arrays of ``_grad_pass`` (target column, target weight,
+    lse, upstream coefficients, μ); ``consts``: (class weights, bias, par, flags); ``ws``: the
+    plan's buffers (``tiling.training_buffers``); ``progress(done, total)`` after each tile.
+    """
+    grid = plan.recompute_grid
+    rc = _RecomputeGrad(input, W, cdt, grads, rows, consts, plan, ws, round_grad, gemm)
+    run_tiles(grid, rc, rc, progress)
+    rc.finish()
+
+
+class _RecomputeGrad:
+    """The recompute's operands (:meth:`chunk`: the weight's chunk in the forms its GEMMs take)
+    and its epilogue (:meth:`begin`, :meth:`tile`, :meth:`end`) for ``_lm_head.run``, then
+    :meth:`finish` (``precision="fast"``: the rounding error's mean part of ``grad_input``).
+    Arguments as :func:`_vocab_major`'s (its tiles: ``plan.recompute_grid``)."""
+
+    def __init__(self, input, W, cdt, grads, rows, consts, plan, ws, round_grad, gemm):
+        self.gi, self.gw, self.gw_acc, self.gw_code, self.gb = grads
+        gi, gw = self.gi, self.gw
+        self.rows, self.consts = rows, consts
+        self.input, self.W, self.cdt, self.gemm = input, W, cdt, gemm
+        self.spec = _bf16dot.spec_named(gemm.variant)  # the plan's native variant (None: BLAS)
+        BT, H = input.shape
+        self.BT, self.H = BT, H
+        K = W.shape[0]
+        grid = plan.recompute_grid
+        vc, nblocks, nr = grid.v_tile, grid.n_bt, grid.largest_bt
+        self.block_of = {b0: k for k, (b0, _) in enumerate(grid.bt_ranges())}
+        self.nblocks = nblocks
+        self.vc = vc
+        self.bfl = bfl = _bf16_logits(input, W, vc, plan, gemm, ws)
+        self.eng = gemm.engine
+        # precision="fast": the gradient GEMMs on the kernel too, g rounded and compensated
+        self.b16 = b16 = bfl is not None and round_grad
+        widen_x = input.dtype != cdt and not b16
+        self.take = take = ws.take
+        self.xall = None
+        if nblocks == 1 and not b16:
+            self.xall = _block(input, 0, BT, cdt, take("x_whole", BT * H, cdt) if widen_x else None)
+        self.xbuf = take("x_block", nr * H, cdt) if (self.xall is None and widen_x) else None
+        self.wbuf = take("w_chunk", vc * H, cdt) if W.dtype != cdt and not b16 else None
+        self.Lt = take("logits_block", nr * vc, cdt)
+        self.th = take("grad_input_product", nr * H, cdt) if gi is not None and not b16 else None
+        # a 16-bit grad_weight: the chunk summed in fp32 here, then rounded once
+        self.tw = take("grad_weight_chunk", vc * H, cdt) if (gw is not None and self.gw_code is not None) else None
+        self.tw2 = take("grad_weight_product", vc * H, cdt) if (gw is not None and nblocks > 1 and not b16) else None
+        self.offs = np.zeros(1, np.int64)
+        self.xint = None
+        if b16:
+            nchunks = -(-K // vc)
+            ngrp = -(-nr // _E_GROUP)
+
+            def zeros(name, shape):
+                a = take(name, shape[0] * shape[1], cdt)[: shape[0] * shape[1]].reshape(shape)
+                a[...] = 0
+                return a
+
+            self.e_col = take("fast_e_col", ngrp * vc, cdt)  # the rounding error's partial column sums
+            self.e_row = zeros("fast_e_row", (BT, nchunks))  # its row sums, per chunk
+            self.w_bar = zeros("fast_w_mean", (nchunks, H))  # the chunk's mean row of W
+            self.x_bar = zeros("fast_x_mean", (nblocks, H))  # the block's mean row of X
+            xu = input.view(np.uint16)
+            for k, (b0, b1) in enumerate(grid.bt_ranges()):
+                run_rows(_col_mean16, H, xu[b0:b1], D.BF16, self.x_bar[k])
+            # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
+            self.xi_buf = take("x_pairs_block", _bf16dot.b_size(nr, H), np.uint32) if gw is not None else None
+            self.xint = _bf16dot.interleave(input, self.xi_buf) if (gw is not None and nblocks == 1) else None
+            self.wi_buf = take("w_pairs_chunk", _bf16dot.b_size(vc, H), np.uint32) if gi is not None else None
+        self.Wc = None
+        self.widths = np.zeros(1, np.int64)
+
+    # -- operands: the chunk's forms
+    def chunk(self, v0: int, v1: int) -> None:
+        W, H, bfl = self.W, self.H, self.bfl
+        if self.b16:
+            if bfl is None:  # b16 implies the kernel's logits (not an assert: python -O)
+                raise ValueError("precision='fast' needs the bf16 logits kernel")
+            bfl.chunk(v0, v1)
+            self.Wc = _bf16dot.interleave(W[v0:v1], self.wi_buf) if self.gi is not None else None
+            run_rows(_col_mean16, H, W[v0:v1].view(np.uint16), D.BF16, self.w_bar[v0 // self.vc])
+        else:
+            self.Wc = W[v0:v1] if W.dtype == self.cdt else _block(W, v0, v1, self.cdt, self.wbuf)
+            if bfl is not None:
+                bfl.chunk(v0, v1)
+
+    # -- epilogue
+    def begin(self, v0: int, v1: int) -> None:
+        self.widths = np.array([v1 - v0], np.int64)
+
+    def tile(self, b0: int, b1: int, v0: int, v1: int) -> None:
+        gi, gw, gb, H, eng, Lt = self.gi, self.gw, self.gb, self.H, self.eng, self.Lt
+        tcol, wt_c, lse, coef_ce, coef_z, coef_h, zmean = self.rows
+        cw_c, bias_c, par, flags = self.consts
+        k = self.block_of[b0]
+        nb, w = b1 - b0, v1 - v0
+        if self.b16:
+            X = self.xint
+            if X is None and gw is not None:
+                X = _bf16dot.interleave(self.input[b0:b1], self.xi_buf)
+        else:
+            X = self.xall[b0:b1] if self.xall is not None else _block(self.input, b0, b1, self.cdt, self.xbuf)
+        G = Lt[: nb * w].reshape(nb, w)
+        if self.bfl is not None:
+            self.bfl.logits(b0, b1, G)
+        else:
+            matmul_nt(need(X, "the row block's X"), need(self.Wc, "the weight chunk"), G, engine=eng)
+        run_rows(
+            _grad_pass,
+            nb,
+            Lt,
+            self.offs,
+            self.widths,
+            nb,
+            cw_c,
+            tcol[b0:b1],
+            wt_c[b0:b1],
+            lse[b0:b1],
+            coef_ce[b0:b1],
+            coef_z[b0:b1],
+            coef_h[b0:b1],
+            zmean[b0:b1],
+            par,
+            flags,
+            True,
+            bias_c,
+            v0,
+        )
+        if gb is not None:
+            run_rows(_colsum_into, w, Lt, 0, w, nb, gb, v0)
+        acc = None
+        if gw is not None:
+            acc = gw[v0:v1] if self.tw is None else self.tw[: w * H].reshape(w, H)
+        if self.b16:
+            # g rounded to bf16 in place; gradient GEMMs of exact products on the kernel; the
+            # rounding error's mean part restored: grad_input += (Σ_v e)·mean_v W (finish, one
+            # GEMM over the chunks), grad_weight += (Σ_t e)·mean_t X
+            ng = -(-nb // _E_GROUP)
+            ec = self.e_col[: ng * w].reshape(ng, w)
+            run_rows(_round_g_bf16, ng, G, self.e_row[b0:b1, v0 // self.vc], ec)
+            if acc is not None:
+                _bf16dot.matmul_tn(G, need(X, "X's pairs"), H, acc, acc=k > 0, form=self.gemm.a_form, spec=self.spec)
+                run_rows(_add_outer, w, acc, ec.sum(0), self.x_bar[k])
+            if gi is not None:
+                _bf16dot.matmul(
+                    _bf16dot.pairs_in_place(G, self.gemm.a_form),
+                    need(self.Wc, "W's pairs"),
+                    H,
+                    gi[b0:b1],
+                    acc=v0 > 0,
+                    spec=self.spec,
+                )
+            return
+        if gi is not None:
+            th = None if v0 == 0 else need(self.th, "grad_input_product")[: nb * H].reshape(nb, H)
+            matmul_nn(G, need(self.Wc, "the weight chunk"), gi[b0:b1], tmp=th, engine=eng)
+        if acc is not None:
+            tw2 = None if k == 0 else need(self.tw2, "grad_weight_product")[: w * H].reshape(w, H)
+            matmul_tn(G, need(X, "the row block's X"), acc, tmp=tw2, engine=eng)
+
+    def end(self, v0: int, v1: int) -> None:
+        if self.tw is not None:
+            w = v1 - v0
+            run_rows(_round_rows, w, self.gw_acc[v0:v1], self.tw[: w * self.H].reshape(w, self.H), self.gw_code)
+
+    def finish(self) -> None:
+        """``precision="fast"``: ``grad_input += e_row · w_bar`` (the rounding error's mean part)."""
+        if self.b16 and self.gi is not None:
+            BT, H = self.BT, self.H
+            tmp = self.take("fast_product", BT * H, self.cdt)[: BT * H].reshape(BT, H)
+            matmul_nn(self.e_row, self.w_bar, self.gi, tmp=tmp, engine=self.eng)

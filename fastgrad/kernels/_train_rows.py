@@ -1,0 +1,489 @@
+"""The training loss's row-major order: :class:`_RowStep`, the epilogue of the LM-head loop's row
+blocks (statistics sweep, gradient sweep, filtering's kept blocks, ``precision="fast"``'s bf16
+gradient GEMMs; ``kernels/linear_cross_entropy.py``: the module doc)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from .. import dtypes as D
+from ..errors import InternalError
+from ..tiling import fast_fused
+from . import _bf16dot
+from ._gemm import (
+    IN_BLAS,
+    matmul_nn,
+    nn_tasks,
+    nt_tasks,
+    row_tasks,
+    run_rows,
+    tn_tasks,
+)
+from ._linear import fp32_block_tasks
+from ._lm_head import Sweep, need, sweep
+from ._train_passes import (
+    _E_GROUP,
+    F_BIAS,
+    F_SOFTCAP,
+    P_INV_TEMPERATURE,
+    _add_outer,
+    _block,
+    _col_mean16,
+    _colsum_into,
+    _filter_flags,
+    _filtered_products,
+    _grad_pass,
+    _round_g_bf16,
+    _scatter_add_rounded,
+    _stats_chunk,
+)
+from ._train_recompute import _bf16_logits
+
+
+class _RowStep:
+    """The fused step's and the forward's epilogue of the LM-head loop's row-major order
+    (``_lm_head.run_row_blocks`` over ``plan.row_blocks()``; the module doc's steps 1-4).  Per row block:
+
+    * :meth:`statistics` — the sweep over the vocabulary chunks: the chunk's weight widened
+      (16-bit, unless the whole weight was widened once), its logits (BLAS tiles, or the bf16
+      kernel), its statistics (``_stats_chunk``; none with a saved ``lse``);
+    * :meth:`end_statistics` — the row's statistics made global (``combine``) and written (lse,
+      max, sum_exp, z_target, z_sum, argmax, z_mean, entropy); returns the gradient sweep:
+      dense — the gradient pass (``_grad_pass``) and the chunk's weight, then the two gradient
+      GEMMs and ``grad_bias``'s column sums (a 16-bit ``grad_weight``: its product, then its rounded
+      scatter-add) — or, filtered, the gradient pass then ``grad_bias`` and the block flags;
+    * :meth:`end_rows` — filtered: the kept blocks' products (``_filtered_products``), or the
+      dense products where every block is kept.
+
+    The sweeps run in stages where the plan says so (``plan.staged_statistics`` /
+    ``plan.staged_gradient``).  Every buffer from the plan's list (``ws``).  Arguments after
+    ``ws`` as :func:`_vocab_major`'s, and ``out``/``params``/``combine`` as
+    :func:`linear_cross_entropy_cpu`'s; ``need_ent``: the entropy's statistic is computed."""
+
+    def __init__(
+        self, input, W, cdt, plan, gemm, ws, *, grads, rows, consts, out, params, combine, recompute, need_ent
+    ):
+        self.input, self.W, self.cdt, self.plan = input, W, cdt, plan
+        self.gi, self.gw, self.gw_acc, self.gw_code, self.gb = grads
+        gi, gw, gw_code = self.gi, self.gw, self.gw_code
+        self.tcol, self.wt_c, self.lse_all, self.coef_ce, self.coef_z, self.coef_h, self.zmean_all = rows
+        self.rows = rows
+        self.cw_c, self.bias_c, self.par, self.flags = consts
+        self.out, self.combine, self.recompute, self.need_ent = out, combine, recompute, need_ent
+        self.col0 = int(params["vocab_start_index"])
+        self.eng = gemm.engine
+        H, K = input.shape[1], W.shape[0]
+        self.H, self.K = H, K
+        self.want_grad = gi is not None or gw is not None or self.gb is not None
+        self.fwd_only = fwd_only = not self.want_grad
+        vc = plan.v_chunk
+        self.chunks = [(v0, min(K, v0 + vc)) for v0 in range(0, K, vc)]
+        self.widen = widen = W.dtype != cdt
+        take = ws.take
+        # the logits of bf16 operands on the exact-product bf16 kernel where the plan says so;
+        # the weight then needs no widening for the forward alone
+        self.bfl = bfl = _bf16_logits(input, W, vc, plan, gemm, ws)
+        # precision="fast" (plan.grad16): g rounded to bf16, both gradient GEMMs on the kernel too
+        self.b16 = b16 = plan.grad16
+        if b16 != fast_fused(
+            logits16=plan.logits16,
+            fast=bool(params.get("round_grad")),
+            want_grad=gi is not None or gw is not None or self.gb is not None,
+            recompute=recompute,
+            filtering=plan.filter_rows > 0,
+            accum16_gw=gw_code is not None,
+            K=W.shape[0],
+            BT=input.shape[0],
+        ):
+            raise InternalError(f"plan.grad16 is {b16}, the call's arguments say otherwise")
+        # the whole weight in the compute dtype when it is small, else widened per chunk (double
+        # buffered where a sweep runs in stages: chunk c + 1 widened while chunk c is read); the
+        # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
+        # fresh pages
+        self.wfull = _block(W, 0, K, cdt, take("w_whole", K * H, cdt)) if (widen and plan.whole_weight) else None
+        # (with the logits on the bf16 kernel the chunk is read by grad_input's GEMM alone)
+        chunked = widen and self.wfull is None and (bfl is None or (gi is not None and not b16))
+        wbuf = take("w_chunk", vc * H, cdt) if chunked else None
+        self.wbufs: tuple = ()
+        if wbuf is not None:
+            self.wbufs = (wbuf, take("w_chunk_next", vc * H, cdt)) if plan.staged_statistics else (wbuf,)
+        nb_rows = plan.largest_block  # the equal row blocks' largest: the row-block buffers' size
+        # the row block's X in the compute dtype: for the BLAS logits and the gradient GEMMs (the
+        # forward alone on the bf16 logits kernel reads none)
+        self.need_x = bfl is None or (self.want_grad and not b16)
+        self.xbuf = take("x_block", nb_rows * H, cdt) if (input.dtype != cdt and self.need_x) else None
+        self.Lbuf = take("logits_block", nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
+        # the accumulating tiles' scratch products, unless they add in the BLAS call
+        acc = plan.accumulate_in_gemm
+        self.tmp_h = take("grad_input_product", nb_rows * H, cdt) if (gi is not None and not acc and not b16) else None
+        need_w = gw is not None and (gw_code is not None or not acc) and not b16  # (a 16-bit grad_weight's products)
+        self.tmp_w = take("grad_weight_product", vc * H, cdt) if need_w else None
+        self.all_rows = None
+        if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
+            self.all_rows = take("vocab_rows", K, np.int64)[:K]
+            self.all_rows[:] = np.arange(K, dtype=np.int64)
+        par, flags = self.par, self.flags
+        self.transform = bool(flags[F_SOFTCAP] or flags[F_BIAS] or par[P_INV_TEMPERATURE] != 1)
+        self.first = True  # the first row block: grad_weight written, not summed onto
+        self._filters(params, ws)
+        self._w: dict[int, np.ndarray] = {}
+        if b16:
+            self._fast_buffers(gemm, ws)
+
+    def _fast_buffers(self, gemm, ws) -> None:
+        """``precision="fast"``'s state (``plan.grad16``): the rounding error's sums, the chunks'
+        mean rows of ``W`` (once per call), the row block's mean row of ``X``, the bf16 pairs of
+        ``X[b]`` (``grad_weight``'s ``B``) and of ``W``'s chunk (``grad_input``'s ``B``)."""
+        cdt, H, take, vc = self.cdt, self.H, ws.take, self.plan.v_chunk
+        nb_rows, nch = self.plan.largest_block, len(self.chunks)
+        self.spec = _bf16dot.spec_named(gemm.variant)
+        self.form = gemm.a_form
+        self.e_col = take("fast_e_col", -(-nb_rows // _E_GROUP) * vc, cdt)
+        self.e_row_buf = take("fast_e_row", nb_rows * nch, cdt)
+        self.w_bar = take("fast_w_mean", nch * H, cdt)[: nch * H].reshape(nch, H)
+        self.x_bar = take("fast_x_mean", H, cdt)[:H]
+        wu = self.W.view(np.uint16)
+        for c, (v0, v1) in enumerate(self.chunks):
+            run_rows(_col_mean16, H, wu[v0:v1], D.BF16, self.w_bar[c])
+        self.xi_buf = take("x_pairs_block", _bf16dot.b_size(nb_rows, H), np.uint32) if self.gw is not None else None
+        self.wi_buf = take("w_pairs_chunk", _bf16dot.b_size(vc, H), np.uint32) if self.gi is not None else None
+        self.prod = take("fast_product", nb_rows * H, cdt) if self.gi is not None else None
+        self.xint: np.ndarray | None = None
+
+    def _filters(self, params, ws) -> None:
+        """Gradient filtering's state (module doc): on when ``filter_eps`` is given with a gradient."""
+        cdt, K, H, take = self.cdt, self.K, self.H, ws.take
+        feps = params.get("filter_eps")
+        self.fstats = self.out.get("filter_stats")
+        if self.fstats is not None:
+            self.fstats.setdefault("blocks_total", 0)
+            self.fstats.setdefault("blocks_skipped", 0)
+        self.filtered = self.plan.filter_rows > 0  # (training_modes: filter_eps given, a gradient, K > 0)
+        if not self.filtered:
+            return
+        nb_max, vc = self.plan.block_rows, self.plan.v_chunk
+        fb, rb = self.plan.filter_cols, self.plan.filter_rows
+        self.fb, self.rb = fb, rb
+        nblk = -(-K // fb)
+        self.fflags = take("filter_flags", nb_max * nblk, np.bool_)[: nb_max * nblk].reshape(nb_max, nblk)
+        # the row scale: |upstream grad · 1/Σw| (coef_ce); a row whose gradient is identically 0
+        # (ignored, or a zero upstream grad) is negligible everywhere
+        coef_ce, coef_z = self.coef_ce, self.coef_z
+        self.thr_all = np.where((coef_ce == 0) & (coef_z == 0), np.inf, float(feps) * np.abs(coef_ce)).astype(cdt)
+        if not self.widen:
+            self.fwsrc, self.fwcode = self.W, None
+        elif self.wfull is not None:
+            self.fwsrc, self.fwcode = self.wfull, None
+        else:
+            self.fwsrc, self.fwcode = self.W.view(np.uint16), D.code_of(self.W.dtype)
+        gi, gw = self.gi, self.gw
+        self.fbufs = (
+            take("kept_g", rb * vc, cdt),
+            take("kept_w", vc * H, cdt) if gi is not None else None,
+            take("kept_product", rb * H, cdt) if gi is not None else None,
+            take("kept_grad_weight", vc * H, cdt) if gw is not None else None,
+        )
+
+    # -- the row block
+    def begin_rows(self, b0: int, b1: int) -> None:
+        nb, cdt = b1 - b0, self.cdt
+        self.b0, self.b1, self.nb = b0, b1, nb
+        self.X = _block(self.input, b0, b1, cdt, self.xbuf) if self.need_x else self.input[b0:b1]
+        ch = self.chunks
+        self.offs = np.array([0 if self.fwd_only else nb * v0 for v0, _ in ch], np.int64) if ch else _EMPTY_I
+        self.widths = np.array([v1 - v0 for v0, v1 in ch], np.int64) if ch else _EMPTY_I
+        self._w = {}
+        if self.b16:
+            nch = len(self.chunks)
+            self.e_row = self.e_row_buf[: nb * nch].reshape(nb, nch)
+            self.e_row[...] = 0
+            run_rows(_col_mean16, self.H, self.input[b0:b1].view(np.uint16), D.BF16, self.x_bar)
+            self.xint = None if self.xi_buf is None else _bf16dot.interleave(self.input[b0:b1], self.xi_buf)
+        if not self.recompute:
+            self.m = np.full(nb, -np.inf, cdt)
+            self.s = np.zeros(nb, cdt)
+            self.zt = np.zeros(nb, cdt)
+            self.zs = np.zeros(nb, cdt)
+            self.am = np.full(nb, -1, np.int64)
+            self.sz = np.zeros(nb, cdt)
+
+    def _chunk_block(self, c: int) -> np.ndarray:
+        """Chunk ``c``'s part of the row block's logits (or gradient): ``[nb, v1 - v0]``."""
+        v0, v1 = self.chunks[c]
+        off = self.offs[c]
+        return self.Lbuf[off : off + self.nb * (v1 - v0)].reshape(self.nb, v1 - v0)
+
+    def _weight(self, c: int) -> list:
+        """Chunk ``c``'s weight rows in the compute dtype (recorded for the chunk's GEMMs) and the
+        tasks that widen them (none: already in the compute dtype, or widened whole)."""
+        v0, v1 = self.chunks[c]
+        if not self.widen:
+            self._w[c] = self.W[v0:v1]
+            return []
+        if self.wfull is not None:
+            self._w[c] = self.wfull[v0:v1]
+            return []
+        Wc, tasks = fp32_block_tasks(self.W, v0, v1, self.wbufs[c % len(self.wbufs)])
+        self._w[c] = Wc
+        return tasks
+
+    # -- the statistics sweep
+    def statistics(self) -> Sweep:
+        """Per chunk: its weight, its logits, its statistics (the logits' GEMM tiles lead a stage)."""
+        steps = (self._logits_weight, self._logits, self._stats)
+        return Sweep(len(self.chunks), steps, staged=self.plan.staged_statistics, lead=1, uses=self._stats_uses)
+
+    def _wkey(self, c: int) -> set:
+        """The widened weight's buffer chunk ``c`` takes, as a resource (none: read-only)."""
+        return {("w", c % len(self.wbufs))} if self.wbufs else set()
+
+    def _stats_uses(self, k: int, c: int) -> tuple[set, set]:
+        """What step ``k`` of the statistics sweep reads and writes for chunk ``c`` (``Sweep.uses``)."""
+        L = ("L", c)
+        if k == 0:  # the weight widened into its buffer
+            return set(), self._wkey(c)
+        if k == 1:  # the logits
+            return self._wkey(c), {L}
+        return set(), {L, "row_stats"}  # the transform in place, the running statistics
+
+    def _logits_weight(self, c: int) -> list:
+        return [] if self.bfl is not None else self._weight(c)
+
+    def _logits(self, c: int) -> list:
+        Lc = self._chunk_block(c)
+        if self.bfl is not None:  # one task: the kernel's own parallel call, on this thread
+            v0, v1 = self.chunks[c]
+            return [functools.partial(self._logits16, v0, v1, Lc)]
+        r, k = self.plan.logits_tile
+        return nt_tasks(self.X, self._w[c], Lc, engine=self.eng, rows=r, cols=k)
+
+    def _logits16(self, v0: int, v1: int, Lc: np.ndarray) -> None:
+        self.bfl.chunk(v0, v1)
+        self.bfl.logits(self.b0, self.b1, Lc)
+
+    def _stats(self, c: int) -> list:
+        """``_stats_chunk``'s tasks for chunk ``c`` (its last argument: the column shift — the forward
+        alone keeps one chunk at a time at offset 0)."""
+        if self.recompute:
+            return []
+        nb, b0, b1 = self.nb, self.b0, self.b1
+        stats = (self.m, self.s, self.zt, self.zs, self.am, self.sz)
+        shift = self.chunks[c][0] if self.fwd_only else 0
+        consts = (self.bias_c, self.cw_c, self.tcol[b0:b1], self.par, self.flags, self.transform)
+        return row_tasks(_stats_chunk, nb, self.Lbuf, self.offs[c], self.widths[c], nb, *consts, *stats, shift)
+
+    def end_statistics(self) -> Sweep | None:
+        """The row's statistics complete (made global, written); the gradient sweep, or None."""
+        if not self.recompute:
+            self._row_statistics()
+        if not self.want_grad or not self.K:
+            return None
+        if self.filtered:
+            self.fflags[: self.nb] = False
+            return Sweep(len(self.chunks), (self._grad, self._colsum_flags))
+        return self._gradient_sweep(with_pass=True, staged=self.plan.staged_gradient)
+
+    def _row_statistics(self) -> None:
+        b0, b1, cdt, out = self.b0, self.b1, self.cdt, self.out
+        m, s, zt, zs, am, sz = self.m, self.s, self.zt, self.zs, self.am, self.sz
+        zs[m == -np.inf] = 0  # a row without a finite logit: Σ w z is 0, as Σ exp
+        am = np.where(am >= 0, am + self.col0, -1)
+        if self.combine is not None:
+            if self.need_ent:
+                m, s, zt, zs, am, sz = self.combine(m, s, zt, zs, am, sz)
+            else:
+                m, s, zt, zs, am = self.combine(m, s, zt, zs, am)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lse_b = (m + np.log(s)).astype(cdt)
+            if self.need_ent:  # μ = Σ p·z = max + Σ e·(z - max) / Σ e; entropy = lse - μ
+                dz = np.asarray(sz) / s
+                self.zmean_all[b0:b1] = (m + dz).astype(cdt)
+                if out.get("entropy") is not None:
+                    out["entropy"][b0:b1] = np.log(s) - dz
+        self.lse_all[b0:b1] = lse_b
+        for key, val in (("max", m), ("sum_exp", s), ("z_target", zt), ("z_sum", zs), ("argmax", am)):
+            if out.get(key) is not None:
+                out[key][b0:b1] = val
+
+    # -- the gradient sweep
+    def _gradient_sweep(self, *, with_pass: bool, staged: bool) -> Sweep:
+        """Per chunk: (``with_pass``) its gradient pass, and its weight; its two gradient GEMMs
+        (and ``grad_bias``'s column sums, ``with_pass``); a 16-bit ``grad_weight``'s product, then
+        its rounded scatter-add.  The GEMM tiles lead a stage.  ``precision="fast"``
+        (``plan.grad16``, chunk by chunk): the pass, ``grad_bias``'s sums, ``g`` rounded to bf16,
+        then the two GEMMs on the bf16 kernel (:meth:`_fast_products`)."""
+        if self.b16:
+            return Sweep(len(self.chunks), (self._grad, self._colsum, self._round16, self._fast_products))
+        steps: list[Callable[[int], list]] = [
+            functools.partial(self._pass_and_weight, with_pass),
+            self._grad_input_product,
+            functools.partial(self._grad_weight_product, with_pass),
+        ]
+        if self.gw is not None and self.gw_code is not None:
+            steps += [self._grad_weight16, self._grad_weight16_add]
+        uses = functools.partial(self._grad_uses, with_pass)
+        return Sweep(len(self.chunks), tuple(steps), staged=staged, lead=(1, 2), uses=uses)
+
+    def _grad_uses(self, with_pass: bool, k: int, c: int) -> tuple[set, set]:
+        """What step ``k`` of the gradient sweep reads and writes for chunk ``c`` (``Sweep.uses``)."""
+        L = ("L", c)
+        if k == 0:  # the gradient pass in place, the weight widened for grad_input's GEMM
+            return set(), ({L} if with_pass else set()) | (self._wkey(c) if self.gi is not None else set())
+        if k == 1:  # grad_input[b] (+)= G·W[v]: one accumulator over the chunks
+            return {L} | self._wkey(c), ({"grad_input"} if self.gi is not None else set())
+        if k == 2:  # grad_weight[v] (+)= Gᵀ·X[b] (a shared scratch unless summed in the call), grad_bias[v]
+            w: set = {("grad_weight", c), ("grad_bias", c)}
+            if self.gw is not None and self.gw_code is None and not self.first and not self.plan.accumulate_in_gemm:
+                w.add("grad_weight_product")
+            return {L}, w
+        if k == 3:  # a 16-bit grad_weight: the chunk's product into scratch
+            return {L}, {"grad_weight_product"}
+        return {"grad_weight_product"}, {"grad_weight"}  # ... rounded onto the output
+
+    def _grad(self, c: int) -> list:
+        """``_grad_pass``'s tasks: chunk ``c``'s logits overwritten by the gradient ``G``."""
+        b0, b1, nb = self.b0, self.b1, self.nb
+        rows = tuple(a[b0:b1] for a in self.rows)
+        args = (self.Lbuf, self.offs[c : c + 1], self.widths[c : c + 1], nb, self.cw_c, *rows)
+        return row_tasks(_grad_pass, nb, *args, self.par, self.flags, self.recompute, self.bias_c, 0)
+
+    def _round16(self, c: int) -> list:
+        """``precision="fast"``: chunk ``c``'s ``G`` rounded to bf16 in place, its rounding error
+        summed per row (``e_row[:, c]``) and per row group and column (``e_col``)."""
+        nb, w = self.nb, self.widths[c]
+        ng = -(-nb // _E_GROUP)
+        ec = self.e_col[: ng * w].reshape(ng, w)
+        return row_tasks(_round_g_bf16, ng, self._chunk_block(c), self.e_row[:, c], ec)
+
+    def _fast_products(self, c: int) -> list:
+        """``precision="fast"``: chunk ``c``'s two gradient GEMMs on the bf16 kernel (one task:
+        the kernel's own parallel calls, on this thread) — ``grad_weight[v] (+)= Gᵀ·X[b]`` and
+        the mean part of the rounding error ``(Σ_t e)·mean_t X[b]``, then ``grad_input[b] (+)=
+        G·W[v]`` (``G`` overwritten by its pairs)."""
+        return [functools.partial(self._fast_products_run, c)]
+
+    def _fast_products_run(self, c: int) -> None:
+        v0, v1 = self.chunks[c]
+        G, H, nb, w = self._chunk_block(c), self.H, self.nb, v1 - v0
+        if self.gw is not None:
+            acc = self.gw[v0:v1]
+            xi = need(self.xint, "X's pairs")
+            _bf16dot.matmul_tn(G, xi, H, acc, acc=not self.first, form=self.form, spec=self.spec)
+            ng = -(-nb // _E_GROUP)
+            run_rows(_add_outer, w, acc, self.e_col[: ng * w].reshape(ng, w).sum(0), self.x_bar)
+        if self.gi is not None:
+            wi = _bf16dot.interleave(self.W[v0:v1], self.wi_buf)
+            gi = self.gi[self.b0 : self.b1]
+            _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), wi, H, gi, acc=v0 > 0, spec=self.spec)
+
+    def _colsum(self, c: int) -> list:
+        if self.gb is None:
+            return []
+        nb, off, w = self.nb, self.offs[c], self.widths[c]
+        return row_tasks(_colsum_into, w, self.Lbuf, off, w, nb, self.gb, off // nb)
+
+    def _pass_and_weight(self, with_pass: bool, c: int) -> list:
+        return (self._grad(c) if with_pass else []) + (self._weight(c) if self.gi is not None else [])
+
+    def _grad_input_product(self, c: int) -> list:
+        """``grad_input[b] (+)= G·W[v]`` for chunk ``c``, as tasks (summed over the chunks: in the
+        BLAS call, or through the scratch product)."""
+        if self.gi is None:
+            return []
+        v0 = self.chunks[c][0]
+        nb, H, b0, b1 = self.nb, self.H, self.b0, self.b1
+        tmp = self._sum_with(v0 == 0, self.tmp_h, (nb, H))
+        r, k = self.plan.grad_input_tile
+        return nn_tasks(self._chunk_block(c), self._w[c], self.gi[b0:b1], tmp, self.eng, rows=r, cols=k)
+
+    def _sum_with(self, first: bool, scratch, shape: tuple[int, int]):
+        """An accumulating tile's ``tmp`` (``_gemm._mm_into``): None for the first term (written),
+        else ``IN_BLAS`` where the plan sums in the BLAS call, or ``scratch``'s first ``shape``."""
+        if first:
+            return None
+        if self.plan.accumulate_in_gemm:
+            return IN_BLAS
+        return scratch[: shape[0] * shape[1]].reshape(shape)
+
+    def _grad_weight_product(self, with_colsum: bool, c: int) -> list:
+        """(In the compute dtype) ``grad_weight[v] (+)= Gᵀ·X[b]`` for chunk ``c``, as tasks (summed
+        over the row blocks), and ``grad_bias``'s column sums (``with_colsum``)."""
+        t = []
+        if self.gw is not None and self.gw_code is None:
+            v0, v1 = self.chunks[c]
+            tmp = self._sum_with(self.first, self.tmp_w, (v1 - v0, self.H))
+            t = tn_tasks(self._chunk_block(c), self.X, self.gw[v0:v1], tmp, self.eng, rows=self.plan.grad_weight_rows)
+        return t + (self._colsum(c) if with_colsum else [])
+
+    def _grad_weight16(self, c: int) -> list:
+        """A 16-bit ``grad_weight`` (``accum_dtype``): chunk ``c``'s ``Gᵀ·X[b]`` into scratch."""
+        v0, v1 = self.chunks[c]
+        tw = need(self.tmp_w, "grad_weight_product")[: (v1 - v0) * self.H].reshape(v1 - v0, self.H)
+        return tn_tasks(self._chunk_block(c), self.X, tw, None, self.eng, rows=self.plan.grad_weight_rows)
+
+    def _grad_weight16_add(self, c: int) -> list:
+        """... then summed onto the output's rows with rounding (the output zeroed first)."""
+        v0, v1 = self.chunks[c]
+        tw = need(self.tmp_w, "grad_weight_product")[: (v1 - v0) * self.H].reshape(v1 - v0, self.H)
+        rows = need(self.all_rows, "vocab_rows")[v0:v1]
+        return row_tasks(_scatter_add_rounded, v1 - v0, self.gw_acc, rows, tw, self.gw_code)
+
+    def _colsum_flags(self, c: int) -> list:
+        """Filtered: ``grad_bias``'s column sums and the block flags of chunk ``c`` (read-only on ``G``)."""
+        nb, b0, b1 = self.nb, self.b0, self.b1
+        F = self.fflags[:nb]
+        thr = self.thr_all[b0:b1]
+        flags = row_tasks(_filter_flags, nb, self.Lbuf, self.offs[c], self.widths[c], nb, thr, self.fb, F)
+        return self._colsum(c) + flags
+
+    def end_rows(self) -> None:
+        """Filtered: the kept blocks' products (or the dense ones where every block is kept).
+        ``precision="fast"``: ``grad_input[b] += e_row · w_bar``, the rounding error's mean part
+        over the chunks."""
+        if self.filtered:
+            self._kept_products()
+        if self.b16 and self.gi is not None and self.want_grad and self.K:
+            nb, H = self.nb, self.H
+            tmp = need(self.prod, "fast_product")[: nb * H].reshape(nb, H)
+            matmul_nn(self.e_row, self.w_bar, self.gi[self.b0 : self.b1], tmp=tmp, engine=self.eng)
+        self.first = False
+
+    def _kept_products(self) -> None:
+        nb, b0, b1, fb, rb, K = self.nb, self.b0, self.b1, self.fb, self.rb, self.K
+        F = self.fflags[:nb]
+        tc = self.tcol[b0:b1]
+        own = np.flatnonzero(tc >= 0)
+        F[own, tc[own] // fb] = True  # the target column is never filtered
+        keep = np.logical_or.reduceat(F, np.arange(0, nb, rb), axis=0)
+        n_keep = int(keep.sum())
+        if self.fstats is not None:
+            self.fstats["blocks_total"] += keep.size
+            self.fstats["blocks_skipped"] += keep.size - n_keep
+        if n_keep == keep.size:  # every block kept: the dense path, unchanged (bitwise)
+            sweep(self._gradient_sweep(with_pass=False, staged=False), self.eng)
+            return
+        _filtered_products(
+            self.Lbuf,
+            self.offs,
+            self.widths,
+            nb,
+            keep,
+            fb,
+            rb,
+            K,
+            self.plan.v_chunk,
+            self.fwsrc,
+            self.fwcode,
+            self.X,
+            None if self.gi is None else self.gi[b0:b1],
+            self.gw_acc,
+            self.fbufs,
+            self.gw_code,
+            self.eng,
+        )
+
+
+_EMPTY_I = np.zeros(0, np.int64)
