@@ -245,3 +245,13 @@ def test_settings_page_lists_every_variable():
     assert {"FASTGRAD_STRICT", "FASTGRAD_SOC_VERSION", "FASTGRAD_BACKEND"} <= names
     missing = sorted(n for n in names if f"`{n}" not in doc)
     assert not missing, f"docs/settings.md lacks {missing}"
+
+
+def test_the_main_job_takes_the_soc_and_records_it(tmp_path):
+    r = fastgrad_inprocess("--soc-version", "Ascend950", "--bt", 8, "--hidden", 8, "--vocab", 64)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Ascend950" in r.stderr
+    r = fastgrad_inprocess("--soc-version", "Ascend910_93", "--bt", 16, "--hidden", 8, "--vocab", 64,
+                           "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["soc_version"] == "Ascend910_93" and rep["strict"] is False

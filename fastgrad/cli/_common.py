@@ -122,13 +122,15 @@ SOC_CHOICES = (
 )
 
 
-def add_device_options(p: argparse.ArgumentParser) -> None:
-    """``--soc-version NAME`` and ``--strict`` / ``--no-strict``: the device a golden follows."""
+def add_device_options(p, strict: bool = True) -> None:
+    """``--soc-version NAME`` and (``strict``) ``--strict`` / ``--no-strict``: the device a golden follows."""
     p.add_argument(
         "--soc-version",
         metavar="NAME",
         help=f"SoC whose kernels the golden follows: {SOC_CHOICES} (default: FASTGRAD_SOC_VERSION, else Ascend910B)",
     )
+    if not strict:
+        return
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--strict",

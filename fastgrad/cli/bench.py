@@ -189,7 +189,7 @@ def main(argv: list[str]) -> int:
             raise CliError("--plot", "a directory (created when missing)", repr(args.plot), hint="an existing file")
         _check_dir_writable(os.path.abspath(args.plot), "--plot", repr(args.plot))
         if importlib.util.find_spec("matplotlib") is None:
-            raise CliError("--plot", "matplotlib installed (pip install 'fastgrad[plot]')", "no matplotlib")
+            raise CliError("--plot", "matplotlib installed (pip install matplotlib)", "no matplotlib")
     other = None
     if args.compare:
         other = _load_report(args.compare, "--compare")
@@ -325,5 +325,5 @@ def main(argv: list[str]) -> int:
         if files:
             print("wrote " + ", ".join(files))
         else:
-            print("no plots written: matplotlib is not installed (pip install 'fastgrad[plot]')")
+            print("no plots written: matplotlib is not installed (pip install matplotlib)")
     return 0

@@ -38,7 +38,7 @@ import numpy as np
 from ..benchmarks.report import json_default
 from ..benchmarks.timing import current_rss, peak_rss
 from . import checkpoint as ck
-from ._common import CliError, OneLineParser, subcommand_epilog
+from ._common import CliError, OneLineParser, add_device_options, enter_device, refuse_missing_kernel, subcommand_epilog
 
 MiB = 2**20
 DEFAULT: dict[str, Any] = dict(bt=2048, hidden=896, vocab=151936, dtype="bfloat16")
@@ -266,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="refuse jobs whose estimated peak exceeds this (default: available memory)",
     )
+    # no --strict: the job accumulates shards in fp32 outputs (out=), a documented extension that
+    # strict mode refuses; FASTGRAD_STRICT is recorded as it is
+    d = p.add_argument_group("device (recorded in report.json)")
+    add_device_options(d, strict=False)
     o = p.add_argument_group("checks and output")
     o.add_argument(
         "--samples",
@@ -794,7 +798,13 @@ class _Bar:
 
 
 def _warm(fg, dtype, filter_eps=None):
-    """Compile the kernels on a tiny problem so the timings exclude compilation."""
+    """Compile the kernels on a tiny problem so the timings exclude compilation (strict mode off:
+    the device would refuse shapes this small; the job itself runs under the user's setting)."""
+    with fg.strict(False):
+        _warm_calls(fg, dtype, filter_eps)
+
+
+def _warm_calls(fg, dtype, filter_eps=None):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 4)).astype(dtype)
     w = rng.standard_normal((5, 4)).astype(dtype)
@@ -1119,6 +1129,7 @@ def run_job(job: Job, ph: Phases | None = None, blas: float | None = None) -> tu
     est = job.estimate
     res = {
         "fastgrad": fg.__version__,
+        **getattr(args, "device", {}),
         "shape": {"BT": BT, "H": H, "V": V},
         "dtype": str(x.dtype),
         "mode": args.mode,
@@ -1459,15 +1470,21 @@ def main(argv: list[str] | None = None) -> int:
     long (``--yes``), then run the phases, printing each row as it ends; SIGINT/SIGTERM print
     the partial report (exit 130/143); a failed write prints the report, removes the partial
     files and exits 2."""
+    import contextlib
+
     args = build_parser().parse_args(argv)
     if args.list_tensors is not None:
         return list_tensors(args.list_tensors)
-    job = resolve(args)
-    try:
-        return _main(job)
-    finally:
-        if job.out_created:  # nothing written (refused, interrupted, failed): leave no empty dir
-            _remove_dir_if_empty(args.out)
+    with contextlib.ExitStack() as stack:
+        # the SoC and strict mode the ops follow (--soc-version / --strict, else the environment)
+        args.device = enter_device(stack, args)
+        refuse_missing_kernel("fused_linear_cross_entropy_loss_grad", args.device["soc_version"])
+        job = resolve(args)
+        try:
+            return _main(job)
+        finally:
+            if job.out_created:  # nothing written (refused, interrupted, failed): leave no empty dir
+                _remove_dir_if_empty(args.out)
 
 
 def _interrupted(e: BaseException, ph: Phases, say: Say, what: str) -> int:
