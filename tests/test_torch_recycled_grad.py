@@ -72,7 +72,9 @@ def test_the_rounded_grad_takes_the_freed_scratch_block():
         loss.backward()
         after = _outcache.output_cache_info()
         assert after["misses"] == before["misses"], (before, after)  # no new block for the grad
-        assert after["hits"] > before["hits"] and after["free_bytes"] < before["free_bytes"]
+        # the 16-bit gradient took a free block (a hit); the fused step's fp32 accumulator, a
+        # saved tensor of the graph, is handed back when the backward frees the saved tensors
+        assert after["hits"] > before["hits"]
         del loss
         w.grad = None  # the block comes back with the gradient
         assert _outcache.output_cache_info()["free_bytes"] >= before["free_bytes"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import runtime_error
 from ..ops.fused_cross_entropy_loss_with_max_sum import fused_cross_entropy_loss_with_max_sum
 from ..ops.fused_linear_cross_entropy_loss_grad import fused_linear_cross_entropy_loss_grad
 from ..ops.fused_linear_online_max_sum import fused_linear_online_max_sum
@@ -163,6 +164,14 @@ class DeviceLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, tmask, mt, m, s, valid, owned)
         ctx.cfg = (reduction, eps, process_group, V, n_valid)
         return loss
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise runtime_error(
+            "linear_cross_entropy: forward-mode AD is not implemented for precision='device' (the aclnn "
+            "pipeline); the default precision='accurate' has it",
+            "precision",
+        )
 
     @staticmethod
     @differentiable_once

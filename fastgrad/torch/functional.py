@@ -34,14 +34,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
 import torch
 
 from .._config import gemm, is_strict, prefer_onednn, workspace_floor
-from ..errors import invalid
+from ..errors import invalid, runtime_error
 from ..ops._engines import bf16_kernel_in_use
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce_op
 from ..ops.linear_cross_entropy import round_grad as _round_grad
@@ -75,32 +75,82 @@ def _engine(cfg):
     return contextlib.nullcontext() if e is None else gemm(e)
 
 
+class _State:
+    """What the Functions of one call share besides tensors: the checked configuration, the
+    op's keywords, the schedule and which inputs want a gradient (never a tensor: under
+    ``vmap`` every tensor must be an argument, so that the batch rule slices it)."""
+
+    __slots__ = ("cfg", "kw", "fused", "need")
+
+    def __init__(self, cfg, kw, fused, need):
+        self.cfg, self.kw, self.fused, self.need = cfg, kw, fused, need
+
+
+def _loop_vmap(fn, info, in_dims, *args):
+    """A ``vmap`` rule by a loop: ``fn`` on each slice of the batched arguments, the tensor
+    outputs stacked along dim 0 (the kernels take plain tensors; a batch of cotangents or of
+    tangents — ``is_grads_batched``, ``gradcheck(check_batched_grad=True)``, batched forward AD —
+    is a handful of vectors, each one more pass of the kernel)."""
+    outs = []
+    for i in range(info.batch_size):
+        outs.append(fn(*(a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims))))
+    if not outs:
+        raise invalid("vmap", "a batch of at least one", "batch size 0", OP)
+    res: list = []
+    dims: list[int | None] = []
+    for k in range(len(outs[0])):
+        col = [o[k] for o in outs]
+        if isinstance(col[0], torch.Tensor):
+            res.append(torch.stack(col))
+            dims.append(0)
+        else:
+            res.append(col[0])
+            dims.append(None)
+    return tuple(res), tuple(dims)
+
+
+def _op_kw(cfg):
+    return dict(
+        ignore_index=cfg["ignore_index"],
+        reduction=cfg["reduction"],
+        label_smoothing=cfg["label_smoothing"],
+        softcap=cfg["softcap"],
+        temperature=cfg["temperature"],
+        lse_square_scale=cfg["lse_square_scale"],
+        vocab_start_index=cfg["start"],
+        vocab_size=cfg["V"],
+        filter_eps=cfg.get("filter_eps"),
+        accum_dtype=cfg.get("accum_dtype"),
+        precision=cfg.get("op_precision", "accurate"),
+    )
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd Function behind :func:`linear_cross_entropy` (arguments already validated).
 
-    ``forward(ctx, hidden2d, weight, bias, ce_weight, target1d, cfg)`` returns
-    ``(loss, z_loss, token_accuracy, predicted_tokens, entropy)``; ``loss`` and ``entropy``
-    (None unless ``cfg["return_entropy"]``) are differentiable.
+    ``apply(hidden2d, weight, bias, ce_weight, target1d, cfg)`` returns ``(loss, z_loss,
+    token_accuracy, predicted_tokens, entropy, lse, z_mean, grad_input, grad_weight,
+    grad_bias)``; ``loss`` and ``entropy`` (None unless ``cfg["return_entropy"]``) are
+    differentiable, the rest are not (the last five are what the backward and the jvp read:
+    the fp32 log-sum-exp, the entropy's ``μ``, the fused step's gradients or None).
+    ``cfg["need"]``: which of hidden / weight / bias want a gradient (read by the caller, where
+    the user's tensors are visible).
+
+    * backward: the fused step's gradients scaled, or the recompute on the kernel; a batch of
+      cotangents (``torch.autograd.grad(..., is_grads_batched=True)``, gradcheck's batched
+      grad, ``torch.func.jacrev``) in chunked torch ops (:func:`_torch_grads`).
+    * jvp (forward-mode AD, ``torch.autograd.forward_ad``, ``torch.func.jvp``): the loss's
+      tangent ``Σ_v dloss/dL_v · L̇_v`` with ``L̇ = Ẋ·Wᵀ + X·Ẇᵀ + ḃ`` — one more recompute of the
+      kernel (:func:`_kernel_tangent`), a batch of tangents in chunked torch ops
+      (:func:`_torch_tangent`); never ``[BT, V]``.
+    * vmap: a loop over the batch (``torch.func.vmap`` of the loss).
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, ce_weight, t, cfg):
-        need = (h.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    def forward(h, weight, bias, ce_weight, t, cfg):
+        need = cfg["need"]
         fused = cfg["fused"] and any(need)
         group = cfg["group"]
-        kw = dict(
-            ignore_index=cfg["ignore_index"],
-            reduction=cfg["reduction"],
-            label_smoothing=cfg["label_smoothing"],
-            softcap=cfg["softcap"],
-            temperature=cfg["temperature"],
-            lse_square_scale=cfg["lse_square_scale"],
-            vocab_start_index=cfg["start"],
-            vocab_size=cfg["V"],
-            filter_eps=cfg.get("filter_eps"),
-            accum_dtype=cfg.get("accum_dtype"),
-            precision=cfg.get("op_precision", "accurate"),
-        )
         # the fused step's row blocks may take as much scratch as the 16-bit grad_weight they
         # are recycled into in the backward (``recycled_scratch_bytes``): fewer, larger blocks
         # (one process only: the ranks of a vocabulary-parallel group must plan the same row
@@ -116,91 +166,348 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 return_grad=need if fused else False,
                 combine=None if group is None else _vp.block_combiner(group),
                 return_entropy=cfg["return_entropy"],
-                **kw,
+                **_op_kw(cfg),
             )
-        ctx.cfg, ctx.kw, ctx.fused, ctx.need = cfg, kw, fused, need
+        gi = gw = gb = None
         if fused:
-            gi = r.grad_input
+            gi, gw, gb = r.grad_input, r.grad_weight, r.grad_bias
             if group is not None and gi is not None:
                 gi = _vp.all_reduce_sum_fp32(gi, group)
-            ctx.grads = (gi, r.grad_weight, r.grad_bias)
-            ctx.save_for_backward(h, weight, bias)
-        else:
-            ctx.grads = None
-            ctx.save_for_backward(h, weight, bias, ce_weight, t, r.lse, r.z_mean)
-        acc = r.token_accuracy
         # Liger's predicted tokens: the argmax, -1 where the target is ignored
         pred = torch.where(t == cfg["ignore_index"], torch.full_like(r.predicted, -1), r.predicted)
-        ctx.mark_non_differentiable(r.z_loss, acc, pred)
+        return r.loss, r.z_loss, r.token_accuracy, pred, r.entropy, r.lse, r.z_mean, gi, gw, gb
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, weight, bias, ce_weight, t, cfg = inputs
+        _loss, z_loss, acc, pred, _ent, lse, z_mean, gi, gw, gb = output
+        ctx.state = _State(cfg, _op_kw(cfg), cfg["fused"] and any(cfg["need"]), cfg["need"])
+        ctx.fused = ctx.state.fused  # which schedule ran (tests read loss.grad_fn.fused)
+        ctx.save_for_backward(h, weight, bias, ce_weight, t, lse, z_mean, gi, gw, gb)
+        ctx.save_for_forward(h, weight, bias, ce_weight, t, lse, z_mean)
+        ctx.mark_non_differentiable(*(x for x in (z_loss, acc, pred, lse, z_mean, gi, gw, gb) if x is not None))
         # an output not used in the graph (the entropy of a metric) gets None, not zeros: no
         # entropy gradient is computed for it
         ctx.set_materialize_grads(False)
-        return r.loss, r.z_loss, acc, pred, r.entropy
 
     @staticmethod
     @differentiable_once
-    def backward(ctx, grad_loss, _gz=None, _ga=None, _gp=None, grad_entropy=None):
+    def backward(ctx, grad_loss, _gz=None, _ga=None, _gp=None, grad_entropy=None, *_saved):
         if not any(ctx.needs_input_grad[:3]) or (grad_loss is None and grad_entropy is None):
             return (None,) * 6
-        return LinearCrossEntropyFunction._backward(ctx, grad_loss, grad_entropy)
+        h, weight, bias, ce_weight, t, lse, z_mean, gi, gw, gb = ctx.saved_tensors
+        st = ctx.state
+        need = tuple(ctx.needs_input_grad[:3])
+        if not (_plain(grad_loss) and _plain(grad_entropy)):
+            # a batch of cotangents (is_grads_batched, gradcheck's batched grad, torch.func's
+            # jacrev/vmap of a vjp): the kernels take plain tensors, so the gradient is computed
+            # by torch ops — the fused step's gradients scaled, or the chunked recompute
+            if st.fused and grad_entropy is None:
+                out = [
+                    None if g is None or not n else (g * grad_loss.to(g.dtype)).to(x.dtype)
+                    for g, n, x in zip((gi, gw, gb), need, (h, weight, bias))
+                ]
+            else:
+                out = list(_torch_grads(st, need, grad_loss, grad_entropy, h, weight, bias, ce_weight, t, lse, z_mean))
+            return (*out, None, None, None)
+        out = _kernel_grads(st, need, grad_loss, grad_entropy, h, weight, bias, ce_weight, t, lse, z_mean, gi, gw, gb)
+        return (*out, None, None, None)
 
     @staticmethod
-    def _backward(ctx, grad_loss, grad_entropy):
-        if grad_loss is None:  # only the entropy is differentiated (recompute: t saved 5th)
-            shape = ctx.saved_tensors[4].shape if ctx.cfg["reduction"] == "none" else ()
-            grad_loss = torch.zeros(shape, dtype=torch.float64)
-        if ctx.fused:
-            h, weight, bias = ctx.saved_tensors
-            gi, gw, gb = ctx.grads  # kept: a retained graph may be differentiated again
-            unit = bool((grad_loss == 1).all())
+    def jvp(ctx, th, tw, tb, _tcw=None, _tt=None, _tcfg=None):
+        h, weight, bias, ce_weight, t, lse, z_mean = ctx.saved_tensors
+        st = ctx.state
+        if bias is None:
+            tb = None
+        if th is None and tw is None and tb is None:
+            return (None,) * 10
+        if all(_plain(x) for x in (th, tw, tb)):
+            lt, et = _kernel_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean)
+        else:  # a batch of tangents (batched forward AD): the chunked torch computation
+            lt, et = _torch_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean)
+        return lt, None, None, None, et, None, None, None, None, None
 
-            def scaled(g, like):
-                if g is None:
-                    return None
-                if g.dim() == 2 and g.dtype == torch.float32 and like.dtype in _NARROW and grad_loss.numel() == 1:
-                    # the 16-bit gradient on a recycled block (the forward's freed row-block
-                    # scratch): no new memory; the same bits as the two lines below
-                    s = None if unit else float(grad_loss.to(torch.float32))
-                    u = _round_grad(g.numpy(), _NARROW[like.dtype], s)
-                    return torch.from_numpy(u.view(np.uint16)).view(like.dtype)
-                if unit:  # x·1 is exact: one rounding, no fp32 temporary
-                    return g.to(like.dtype, copy=True)
-                return (g * grad_loss.to(g.dtype)).to(like.dtype)
+    @staticmethod
+    def vmap(info, in_dims, h, weight, bias, ce_weight, t, cfg):
+        return _loop_vmap(LinearCrossEntropyFunction.apply, info, in_dims, h, weight, bias, ce_weight, t, cfg)
 
-            return (
-                scaled(gi, h) if ctx.needs_input_grad[0] else None,
-                scaled(gw, weight) if ctx.needs_input_grad[1] else None,
-                scaled(gb, bias) if ctx.needs_input_grad[2] else None,
-                None,
-                None,
-                None,
+
+def _plain(x):
+    """A plain CPU tensor (or None) that the kernels can take — not a batch of them under
+    ``vmap`` (``torch.func``'s wrappers, or the ``Batched`` tensors of ``is_grads_batched`` and
+    gradcheck's batched checks, which have no CPU key)."""
+    if x is None:
+        return True
+    return torch._C._dispatch_keys(x).has(
+        torch._C.DispatchKey.CPU
+    ) and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
+def _kernel_grads(st, need, grad_loss, grad_entropy, h, weight, bias, ce_weight, t, lse, z_mean, gi, gw, gb):
+    """The backward on the kernel: the fused step's gradients scaled by the cotangent, or the
+    recompute (``fastgrad.linear_cross_entropy`` with ``grad_output`` and the saved ``lse``)."""
+    if grad_loss is None:  # only the entropy is differentiated
+        grad_loss = torch.zeros(t.shape if st.cfg["reduction"] == "none" else (), dtype=torch.float64)
+    if st.fused:
+        unit = bool((grad_loss == 1).all())
+
+        def scaled(g, like):
+            if g is None:
+                return None
+            if g.dim() == 2 and g.dtype == torch.float32 and like.dtype in _NARROW and grad_loss.numel() == 1:
+                # the 16-bit gradient on a recycled block (the forward's freed row-block
+                # scratch): no new memory; the same bits as the two lines below
+                s = None if unit else float(grad_loss.to(torch.float32))
+                u = _round_grad(g.numpy(), _NARROW[like.dtype], s)
+                return torch.from_numpy(u.view(np.uint16)).view(like.dtype)
+            if unit:  # x·1 is exact: one rounding, no fp32 temporary
+                return g.to(like.dtype, copy=True)
+            return (g * grad_loss.to(g.dtype)).to(like.dtype)
+
+        return (
+            scaled(gi, h) if need[0] else None,
+            scaled(gw, weight) if need[1] else None,
+            scaled(gb, bias) if (need[2] and bias is not None) else None,
+        )
+    want = (need[0], need[1], bias is not None and need[2])
+    with_h = grad_entropy is not None  # an entropy output: z_mean was saved
+    with prefer_onednn(), _engine(st.cfg):
+        r = _lce_op(
+            h.detach(),
+            weight.detach(),
+            t,
+            None if bias is None else bias.detach(),
+            ce_weight,
+            return_grad=want,
+            grad_output=grad_loss.detach().double(),
+            lse=lse,
+            grad_entropy=grad_entropy.detach().double() if with_h else None,
+            z_mean=z_mean if with_h else None,
+            **{**st.kw, "accum_dtype": _recompute_gw_dtype(weight, st.kw)},
+        )
+    rgi, rgw, rgb = r.grad_input, r.grad_weight, r.grad_bias
+    group = st.cfg["group"]
+    if group is not None and rgi is not None:
+        rgi = _vp.all_reduce_sum_fp32(rgi, group)
+    return (
+        rgi.to(h.dtype) if (rgi is not None and need[0]) else None,
+        rgw.to(weight.dtype) if (rgw is not None and need[1]) else None,
+        rgb.to(bias.dtype) if (rgb is not None and need[2]) else None,
+    )
+
+
+def _kernel_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean):
+    """Forward-mode AD on the kernel: ``losṡ_r = Σ_v g_rv · L̇_rv`` with ``g = dloss/dL`` (the
+    backward's coefficient at a unit cotangent, every feature's chain rule included) and
+    ``L̇ = Ẋ·Wᵀ + X·Ẇᵀ + ḃ``.  One recompute on widened operands gives every term without
+    ``[BT, V]``: ``X' = [X | 0 | 0]`` and ``W' = [W | Ẇ | ḃ]`` have the logits ``X'·W'ᵀ = X·Wᵀ``,
+    and the kernel's ``grad_input' = g·W' = [g·W | g·Ẇ | g·ḃ]``, so ``losṡ_r = Ẋ_r·(g·W)_r +
+    X_r·(g·Ẇ)_r + (g·ḃ)_r`` (summed over the rows for a reduced loss; over the ranks of a
+    vocabulary-parallel group).  The entropy's tangent the same way with ``grad_entropy = 1``.
+    Dense and ``"accurate"`` (no filtering)."""
+    cfg = st.cfg
+    BT, H = h.shape
+    cols, wcols = [h.detach()], [weight.detach()]
+    if tw is not None:
+        cols.append(torch.zeros((BT, H), dtype=h.dtype))
+        wcols.append(tw.detach().to(weight.dtype))
+    if tb is not None:
+        cols.append(torch.zeros((BT, 1), dtype=h.dtype))
+        wcols.append(tb.detach().to(weight.dtype)[:, None])
+    hp = torch.cat(cols, 1).contiguous() if len(cols) > 1 else h.detach()
+    wp = torch.cat(wcols, 1).contiguous() if len(wcols) > 1 else weight.detach()
+    kw = {**st.kw, "filter_eps": None, "accum_dtype": None, "precision": "accurate"}
+    none = cfg["reduction"] == "none"
+
+    def rows(grad_output, grad_entropy):
+        with prefer_onednn(), _engine(cfg):
+            r = _lce_op(
+                hp,
+                wp,
+                t,
+                None if bias is None else bias.detach(),
+                ce_weight,
+                return_grad=(True, False, False),
+                grad_output=grad_output,
+                lse=lse,
+                grad_entropy=grad_entropy,
+                z_mean=z_mean if grad_entropy is not None else None,
+                **kw,
             )
-        else:
-            h, weight, bias, ce_weight, t, lse, z_mean = ctx.saved_tensors
-            need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-            with_h = grad_entropy is not None  # an entropy output: z_mean was saved
-            with prefer_onednn(), _engine(ctx.cfg):
-                r = _lce_op(
-                    h.detach(),
-                    weight.detach(),
-                    t,
-                    None if bias is None else bias.detach(),
-                    ce_weight,
-                    return_grad=need,
-                    grad_output=grad_loss.detach().double(),
-                    lse=lse,
-                    grad_entropy=grad_entropy.detach().double() if with_h else None,
-                    z_mean=z_mean if with_h else None,
-                    **{**ctx.kw, "accum_dtype": _recompute_gw_dtype(weight, ctx.kw)},
-                )
-            gi, gw, gb = r.grad_input, r.grad_weight, r.grad_bias
-            group = ctx.cfg["group"]
-            if group is not None and gi is not None:
-                gi = _vp.all_reduce_sum_fp32(gi, group)
-        gi = gi.to(h.dtype) if (gi is not None and ctx.needs_input_grad[0]) else None
-        gw = gw.to(weight.dtype) if (gw is not None and ctx.needs_input_grad[1]) else None
-        gb = gb.to(bias.dtype) if (gb is not None and ctx.needs_input_grad[2]) else None
-        return gi, gw, gb, None, None, None
+        g = r.grad_input
+        cdt = g.dtype
+        acc = torch.zeros(BT, dtype=cdt)
+        k = H
+        if th is not None:
+            acc += (th.detach().to(cdt) * g[:, :H]).sum(1)
+        if tw is not None:
+            acc += (h.detach().to(cdt) * g[:, k : k + H]).sum(1)
+            k += H
+        if tb is not None:
+            acc += g[:, k]
+        if cfg["group"] is not None:
+            acc = _vp.all_reduce_sum_fp32(acc, cfg["group"])
+        return acc if none else acc.sum()
+
+    one = torch.ones(BT if none else (), dtype=torch.float64)
+    loss_t = rows(one, None)
+    ent_t = rows(torch.zeros_like(one), one) if cfg["return_entropy"] else None
+    return loss_t, ent_t
+
+
+_T_CHUNK = 2048  # vocabulary columns per chunk of the torch computations (never [BT, V])
+
+
+def _torch_coef(st, h, weight, bias, ce_weight, t, lse, z_mean, c, cz, ch, v0, v1):
+    """``dloss/dL`` of the vocabulary columns ``[v0, v1)`` of this shard, in torch, from the saved
+    ``lse`` (and ``μ``): ``a·p_v - b·[v=t] - e·w_v`` (+ the entropy's ``ch·p_v·(μ - z_v)``) through
+    the temperature and softcap (:func:`fastgrad.linear_cross_entropy`'s formula); ``c``, ``cz``,
+    ``ch`` the rows' coefficients of the cross-entropy, z-loss and entropy terms (they may be a
+    batch under ``vmap``)."""
+    cfg = st.cfg
+    cdt = lse.dtype
+    X = h.detach().to(cdt)
+    W = weight.detach()[v0:v1].to(cdt)
+    L = X @ W.T
+    if bias is not None:
+        L = L + bias.detach()[v0:v1].to(cdt)
+    T, cap = cfg["temperature"], cfg["softcap"]
+    if cap is not None:
+        th = torch.tanh(L / cap)
+        z = cap * th / T
+        dz = (1 - th * th) / T
+    else:
+        z = L / T
+        dz = None if T == 1.0 else 1.0 / T
+    p = torch.exp(z - lse[:, None])
+    eps, V, start = cfg["label_smoothing"], cfg["V"], cfg["start"]
+    valid = t != cfg["ignore_index"]
+    tl = torch.where(valid, t.long(), torch.zeros_like(t.long()))
+    if ce_weight is None:
+        wt = valid.to(cdt)
+        wsum = float(V)
+        wv = None
+    else:
+        cw = ce_weight.to(cdt)
+        wt = torch.where(valid, cw[tl], torch.zeros((), dtype=cdt))
+        wsum = cw.sum()
+        wv = cw[start + v0 : start + v1]
+    a = c * ((1 - eps) * wt + eps * wsum / V) + cz * 2 * cfg["lse_square_scale"] * lse * valid
+    u = a.unsqueeze(-1) * p
+    cols = torch.arange(start + v0, start + v1)
+    onehot = (tl[:, None] == cols[None, :]) & valid[:, None]
+    u = u - (c * (1 - eps) * wt).unsqueeze(-1) * onehot.to(cdt)
+    if eps:
+        e = c * eps / V
+        u = u - e.unsqueeze(-1) * (1.0 if wv is None else wv)
+    if ch is not None:
+        u = u + ch.unsqueeze(-1) * p * (z_mean[:, None] - z)
+    return u if dz is None else u * dz
+
+
+def _row_coefs(st, t, lse, ce_weight, grad_loss, grad_entropy):
+    """The rows' coefficients ``(c, cz, ch)`` of the cross-entropy, z-loss and entropy terms
+    for the upstream gradients (each a batch under ``vmap``; 0 on ignored rows)."""
+    cfg = st.cfg
+    cdt = lse.dtype
+    valid = (t != cfg["ignore_index"]).to(cdt)
+    red = cfg["reduction"]
+    if red == "mean":
+        n = valid.sum()
+        tl = torch.where(t != cfg["ignore_index"], t.long(), torch.zeros_like(t.long()))
+        wsum = n if ce_weight is None else (ce_weight.to(cdt)[tl] * valid).sum()
+        norm_ce, norm_z = 1 / wsum, 1 / n
+    else:
+        norm_ce = norm_z = 1.0
+
+    def row(g, norm):
+        if g is None:
+            return None
+        g = g.to(cdt)
+        if red != "none":
+            g = g.unsqueeze(-1)
+        return g * valid * norm
+
+    zero = torch.zeros((), dtype=cdt)
+    c = row(grad_loss, norm_ce) if grad_loss is not None else zero * valid
+    cz = row(grad_loss, norm_z) if grad_loss is not None else zero * valid
+    return c, cz, row(grad_entropy, norm_z)
+
+
+def _torch_grads(st, need, grad_loss, grad_entropy, h, weight, bias, ce_weight, t, lse, z_mean):
+    """The recompute in chunked torch ops (a batch of cotangents): ``grad_input = Σ_c G_c·W_c``,
+    ``grad_weight[c] = G_cᵀ·X``, ``grad_bias[c] = Σ_r G_c`` with ``G_c = dloss/dL`` of the chunk
+    (:func:`_torch_coef`), never ``[BT, V]``."""
+    if st.cfg["group"] is not None:
+        raise runtime_error(
+            "linear_cross_entropy: batched gradients (is_grads_batched, vmap of the backward) are not "
+            "supported with a process_group (vocabulary parallelism)",
+            "process_group",
+        )
+    c, cz, ch = _row_coefs(st, t, lse, ce_weight, grad_loss, grad_entropy)
+    K = weight.shape[0]
+    cdt = lse.dtype
+    X = h.detach().to(cdt)
+    gi = None
+    gws, gbs = [], []
+    for v0 in range(0, K, _T_CHUNK):
+        v1 = min(K, v0 + _T_CHUNK)
+        G = _torch_coef(st, h, weight, bias, ce_weight, t, lse, z_mean, c, cz, ch, v0, v1)
+        if need[0]:
+            part = G @ weight.detach()[v0:v1].to(cdt)
+            gi = part if gi is None else gi + part
+        if need[1]:
+            gws.append(G.transpose(-1, -2) @ X)
+        if need[2] and bias is not None:
+            gbs.append(G.sum(-2))
+    return (
+        None if gi is None else gi.to(h.dtype),
+        torch.cat(gws, -2).to(weight.dtype) if gws else None,
+        torch.cat(gbs, -1).to(bias.dtype) if gbs else None,
+    )
+
+
+def _torch_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean):
+    """Forward-mode AD in chunked torch ops (a batch of tangents): ``losṡ_r = Σ_c Σ_v
+    G_c ⊙ (Ẋ·W_cᵀ + X·Ẇ_cᵀ + ḃ_c)`` at a unit cotangent, never ``[BT, V]``."""
+    cfg = st.cfg
+    if cfg["group"] is not None:
+        raise runtime_error(
+            "linear_cross_entropy: batched forward-mode AD is not supported with a process_group "
+            "(vocabulary parallelism)",
+            "process_group",
+        )
+    cdt = lse.dtype
+    BT = h.shape[0]
+    none = cfg["reduction"] == "none"
+    one = torch.ones(BT if none else (), dtype=cdt)
+    X = h.detach().to(cdt)
+    K = weight.shape[0]
+
+    def tangent(c, cz, ch):
+        acc: Any = torch.zeros(BT, dtype=cdt)
+        for v0 in range(0, K, _T_CHUNK):
+            v1 = min(K, v0 + _T_CHUNK)
+            G = _torch_coef(st, h, weight, bias, ce_weight, t, lse, z_mean, c, cz, ch, v0, v1)
+            Ld = None
+            if th is not None:
+                Ld = th.to(cdt) @ weight.detach()[v0:v1].to(cdt).T
+            if tw is not None:
+                d = X @ tw[v0:v1].to(cdt).transpose(-1, -2)
+                Ld = d if Ld is None else Ld + d
+            if tb is not None:
+                d = tb[v0:v1].to(cdt).unsqueeze(0)
+                Ld = d if Ld is None else Ld + d
+            acc = acc + (G * Ld).sum(-1)
+        return acc if none else acc.sum(-1)
+
+    c, cz, _ = _row_coefs(st, t, lse, ce_weight, one, None)
+    loss_t = tangent(c, cz, None)
+    ent_t = None
+    if cfg["return_entropy"]:
+        c0, cz0, ch = _row_coefs(st, t, lse, ce_weight, None, one)
+        ent_t = tangent(c0, cz0, ch)
+    return loss_t, ent_t
 
 
 _NARROW = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}
@@ -579,7 +886,15 @@ def linear_cross_entropy(
             "engine": opts.engine,
         }
         cw = None if ce_weight is None else ce_weight.detach()
-        loss, z_loss, acc, pred, ent = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)
+        # which inputs want a gradient, read here where the caller's tensors are visible (inside
+        # the Function, under torch.func transforms, they are unwrapped)
+        grad_on = torch.is_grad_enabled()
+        cfg["need"] = (
+            grad_on and h.requires_grad,
+            grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad,
+        )
+        loss, z_loss, acc, pred, ent, *_ = LinearCrossEntropyFunction.apply(h, weight, bias, cw, t, cfg)
         shape = tuple(target.shape)
 
         def per_token(x):

@@ -55,6 +55,7 @@ __all__ = [
     "is_patched",
     "SUPPORTED",
     "LOSS_KEYWORDS",
+    "check_head",
 ]
 
 _OP = "apply_to"
@@ -128,6 +129,9 @@ TRL_OUTPUTS = ("log_probs", "entropy", "is_top1")
 _ORIG = "_fastgrad_original_forward"
 _SETTINGS = "_fastgrad_loss_kw"
 _TRL = "_fastgrad_trl_head"
+#: set by :func:`revert` on an instance whose fastgrad forward sits under another wrapper
+#: (accelerate's): the forward then calls the original, untouched
+_BYPASS = "_fastgrad_reverted"
 
 
 def _spec_of_class(cls: type) -> tuple[str, HeadSpec] | None:
@@ -156,15 +160,37 @@ def _is_ours(fn: Any) -> bool:
     return getattr(f, "__code__", None) is _PATCHED_CODE
 
 
+def _chain(fn: Any):
+    """``fn`` and the functions it wraps (``functools.wraps``' ``__wrapped__``, through bound
+    methods): accelerate's ``convert_outputs_to_fp32`` and autocast wrappers around a forward.
+    Stops at fastgrad's forward (whose ``__wrapped__`` is the original) and at TRL's fused head
+    (which replaces the head: what it wraps is not what runs)."""
+    seen: set[int] = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        yield fn
+        if _is_ours(fn) or _trl_head_settings(fn) is not None:
+            return
+        fn = getattr(getattr(fn, "__func__", fn), "__wrapped__", None)
+
+
+def _ours_in(fn: Any) -> bool:
+    return any(_is_ours(f) for f in _chain(fn))
+
+
 def is_patched(model_or_class: Any) -> bool:
-    """Whether the effective ``forward`` of a model (instance) or class is fastgrad's — checked by
-    identity, not by a flag (``functools.wraps`` copies flags onto other wrappers, TRL's head)."""
+    """Whether the effective ``forward`` of a model (instance) or class is fastgrad's, or a
+    wrapper of it (accelerate's ``convert_outputs_to_fp32`` / autocast, any ``functools.wraps``
+    chain) — checked by identity, not by a flag (``functools.wraps`` copies flags onto other
+    wrappers, TRL's head); False after :func:`revert` left such a wrapper in place."""
     if isinstance(model_or_class, type):
-        return _is_ours(vars(model_or_class).get("forward", getattr(model_or_class, "forward", None)))
+        return _ours_in(vars(model_or_class).get("forward", getattr(model_or_class, "forward", None)))
+    if vars(model_or_class).get(_BYPASS, False):
+        return False
     inst = vars(model_or_class).get("forward")
     if inst is not None:
-        return _is_ours(inst)
-    return _is_ours(type(model_or_class).forward)
+        return _ours_in(inst)
+    return _ours_in(type(model_or_class).forward)
 
 
 def _check_loss_kw(loss_kw: dict) -> dict:
@@ -223,6 +249,8 @@ def _router_aux(model: Any, outputs: Any, attention_mask: Any) -> torch.Tensor:
 
 def _make_forward(original: Callable) -> Callable:
     def forward(self, *args, **kwargs):
+        if vars(self).get(_BYPASS, False):  # reverted under a wrapper (accelerate's): the original
+            return original(self, *args, **kwargs)
         fused_head = kwargs.pop("fused_lm_head", False)
         if not fused_head and (kwargs.get("labels") is None or not self.training):
             return original(self, *args, **kwargs)
@@ -236,6 +264,108 @@ def _make_forward(original: Callable) -> Callable:
 
 
 _PATCHED_CODE = _make_forward(lambda self: None).__code__
+
+
+def _is_plain_linear(m: Any) -> bool:
+    """An ``nn.Linear`` whose forward is ``nn.Linear``'s (``x·Wᵀ + b``)."""
+    return isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
+
+
+def _peft_kind(m: Any) -> str | None:
+    """``"lora"`` for PEFT's ``lora.Linear``, ``"modules_to_save"`` for its ``ModulesToSaveWrapper``."""
+    mod = type(m).__module__
+    if not mod.startswith("peft."):
+        return None
+    names = {c.__name__ for c in type(m).__mro__}
+    if "ModulesToSaveWrapper" in names:
+        return "modules_to_save"
+    if type(m).__name__ == "Linear" and mod.startswith("peft.tuners.lora") and hasattr(m, "base_layer"):
+        return "lora"
+    return None
+
+
+def _refuse_head(head: Any, why: str) -> None:
+    raise invalid(
+        "lm_head",
+        "an nn.Linear LM head, PEFT's LoRA Linear on one (lora.Linear: W + s·B·A with its dropout) or "
+        f"PEFT's modules_to_save copy of one ({why})",
+        f"{type(head).__module__}.{type(head).__qualname__}",
+        _OP,
+    )
+
+
+def _active_head(head: Any) -> Any:
+    """The module PEFT's ``ModulesToSaveWrapper`` runs (its copy, or the original when adapters
+    are off), recursively; any other head as is."""
+    while _peft_kind(head) == "modules_to_save":
+        act = list(getattr(head, "active_adapters", []) or [])
+        if head.disable_adapters or not act or any(a not in head.modules_to_save for a in act):
+            head = head.original_module
+        else:
+            head = head.modules_to_save[act[0]]
+    return head
+
+
+def _head_weight(head: Any) -> torch.Tensor:
+    head = _active_head(head)
+    return head.weight if _is_plain_linear(head) else head.base_layer.weight
+
+
+def check_head(head: Any) -> None:
+    """Refuse (AclnnError 161002, naming ``lm_head`` and its type) a head the patched forward
+    does not compute exactly: anything but an ``nn.Linear``, PEFT's ``lora.Linear`` on one
+    (vanilla LoRA, not DoRA or another variant, not ``fan_in_fan_out``) and PEFT's
+    ``modules_to_save`` wrapper of one of those."""
+    head = _active_head(head)
+    if _is_plain_linear(head):
+        return
+    if _peft_kind(head) != "lora":
+        _refuse_head(head, "another module type may compute its logits otherwise, and fastgrad would drop it")
+    if not _is_plain_linear(head.base_layer):
+        _refuse_head(head, "the LoRA layer's base_layer is not an nn.Linear")
+    if getattr(head, "fan_in_fan_out", False):
+        _refuse_head(head, "fan_in_fan_out LoRA")
+    if head.disable_adapters and head.merged:
+        _refuse_head(head, "adapters disabled while merged: PEFT unmerges them in its forward")
+    if head.disable_adapters or head.merged:
+        return
+    for a in head.active_adapters:
+        if a not in head.lora_A:
+            continue
+        if a in getattr(head, "lora_variant", {}) or getattr(head, "use_dora", {}).get(a, False):
+            _refuse_head(head, f"adapter {a!r} is a LoRA variant (DoRA, ...), not W + s·B·A")
+        if not (_is_plain_linear(head.lora_A[a]) and _is_plain_linear(head.lora_B[a])):
+            _refuse_head(head, f"adapter {a!r}'s lora_A / lora_B are not nn.Linear")
+
+
+def _head_operands(head: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(hidden', weight', bias')`` whose linear cross-entropy is the head's: an ``nn.Linear``
+    as is; PEFT's LoRA ``x·Wᵀ + b + Σ_a s_a·B_a(A_a(dropout_a(x)))`` as one product of widened
+    operands ``[x | s_1·A_1(D_1(x)) | …] · [W | B_1 | …]ᵀ`` (the low-rank factors through
+    autograd: their gradients, and the dropout's, are PyTorch's; ``[BT, V]`` never exists), the
+    adapters in PEFT's order so the dropout draws the same masks; ``lora_B``'s own bias times
+    ``s_a`` added to the bias."""
+    check_head(head)
+    head = _active_head(head)
+    if _is_plain_linear(head):
+        return hidden, head.weight, head.bias
+    base = head.base_layer
+    W, b = base.weight, base.bias
+    if head.disable_adapters or head.merged:
+        return hidden, W, b
+    xs, ws = [hidden], [W]
+    for a in head.active_adapters:
+        if a not in head.lora_A:
+            continue
+        A, B, drop, s = head.lora_A[a], head.lora_B[a], head.lora_dropout[a], head.scaling[a]
+        u = A(drop(hidden.to(A.weight.dtype))) * s
+        xs.append(u.to(hidden.dtype))
+        ws.append(B.weight.to(W.dtype))
+        if B.bias is not None:
+            b = (torch.zeros(W.shape[0], dtype=W.dtype) if b is None else b) + (B.bias * s).to(W.dtype)
+    if len(xs) == 1:
+        return hidden, W, b
+    return torch.cat(xs, -1), torch.cat(ws, 1), b
 
 
 def _training_forward(self, original: Callable, kw: dict, fused_head: bool):
@@ -263,8 +393,10 @@ def _training_forward(self, original: Callable, kw: dict, fused_head: bool):
     outputs = self.model(**kw, return_dict=True)
     hidden = outputs.last_hidden_state
     head = self.get_output_embeddings()
-    if hidden.dtype != head.weight.dtype:  # autocast: the decoder's output in the autocast dtype
-        hidden = hidden.to(head.weight.dtype)  # the head in the weight's precision (fp32: exact)
+    check_head(head)  # before anything is computed with it
+    w_dtype = _head_weight(head).dtype
+    if hidden.dtype != w_dtype:  # autocast: the decoder's output in the autocast dtype
+        hidden = hidden.to(w_dtype)  # the head in the weight's precision (fp32: exact)
     softcap, temperature = _head_transform(self, spec, loss_kw.pop("temperature", 1.0))
     if fused_head:
         return _trl_forward(
@@ -286,13 +418,14 @@ def _training_forward(self, original: Callable, kw: dict, fused_head: bool):
             _OP,
         )
     reduction = "sum" if num_items is not None else "mean"
+    hidden, weight, bias = _head_operands(head, hidden)
     loss = linear_cross_entropy(
         hidden,
-        head.weight,
+        weight,
         target,
         ignore_index=ignore_index,
         reduction=reduction,
-        bias=getattr(head, "bias", None),
+        bias=bias,
         softcap=softcap,
         temperature=temperature,
         shift=shift,
@@ -349,16 +482,16 @@ def _trl_forward(
         hidden, target = hidden[:, :-1], labels[:, 1:]
     else:
         target = shift_labels
-    target = target.to(head.weight.device)
     mask = target != -100
     want = set(trl["outputs"])
+    hidden, weight, bias = _head_operands(head, hidden)
     r = linear_cross_entropy(
-        hidden.to(head.weight.device),
-        head.weight,
+        hidden,
+        weight,
         target,
         ignore_index=-100,
         reduction="none",
-        bias=getattr(head, "bias", None),
+        bias=bias,
         softcap=softcap,
         temperature=temperature * float(trl["temperature"]),
         return_entropy="entropy" in want,
@@ -486,6 +619,9 @@ def apply_to(model_or_class: Any, **loss_kw: Any) -> Any:
     """
     loss_kw = _check_loss_kw(loss_kw)
     _install_trl_hook()
+    if type(model_or_class).__module__.startswith("peft.") and hasattr(model_or_class, "get_base_model"):
+        apply_to(model_or_class.get_base_model(), **loss_kw)  # a PeftModel: its causal LM
+        return model_or_class
     if isinstance(model_or_class, type):
         cls = model_or_class
         if _spec_of_class(cls) is None:
@@ -499,7 +635,13 @@ def apply_to(model_or_class: Any, **loss_kw: Any) -> Any:
     model = model_or_class
     if not isinstance(model, torch.nn.Module) or _spec_of_class(type(model)) is None:
         _refuse_class(type(model))
+    check_head(model.get_output_embeddings())  # a head fastgrad would compute wrongly: refused now
     inst = vars(model).get("forward")
+    vars(model).pop(_BYPASS, None)
+    if inst is not None and not _is_ours(inst) and _ours_in(inst):
+        # fastgrad's forward under accelerate's wrappers: keep the chain, take the new keywords
+        object.__setattr__(model, _SETTINGS, loss_kw)
+        return model
     if inst is not None and not _is_ours(inst):
         trl = _trl_head_settings(inst)
         if trl is None:
@@ -531,6 +673,10 @@ def revert(model_or_class: Any) -> Any:
     d = vars(model_or_class)
     if "forward" in d and _is_ours(d["forward"]):
         del d["forward"]
+    elif "forward" in d and _ours_in(d["forward"]):
+        # under another wrapper (accelerate's convert_outputs_to_fp32 around fastgrad's forward):
+        # the wrapper stays, fastgrad's forward becomes a pass-through to the original
+        object.__setattr__(model_or_class, _BYPASS, True)
     d.pop(_SETTINGS, None)
     trl = d.pop(_TRL, None)
     if trl is not None:  # the model served TRL's fused head: give it TRL's own head back

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...errors import invalid
+from .._errors import torch_error
 from ..options import resolve_options
 from . import functional as _F
 
@@ -38,9 +39,13 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     Raises
     ------
+    fastgrad.torch._errors.AclnnTorchRuntimeError
+        161002 and a ``RuntimeError``, as PyTorch: a ``weight`` not of shape ``(C,)``
+        (``expected weight shape to be (C,), got ...``), ``label_smoothing`` outside [0, 1]
+        (``expected label_smoothing to be in range [0, 1], got ...``).
     fastgrad.AclnnError
-        161002 for a ``weight`` not of shape ``(C,)``, ``label_smoothing`` outside [0, 1] or bad
-        ``options``.
+        161002 (a ``ValueError``): a bad ``reduction`` or ``options``.  The forward raises what
+        :func:`fastgrad.torch.nn.functional.linear_cross_entropy` raises.
     """
 
     def __init__(
@@ -59,9 +64,19 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         options: Any = None,
     ) -> None:
         if weight is not None and tuple(weight.shape) != (num_classes,):
-            raise invalid("weight", f"shape {(num_classes,)}", tuple(weight.shape), "LinearCrossEntropyLoss")
+            raise torch_error(
+                RuntimeError,
+                f"expected weight shape to be {(num_classes,)}, got {tuple(weight.shape)}",
+                "weight",
+                "LinearCrossEntropyLoss",
+            )
         if not 0.0 <= label_smoothing <= 1.0:
-            raise invalid("label_smoothing", "a float in [0, 1]", label_smoothing, "LinearCrossEntropyLoss")
+            raise torch_error(
+                RuntimeError,
+                f"expected label_smoothing to be in range [0, 1], got {label_smoothing}",
+                "label_smoothing",
+                "LinearCrossEntropyLoss",
+            )
         if reduction not in ("mean", "sum", "none"):
             raise invalid("reduction", "'mean', 'sum' or 'none'", repr(reduction), "LinearCrossEntropyLoss")
         resolve_options(options, "options", "LinearCrossEntropyLoss")

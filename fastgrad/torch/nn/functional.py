@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...errors import invalid
+from .._errors import torch_error
 from ..functional import linear_cross_entropy as _fastgrad_lce
 from ..options import resolve_options
 
@@ -85,42 +85,75 @@ def linear_cross_entropy(
     Returns
     -------
     Tensor
-        The loss: a scalar, or ``(N)`` / ``()`` for ``"none"``.  fp32 for 16-bit inputs (PyTorch
-        returns the input dtype; fastgrad's statistics are fp32 and the loss keeps them), the
-        input's dtype otherwise.  Gradients in the inputs' dtypes.
+        The loss: a scalar, or ``(N)`` / ``()`` for ``"none"``, in the input's dtype as PyTorch
+        (fastgrad's statistics are fp32 for 16-bit inputs; the loss is rounded once to
+        bf16/fp16 at the end, differentiably).  Gradients in the inputs' dtypes.  Autograd as
+        PyTorch's op: batched gradients (``is_grads_batched``, ``gradcheck(check_batched_grad=
+        True)``), forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``/``jacfwd``),
+        ``torch.func.vmap``/``jacrev``; differentiable once (a second derivative raises
+        AclnnError 361001, a ``RuntimeError``).
 
     Class-probability targets and K-dimensional weights (``linear_weight`` of rank > 2) run
     PyTorch's reference path, with a warning — as PyTorch's chunked path does for what it does
-    not support.
+    not support.  ``options`` is fastgrad's extension (keyword-only, as PyTorch's own); int32
+    targets are accepted too (PyTorch takes int64 and uint8).
 
     Raises
     ------
+    The types PyTorch 2.13 raises, each also a :class:`fastgrad.AclnnError` 161002
+    (:mod:`fastgrad.torch._errors`), with PyTorch's message text:
+        ``RuntimeError`` — input rank not 1 or 2, ``linear_weight`` rank < 2, unequal
+        ``in_features``, a ``linear_bias`` or class ``weight`` of another shape, ``ignore_index``
+        with probabilities, dtypes that differ, a non-integer target dtype, ``label_smoothing``
+        outside [0, 1];
+        ``ValueError`` — a target batch size other than the input's, a bad ``reduction``;
+        ``IndexError`` — a target outside ``[0, C)`` that is not ``ignore_index``;
+        ``TypeError`` — a non-int ``ignore_index``; ``NotImplementedError`` — integer inputs.
     fastgrad.AclnnError
-        161002 (a ``ValueError``): ranks and shapes PyTorch rejects, dtypes, a target outside
-        ``[0, C)``, bad ``reduction`` / ``label_smoothing`` / ``options``.
+        161002 (a ``ValueError``): bad ``options``.
     """
     opts = resolve_options(options, "options", _OP)
     if not isinstance(input, torch.Tensor) or not isinstance(linear_weight, torch.Tensor):
-        raise invalid("input", "torch.Tensor input and linear_weight", (type(input), type(linear_weight)), _OP)
+        raise torch_error(
+            TypeError,
+            f"expected input and linear_weight to be Tensors, got {type(input).__name__} and "
+            f"{type(linear_weight).__name__}",
+            "input",
+            _OP,
+        )
+    # PyTorch's own checks, in its order, with its messages and exception types
     if input.dim() < 1 or input.dim() > 2:
-        raise invalid("input", "dimensionality 1 or 2 (as torch.nn.functional.linear_cross_entropy)", input.dim(), _OP)
+        raise torch_error(RuntimeError, f"expected input with dimensionality 1 or 2, got {input.dim()}", "input", _OP)
     if linear_weight.dim() < 2:
-        raise invalid("linear_weight", "dimensionality at least 2", linear_weight.dim(), _OP)
-    if input.shape[-1] != linear_weight.shape[-1]:
-        raise invalid(
+        raise torch_error(
+            RuntimeError,
+            f"expected linear_weight with dimensionality at least 2, got {linear_weight.dim()}",
             "linear_weight",
-            f"last dimension equal to input's (in_features = {input.shape[-1]})",
-            tuple(linear_weight.shape),
+            _OP,
+        )
+    if input.shape[-1] != linear_weight.shape[-1]:
+        raise torch_error(
+            RuntimeError,
+            "expected equal input and linear_weight last dimensions (in_features), "
+            f"got {input.shape[-1]} and {linear_weight.shape[-1]}, respectively",
+            "linear_weight",
             _OP,
         )
     num_classes = linear_weight.shape[0]
     out_features = tuple(linear_weight.shape[1:-1])
     if linear_bias is not None and tuple(linear_bias.shape) != (num_classes, *out_features):
-        raise invalid("linear_bias", f"shape {(num_classes, *out_features)}", tuple(linear_bias.shape), _OP)
+        raise torch_error(
+            RuntimeError,
+            f"expected linear_bias shape {(num_classes, *out_features)}, got {tuple(linear_bias.shape)}",
+            "linear_bias",
+            _OP,
+        )
     logits_shape = (*input.shape[:-1], num_classes, *out_features)
     probabilities = isinstance(target, torch.Tensor) and tuple(target.shape) == logits_shape
     if probabilities and ignore_index is not None:
-        raise invalid("ignore_index", "None when target contains probabilities", ignore_index, _OP)
+        raise torch_error(
+            RuntimeError, "ignore_index cannot be specified when target contains probabilities", "ignore_index", _OP
+        )
     if out_features or probabilities:
         warnings.warn(
             "fastgrad.torch.nn.functional.linear_cross_entropy: "
@@ -129,7 +162,10 @@ def linear_cross_entropy(
             stacklevel=2,
         )
         return _reference(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing)
-    return _fastgrad_lce(
+    target = _check_class_target(
+        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing
+    )
+    loss = _fastgrad_lce(
         input,
         linear_weight,
         target,
@@ -140,3 +176,91 @@ def linear_cross_entropy(
         ce_weight=weight,
         options=opts,
     )
+    # PyTorch's output dtype: the input's (fastgrad's statistics are fp32; the loss is rounded
+    # once to bf16/fp16 here, differentiably)
+    return loss if loss.dtype == input.dtype else loss.to(input.dtype)
+
+
+_TORCH_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+
+
+def _tname(dtype: torch.dtype) -> str:
+    return _TORCH_NAMES.get(dtype, str(dtype).replace("torch.", "").capitalize())
+
+
+def _check_class_target(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing):
+    """The checks PyTorch's ``cross_entropy`` / ``linear`` make on class-index targets, with their
+    messages and exception types (:mod:`fastgrad.torch._errors`); returns the target fastgrad
+    takes (uint8 — PyTorch's ``Byte`` — widened to int64)."""
+    if not input.dtype.is_floating_point:
+        raise torch_error(
+            NotImplementedError,
+            f"linear_cross_entropy is not implemented for '{_tname(input.dtype)}' input "
+            "(floating point: bfloat16, float16, float32, float64)",
+            "input",
+            _OP,
+        )
+    if linear_weight.dtype != input.dtype:
+        raise torch_error(
+            RuntimeError,
+            f"expected m1 and m2 to have the same dtype, but got: {_tname(input.dtype).lower()} != "
+            f"{_tname(linear_weight.dtype).lower()} (input and linear_weight)",
+            "linear_weight",
+            _OP,
+        )
+    if linear_bias is not None and linear_bias.dtype != input.dtype:
+        raise torch_error(
+            RuntimeError,
+            f"expected linear_bias to have input's dtype, but got {_tname(linear_bias.dtype)} "
+            f"and {_tname(input.dtype)}",
+            "linear_bias",
+            _OP,
+        )
+    if not isinstance(target, torch.Tensor):
+        raise torch_error(TypeError, f"expected target to be a Tensor, got {type(target).__name__}", "target", _OP)
+    if input.dim() == 2 and tuple(target.shape) != (input.shape[0],):
+        n = target.shape[0] if target.dim() else 1
+        raise torch_error(
+            ValueError, f"Expected input batch_size ({input.shape[0]}) to match target batch_size ({n}).", "target", _OP
+        )
+    if input.dim() == 1 and target.dim() != 0:
+        raise torch_error(
+            ValueError,
+            f"For 1D input, 1D target must have size 1, but got target size: {target.numel()}",
+            "target",
+            _OP,
+        )
+    if target.dtype == torch.uint8:
+        target = target.long()
+    if target.dtype not in (torch.int64, torch.int32):
+        raise torch_error(
+            RuntimeError, f"expected target dtype to be Long or Byte, but got {_tname(target.dtype)}", "target", _OP
+        )
+    C = linear_weight.shape[0]
+    if weight is not None and tuple(weight.shape) != (C,):
+        raise torch_error(
+            RuntimeError,
+            f"weight tensor should be defined either for all {C} classes or no classes but got weight tensor "
+            f"of shape: {list(weight.shape)}",
+            "weight",
+            _OP,
+        )
+    if reduction not in ("mean", "sum", "none"):
+        raise torch_error(ValueError, f"{reduction} is not a valid value for reduction", "reduction", _OP)
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise torch_error(
+            TypeError, f"label_smoothing must be a float, not {type(label_smoothing).__name__}", "label_smoothing", _OP
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise torch_error(
+            RuntimeError, f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}", "label_smoothing", _OP
+        )
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise torch_error(
+            TypeError, f"ignore_index must be int, not {type(ignore_index).__name__}", "ignore_index", _OP
+        )
+    ii = -100 if ignore_index is None else ignore_index
+    bad = (target != ii) & ((target < 0) | (target >= C))
+    if bool(bad.any()):
+        raise torch_error(IndexError, f"Target {int(target[bad][0])} is out of bounds.", "target", _OP)
+    return target
