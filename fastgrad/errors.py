@@ -82,7 +82,7 @@ class AclnnError(Exception):
         param: str | None = None,
         reasons: Iterable[str] = (),
         phase: str = "workspace",
-    ):
+    ) -> AclnnError:
         if cls is AclnnError:
             cls = _BY_STATUS.get(int(status), AclnnError)
         return super().__new__(cls)
@@ -109,7 +109,7 @@ class AclnnError(Exception):
         name = _NAMES.get(self.status, "ACLNN_ERR")
         return f"{self.message} [aclnn {self.status} {name}]"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[AclnnError], tuple[int, str, str | None, tuple[str, ...], str]]:
         return (AclnnError, (self.status, self.message, self.param, self.reasons, self.phase))
 
 
@@ -130,6 +130,13 @@ class InternalError(RuntimeError):
     in a form its kernel does not take, a plan that contradicts its call, a buffer the plan did not
     list.  Not a ``ValueError``: code catching :class:`AclnnParamError` (a user's bad input) does
     not swallow it.  Every input the op layer accepts runs without it; one raised is a bug to report."""
+
+
+class FallbackWarning(RuntimeWarning):
+    """A setting asked for something this machine cannot run (the GEMM setting ``"onednn"`` where
+    its accuracy probe fails, ``precision="fast"`` where no bf16 kernel runs its gradient); the
+    call's plan records what runs instead (``GemmChoice.fallback``, ``TrainingPlan.fallback``) and
+    the op warns once per distinct fallback per process.  Filter it like any warning."""
 
 
 _BY_STATUS = {

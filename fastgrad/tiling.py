@@ -75,6 +75,10 @@ class GemmChoice:
         OpenBLAS's ``cblas_sgemm`` with ``beta = 1``: ``kernels/_gemm.blas_accumulates``); the
         training loss's accumulating tiles then take no scratch product
         (:attr:`TrainingPlan.accumulate_in_gemm`).  The aclnn ops' kernels do not read it.
+    fallback : str or None
+        What the settings asked for and this machine could not run, and what runs instead (e.g.
+        the GEMM setting ``"onednn"`` where its accuracy probe failed: BLAS); the op layer warns
+        once per distinct fallback (``fastgrad.ops._engines.warn_fallback``).  None: as asked.
     """
 
     engine: str = "blas"
@@ -84,6 +88,7 @@ class GemmChoice:
     isa: str = "auto"
     a_form: str | None = None
     beta1: bool = False
+    fallback: str | None = None
 
     def exact_for(self, a, b) -> str | None:
         """The exact-product kernel for operands ``a`` and ``b`` (both 16-bit of one dtype), or None."""
@@ -576,6 +581,7 @@ class TrainingPlan:
     staged_statistics: bool = False
     staged_gradient: bool = False
     grad16: bool = False
+    fallback: str | None = None
     buffers: tuple[Buffer, ...] = ()
 
     @property
@@ -629,6 +635,24 @@ def fast_fused(
     return bool(
         logits16 and fast and want_grad and not recompute and not filtering and not accum16_gw and K > 0 and BT > 0
     )
+
+
+def _fast_fallback(
+    fast: bool, grad: bool, logits16: bool, vocab_major: bool, grad16: bool, filtering: bool, accum16_gw: bool
+) -> str | None:
+    """:attr:`TrainingPlan.fallback`: why ``precision="fast"`` computes ``"accurate"`` here, or None."""
+    if not (fast and grad) or grad16 or (vocab_major and logits16):
+        return None
+    if not logits16:
+        why = (
+            "its logits do not run on the exact-product bf16 kernel here (it needs bf16 input and weight, "
+            "fastgrad.torch's training loss, the GEMM setting 'auto' and a CPU whose 'auto' takes the kernel)"
+        )
+    elif filtering:
+        why = "gradient filtering (filter_eps) keeps the fp32 gradient"
+    else:
+        why = "a 16-bit grad_weight (accum_dtype) in the fused row blocks keeps the fp32 gradient GEMMs"
+    return f"precision='fast' computes as 'accurate' (bitwise): {why}"
 
 
 def plan_training_loss(
@@ -710,6 +734,9 @@ def plan_training_loss(
         staged_statistics=staged_stats,
         staged_gradient=staged_grad,
         grad16=grad16,
+        fallback=_fast_fallback(
+            fast, want_grad and K > 0 and BT > 0, logits16, vocab_major, grad16, filtering, accum16 and g3[1]
+        ),
     )
     return replace(
         plan,

@@ -76,6 +76,12 @@ def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool
     kernels run the variant the choice names: ``_bf16dot.spec_named(choice.variant)``).
     """
     engine = _onednn.resolve_engine(setting, prefer_onednn)
+    fallback = None
+    if setting == "onednn" and engine != "onednn":
+        fallback = (
+            "GEMM setting 'onednn': oneDNN's bf16-mode fp32 matmul is not usable on this machine "
+            "(its accuracy probe failed: an AMX CPU rounds the operands to bf16); BLAS runs instead"
+        )
     kind, spec = _auto_spec(dtype, isa) if setting == "auto" else (None, None)
     exact = kind if spec is not None else None
     return GemmChoice(
@@ -86,4 +92,5 @@ def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool
         isa=isa,
         a_form=None if spec is None else spec.a_forms[0],
         beta1=engine == "blas" and _gemm.blas_accumulates(np.float32),
+        fallback=fallback,
     )

@@ -11,13 +11,53 @@ it and read no setting (``tests/test_architecture.py``).  The capability is the 
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import warnings
+from types import FrameType
+
 import numpy as np
 
 from .. import _config
 from .. import dtypes as D
+from ..errors import FallbackWarning
 from ..tiling import BLAS, GemmChoice, LinearCETiling, plan_linear_cross_entropy
 
-__all__ = ["gemm_choice", "lm_head_plan", "bf16_kernel_available", "bf16_kernel_in_use", "fp16_kernel_in_use"]
+__all__ = [
+    "gemm_choice",
+    "lm_head_plan",
+    "bf16_kernel_available",
+    "bf16_kernel_in_use",
+    "fp16_kernel_in_use",
+    "warn_fallback",
+    "FallbackWarning",
+]
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_fallback(fallback: str | None) -> None:
+    """Warn :class:`FallbackWarning` ``fallback`` (a plan's record) once per process; None: nothing."""
+    if fallback is None:
+        return
+    with _warned_lock:
+        if fallback in _warned:
+            return
+        _warned.add(fallback)
+    warnings.warn(fallback, FallbackWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first frame outside the fastgrad package (the user's call)."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f: FrameType | None = sys._getframe(1)
+    level = 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(pkg + os.sep):
+        f, level = f.f_back, level + 1
+    return level
 
 
 def gemm_choice(dtype, s: _config.Settings | None = None) -> GemmChoice:
@@ -28,7 +68,9 @@ def gemm_choice(dtype, s: _config.Settings | None = None) -> GemmChoice:
     s = _config.settings() if s is None else s
     from ..backends.cpu import resolve_gemm
 
-    return resolve_gemm(dtype, s.gemm, s.native_isa, s.prefer_onednn)
+    choice = resolve_gemm(dtype, s.gemm, s.native_isa, s.prefer_onednn)
+    warn_fallback(choice.fallback)
+    return choice
 
 
 def lm_head_plan(

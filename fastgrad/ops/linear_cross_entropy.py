@@ -22,7 +22,7 @@ from .. import _outcache, arrays, tiling
 from .. import dtypes as D
 from ..arrays import ArrayLike
 from ..errors import AclnnError
-from ._engines import gemm_choice
+from ._engines import gemm_choice, warn_fallback
 from ._opdef import AttrDef, Call, OpDef, TensorDef, execute
 
 OP = "linear_cross_entropy"
@@ -265,7 +265,7 @@ def _plan(call: Call) -> tiling.TrainingPlan:
     cdt, need, gemm = i["cdt"], i["need"], i["params"]["gemm"]
     budget = None if call.settings is None else call.settings.workspace_bytes  # (execute sets them)
     logits16 = bool(gemm.logits16)  # the choice for this dtype: set for bf16 operands only (kernels/_engine.resolve)
-    return tiling.plan_training_loss(
+    plan = tiling.plan_training_loss(
         i["BT"],
         i["K"],
         max(i["V"], 1),
@@ -285,6 +285,8 @@ def _plan(call: Call) -> tiling.TrainingPlan:
         staged=STAGED,
         beta1=gemm.beta1,
     )
+    warn_fallback(plan.fallback)
+    return plan
 
 
 def _kernel_args(call: Call) -> dict:
