@@ -218,7 +218,7 @@ class Out:
 
     __slots__ = ("user", "target", "buffer")
 
-    def __init__(self, user, target: np.ndarray, buffer: np.ndarray):
+    def __init__(self, user: Array | None, target: np.ndarray, buffer: np.ndarray) -> None:
         self.user, self.target, self.buffer = user, target, buffer
 
     def commit(self) -> Any:

@@ -17,13 +17,19 @@ Format codes used by every kernel: ``F32 = 0``, ``BF16 = 1``, ``F16 = 2``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 from llvmlite import ir as llvmir
 from numba import types
 from numba.extending import intrinsic, overload
 
 from ._jit import njit
+
+if TYPE_CHECKING:  # parse_dtype's argument type only
+    import torch
 
 F32, BF16, F16 = 0, 1, 2
 
@@ -39,17 +45,17 @@ _CODE = {FLOAT32: F32, BFLOAT16: BF16, FLOAT16: F16}
 _NAME = {FLOAT32: "float32", BFLOAT16: "bfloat16", FLOAT16: "float16", FLOAT64: "float64"}
 
 
-def code_of(dtype) -> int:
+def code_of(dtype: npt.DTypeLike) -> int:
     """Kernel format code of a NumPy dtype (float32, float16, ml_dtypes.bfloat16)."""
     return _CODE[np.dtype(dtype)]
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: npt.DTypeLike) -> str:
     dt = np.dtype(dtype)
     return _NAME.get(dt, str(dt))
 
 
-def is_16bit(dtype) -> bool:
+def is_16bit(dtype: npt.DTypeLike) -> bool:
     return np.dtype(dtype) in (BFLOAT16, FLOAT16)
 
 
@@ -85,7 +91,7 @@ DTYPE_ALIASES = {
 }
 
 
-def parse_dtype(dtype) -> np.dtype:
+def parse_dtype(dtype: npt.DTypeLike | torch.dtype) -> np.dtype:
     """Any dtype spelling (``"bf16"``, ``"float16"``, ``np.float32``, ``torch.bfloat16``,
     ``ml_dtypes.bfloat16``, ``"int64"`` ...) -> a NumPy dtype.  AclnnError 161002 when unknown."""
     from .errors import invalid
@@ -103,12 +109,12 @@ def parse_dtype(dtype) -> np.dtype:
     if type(dtype).__module__ == "torch":  # a torch.dtype
         return parse_dtype(str(dtype))
     try:
-        return np.dtype(dtype)
+        return np.dtype(cast("npt.DTypeLike", dtype))
     except TypeError:
         raise invalid("dtype", "a dtype", repr(dtype)) from None
 
 
-def promote(*dtypes) -> np.dtype:
+def promote(*dtypes: npt.DTypeLike) -> np.dtype:
     """Type promotion of floating dtypes as the device does it (fp32 > fp16/bf16; fp16+bf16 -> fp32)."""
     ds = {np.dtype(d) for d in dtypes}
     if len(ds) == 1:
@@ -159,13 +165,13 @@ def _f32_to_f16_sw(x):
 
 
 @njit
-def bf16_to_f32(h):
+def bf16_to_f32(h: np.uint16 | int) -> np.float32:
     """bf16 bit pattern -> fp32 (exact), on 32-bit lanes."""
     return np.uint32(np.uint32(h) << np.uint32(16)).view(np.float32)
 
 
 @njit
-def f32_to_bf16(x):
+def f32_to_bf16(x: np.floating | float) -> np.uint16:
     """fp32 -> bf16 bit pattern, RNE, NaN -> 0x7FC0|sign (as ml_dtypes), on 32-bit lanes.
 
     The NaN test is one unordered compare and the quiet-NaN pattern one select, so loops using
@@ -245,7 +251,8 @@ def _f32_to_f16_bits_hw(typingctx, x):
 @njit
 def _f16_to_f32_hw(h):
     """fp16 bits -> fp32, exact: the F16C conversion, with NumPy's NaN payloads (no quieting)."""
-    v = _f16_bits_to_f32_hw(h)
+    # an @intrinsic's typing context is implicit: mypy sees the Python signature (one argument short)
+    v: np.float32 = _f16_bits_to_f32_hw(h)  # type: ignore[call-arg]
     h32 = np.uint32(h)
     if np.uint32(h32 & np.uint32(0x7FFF)) > np.uint32(0x7C00):
         v = np.uint32(
@@ -259,7 +266,7 @@ def _f16_to_f32_hw(h):
 @njit
 def _f32_to_f16_hw(x):
     """fp32 -> fp16 bits, RNE: the F16C conversion, with NumPy's NaN payloads (no quieting)."""
-    r = _f32_to_f16_bits_hw(np.float32(x))
+    r: np.uint16 = _f32_to_f16_bits_hw(np.float32(x))  # type: ignore[call-arg]  # implicit typing context
     f = np.float32(x).view(np.uint32)
     a = np.uint32(f & np.uint32(0x7FFFFFFF))
     if a > np.uint32(0x7F800000):
@@ -270,7 +277,7 @@ def _f32_to_f16_hw(x):
     return r
 
 
-def load_f32(x, code):
+def load_f32(x: np.floating | np.uint16, code: int) -> np.float32:
     """Element of a kernel array -> fp32 (fp32 as is; uint16 storage of format ``code``)."""
     raise NotImplementedError("only callable from Numba kernels")
 
@@ -297,7 +304,7 @@ def _load_f32_ol(x, code):
     return impl
 
 
-def store_as(v, code, like):
+def store_as(v: np.floating | float, code: int, like: np.ndarray) -> np.float32 | np.uint16:
     """fp32 value -> the element type of array ``like`` (RNE to format ``code`` for uint16)."""
     raise NotImplementedError("only callable from Numba kernels")
 
@@ -333,7 +340,7 @@ else:
 
 
 @njit(inline="always")
-def to_f32(h, code):
+def to_f32(h: np.uint16 | int, code: int) -> np.float32:
     """16-bit pattern of format ``code`` (BF16 or F16) -> fp32 value."""
     if code == 1:
         return bf16_to_f32(h)
@@ -341,7 +348,7 @@ def to_f32(h, code):
 
 
 @njit(inline="always")
-def from_f32(x, code):
+def from_f32(x: np.floating | float, code: int) -> np.uint16:
     """fp32 value -> 16-bit pattern of format ``code`` (BF16 or F16), RNE."""
     if code == 1:
         return f32_to_bf16(x)
@@ -349,7 +356,7 @@ def from_f32(x, code):
 
 
 @njit(inline="always")
-def round_f32(x, code):
+def round_f32(x: np.floating | float, code: int) -> np.float32:
     """Round an fp32 value to format ``code`` and return it as fp32 (identity for F32)."""
     if code == 1:
         return bf16_to_f32(f32_to_bf16(x))
@@ -393,7 +400,7 @@ def to_float32(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def from_float32(a: np.ndarray, dtype, out: np.ndarray | None = None) -> np.ndarray:
+def from_float32(a: np.ndarray, dtype: npt.DTypeLike, out: np.ndarray | None = None) -> np.ndarray:
     """Round an fp32 array to ``dtype`` (RNE, bit-exact with ml_dtypes), optionally into ``out``."""
     dt = np.dtype(dtype)
     if dt == FLOAT32:
@@ -416,7 +423,7 @@ def from_float32(a: np.ndarray, dtype, out: np.ndarray | None = None) -> np.ndar
 # ----------------------------------------------------------------------------------------
 
 
-def load_f32_arith(x, code):
+def load_f32_arith(x: np.floating | np.uint16, code: int) -> np.float32:
     """Like :func:`fastgrad.dtypes.load_f32`, for a value that is only used as an operand of
     fp32 arithmetic (never copied to an output as is).
 
@@ -439,12 +446,12 @@ def _load_f32_arith_ol(x, code):
         def impl(x, code):
             if code == 1:
                 return bf16_to_f32(x)
-            return _f16_bits_to_f32_hw(x)
+            return _f16_bits_to_f32_hw(x)  # type: ignore[call-arg]  # implicit typing context
 
     return impl
 
 
-def store_arith(v, code, like):
+def store_arith(v: np.floating | float, code: int, like: np.ndarray) -> np.float32 | np.uint16:
     """Like :func:`fastgrad.dtypes.store_as`, for a value produced by fp32 arithmetic (so never
     a signaling NaN).
 
@@ -472,6 +479,6 @@ def _store_arith_ol(v, code, like):
         def impl(v, code, like):
             if code == 1:
                 return f32_to_bf16(v)
-            return _f32_to_f16_bits_hw(np.float32(v))
+            return _f32_to_f16_bits_hw(np.float32(v))  # type: ignore[call-arg]  # implicit typing context
 
     return impl

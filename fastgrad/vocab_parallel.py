@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "pack_target_mask",
@@ -99,8 +100,8 @@ def combine_shard_statistics(
     sum_exp_logits: Sequence[np.ndarray],
     predicted_logits: Sequence[np.ndarray],
     owned: Sequence[np.ndarray],
-    dtype=np.float32,
-):
+    dtype: npt.DTypeLike = np.float32,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Combine per-shard row statistics as the all-reduce does.
 
     Parameters

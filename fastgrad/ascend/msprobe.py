@@ -59,9 +59,12 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported on use
+    import torch
 
 #: The seven ops' family: API names (after the prefix) whose records are not silently skipped.
 _FAMILY = re.compile(r"smooth_l1|embedding|softmax|cross_entropy|nll_loss|npu_")
@@ -113,7 +116,7 @@ def load_pt(path: str) -> np.ndarray:
     return to_numpy(t)
 
 
-def to_numpy(t) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
     """CPU torch tensor → NumPy copy (bf16 through an int16 view)."""
     import ml_dtypes
     import torch
@@ -124,7 +127,7 @@ def to_numpy(t) -> np.ndarray:
     return t.numpy().copy()
 
 
-def to_torch(a: np.ndarray):
+def to_torch(a: np.ndarray) -> torch.Tensor:
     """NumPy → CPU torch tensor (bf16 through an int16 view)."""
     import ml_dtypes
     import torch

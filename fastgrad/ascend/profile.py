@@ -41,7 +41,12 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the benchmark cases are imported on use
+    from ..benchmarks.cases import Case
 
 SCHEMA = "fastgrad-profile-compare/1"
 
@@ -323,7 +328,7 @@ def _match_main(g: Group) -> Match | str:
     return f"{r.type}: no fastgrad case"  # pragma: no cover - OP_TYPES and the branches agree
 
 
-def make_case(m: Match):
+def make_case(m: Match) -> Case:
     """The :mod:`fastgrad.benchmarks.cases` case of a match (the profile's shape and dtype)."""
     from ..benchmarks import cases as C
 
@@ -347,7 +352,7 @@ def make_case(m: Match):
     raise ProfileError(f"no case for {m.op}")  # pragma: no cover
 
 
-def time_cpu(case, repeat: int, budget_s: float) -> dict:
+def time_cpu(case: Case, repeat: int, budget_s: float) -> dict:
     """Median time of the case's fastgrad runner on the cpu backend (one warm-up call)."""
     import fastgrad as fg
 
@@ -371,7 +376,9 @@ def _rate(work: float | None, seconds: float | None) -> float | None:
     return work / seconds / 1e9
 
 
-def compare_profile(path: str, repeat: int = 3, budget_s: float = 10.0, progress=None) -> dict:
+def compare_profile(
+    path: str, repeat: int = 3, budget_s: float = 10.0, progress: Callable[[dict], object] | None = None
+) -> dict:
     """The side-by-side report of one profile (schema :data:`SCHEMA`, see docs/ascend_workflow.md)."""
     from .. import __version__
     from ..benchmarks.machine import machine_info

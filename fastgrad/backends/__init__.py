@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal, TypeVar, overload
 
 from .. import _config
 from ..errors import runtime_error
+
+_F = TypeVar("_F", bound=Callable)
 
 
 @dataclass
@@ -38,7 +41,7 @@ class Backend:
 
     takes_plan: bool = False
 
-    def load(self):
+    def load(self) -> None:
         if not self._loaded and self.module:
             mod = importlib.import_module(self.module)
             for op, fn in getattr(mod, "IMPLS", {}).items():
@@ -75,11 +78,11 @@ def register_backend(name: str, module: str | None, probe: Callable[[], str | No
     return b
 
 
-def implements(backend: str, op: str):
+def implements(backend: str, op: str) -> Callable[[_F], _F]:
     """Decorator: add ``fn`` to ``backend``'s table (for third-party backends; fastgrad's own
     backends declare ``IMPLS`` tables instead)."""
 
-    def deco(fn):
+    def deco(fn: _F) -> _F:
         b = _BACKENDS.get(backend) or register_backend(backend, None)
         b.impls[op] = fn
         return fn
@@ -110,7 +113,15 @@ register_backend(
 PSEUDO = ("auto",)
 
 
-def available_backends(with_reasons: bool = False):
+@overload
+def available_backends(with_reasons: Literal[False] = ...) -> list[str]: ...
+@overload
+def available_backends(with_reasons: Literal[True]) -> dict[str, str | None]: ...
+@overload
+def available_backends(with_reasons: bool) -> list[str] | dict[str, str | None]: ...
+
+
+def available_backends(with_reasons: bool = False) -> list[str] | dict[str, str | None]:
     """Names of the backends usable now (``["cpu", "reference", ...]``).
 
     With ``with_reasons=True``, a dict of every registered backend to ``None`` (available) or
@@ -157,7 +168,7 @@ def get_backend() -> str:
 
 
 @contextlib.contextmanager
-def use_backend(name: str):
+def use_backend(name: str) -> Iterator[None]:
     """Context manager: run the ops inside on backend ``name`` (raises 361001 if unavailable)."""
     resolve_backend(name)
     with _config.backend_context(name):

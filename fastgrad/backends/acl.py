@@ -41,13 +41,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from ctypes import byref, c_int64, c_uint64, c_void_p
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_RUNTIME_ERROR, AclnnError
 from . import acl_runtime as _rt
+
+if TYPE_CHECKING:
+    import torch
 
 BACKEND = "acl"
 
@@ -95,10 +101,14 @@ class DeviceArray:
         return math.prod(self.shape)
 
 
+#: One tensor of an op (the op layer's adapted operands): a host array (copied to the device,
+#: outputs copied back) or memory already on the device (used in place).
+Operand: TypeAlias = "np.ndarray | DeviceArray"
+
 _TORCH_TO_NUMPY = None
 
 
-def device_array_from_torch(t) -> DeviceArray:
+def device_array_from_torch(t: torch.Tensor) -> DeviceArray:
     """Describe a torch_npu tensor (``t.device.type == "npu"``) as a :class:`DeviceArray`.
 
     No data moves: the aclTensor is later built on ``t.untyped_storage().data_ptr()`` with
@@ -175,7 +185,7 @@ def _contiguous_strides(shape) -> list[int]:
     return strides
 
 
-def strided_layout(a: np.ndarray):
+def strided_layout(a: np.ndarray) -> tuple[np.ndarray, list[int], list[int]]:
     """How a host array goes to the device: ``(array_to_copy_from, strides, storage_shape)``.
 
     ``strides`` are in elements.  A positive-stride, at-most-2x-sparse view keeps its
@@ -268,7 +278,7 @@ class Call:
             self.foreign_streams.append(a.stream)
         return self._create(a.shape, a.dtype, a.strides, a.offset, [a.storage_elems], a.ptr or None)
 
-    def input(self, a) -> int | None:
+    def input(self, a: npt.ArrayLike | DeviceArray | None) -> int | None:
         """aclTensor for an input (None -> nullptr)."""
         if a is None:
             return None
@@ -286,7 +296,7 @@ class Call:
         )
         return self._create(a.shape, a.dtype, strides, 0, storage, dev)
 
-    def output(self, a) -> int | None:
+    def output(self, a: Operand | None) -> int | None:
         """aclTensor for an output (None -> nullptr); copied back after the sync."""
         if a is None:
             return None
@@ -305,7 +315,7 @@ class Call:
         self.copy_back.append((a, dev, nbytes))
         return t
 
-    def run(self, *args) -> None:
+    def run(self, *args: int | float | bytes | None) -> None:
         """Both stages, the sync and the copies back. ``args``: the first-stage arguments."""
         rt = self.rt
         ws = c_uint64(0)
@@ -357,7 +367,7 @@ class Call:
 
 
 @contextlib.contextmanager
-def op_call(op: str):
+def op_call(op: str) -> Iterator[Call]:
     """Context manager for one aclnn op: the runtime set up, a :class:`Call`, cleanup always.
 
     Calls are serialized by the runtime's lock (one stream per process).
@@ -382,8 +392,16 @@ def op_call(op: str):
 
 # --- the seven ops (same keyword signatures as the "cpu" backend) -----------------------------
 def fused_linear_online_max_sum(
-    *, input, weight, target, vocab_start_index, vocab_end_index, return_logits=False, logits_dtype=None, out
-):
+    *,
+    input: Operand,
+    weight: Operand,
+    target: Operand,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    return_logits: bool = False,
+    logits_dtype: npt.DTypeLike | None = None,
+    out: tuple[Operand, Operand, Operand, Operand, Operand, Operand | None],
+) -> None:
     """aclnnFusedLinearOnlineMaxSum. ``out`` = (logits_max_local, sum_exp_logits_local,
     predicted_logits_local, target_mask, masked_target, vocab_parallel_logits or None).
 
@@ -417,8 +435,14 @@ def fused_linear_online_max_sum(
 
 
 def fused_cross_entropy_loss_with_max_sum(
-    *, logits_max, sum_exp_logits, predicted_logits, label_smoothing=0.0, vocab_parallel_logits=None, out
-):
+    *,
+    logits_max: Operand,
+    sum_exp_logits: Operand,
+    predicted_logits: Operand,
+    label_smoothing: float = 0.0,
+    vocab_parallel_logits: Operand | None = None,
+    out: tuple[Operand, Operand | None],
+) -> None:
     """aclnnFusedCrossEntropyLossWithMaxSum (inputOptional/weightOptional = nullptr).
     ``out`` = (loss, softmax or None).
 
@@ -443,22 +467,23 @@ def fused_cross_entropy_loss_with_max_sum(
     if label_smoothing != 0.0 and softmax is not None and isinstance(loss, np.ndarray):
         from ..vocab_parallel import smoothed_loss
 
-        loss[...] = smoothed_loss(loss, softmax, label_smoothing)
+        # a host loss comes with a host softmax (outputs are host buffers or the caller's NPU tensors)
+        loss[...] = smoothed_loss(loss, cast("np.ndarray", softmax), label_smoothing)
 
 
 def fused_linear_cross_entropy_loss_grad(
     *,
-    grad,
-    input,
-    weight,
-    target_mask,
-    masked_target,
-    label_smoothing=0.0,
-    logits_max=None,
-    sum_exp_logits=None,
-    softmax=None,
-    out,
-):
+    grad: Operand,
+    input: Operand,
+    weight: Operand,
+    target_mask: Operand,
+    masked_target: Operand,
+    label_smoothing: float = 0.0,
+    logits_max: Operand | None = None,
+    sum_exp_logits: Operand | None = None,
+    softmax: Operand | None = None,
+    out: tuple[Operand | None, Operand | None],
+) -> None:
     """aclnnFusedLinearCrossEntropyLossGrad. ``out`` = (grad_input, grad_weight).
 
     The device overwrites ``softmaxOptional``; host inputs are copied, so the caller's softmax
@@ -483,20 +508,20 @@ def fused_linear_cross_entropy_loss_grad(
 
 def cross_entropy_loss_grad(
     *,
-    grad_loss,
-    log_prob,
-    target,
-    weight=None,
-    reduction="mean",
-    ignore_index=-100,
-    label_smoothing=0.0,
-    grad_zloss=None,
-    lse_for_zloss=None,
-    lse_square_scale_for_zloss=0.0,
-    out,
-    ignore_any_sign=True,
-    smooth_arch35=False,
-):
+    grad_loss: Operand,
+    log_prob: Operand,
+    target: Operand,
+    weight: Operand | None = None,
+    reduction: str | int = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    grad_zloss: Operand | None = None,
+    lse_for_zloss: Operand | None = None,
+    lse_square_scale_for_zloss: float = 0.0,
+    out: Operand,
+    ignore_any_sign: bool = True,
+    smooth_arch35: bool = False,
+) -> None:
     """aclnnCrossEntropyLossGrad (reduction passed as the C string "none"/"mean"/"sum").
 
     ``ignore_any_sign`` (the CPU kernels' SoC rule) is not passed: the device applies its own."""
@@ -517,13 +542,30 @@ def cross_entropy_loss_grad(
         )
 
 
-def scaled_masked_softmax_backward(*, grad_output, y, mask=None, scale=1.0, fix_triu_mask=False, out):
+def scaled_masked_softmax_backward(
+    *,
+    grad_output: Operand,
+    y: Operand,
+    mask: Operand | None = None,
+    scale: float = 1.0,
+    fix_triu_mask: bool = False,
+    out: Operand,
+) -> None:
     """aclnnScaledMaskedSoftmaxBackward (scale as C double, fixTriuMask as C bool)."""
     with op_call("aclnnScaledMaskedSoftmaxBackward") as c:
         c.run(c.input(grad_output), c.input(y), c.input(mask), float(scale), bool(fix_triu_mask), c.output(out))
 
 
-def smooth_l1_loss_backward(*, grad_out, input, target, reduction="mean", beta=1.0, out, smooth_l1_kernel="tbe"):
+def smooth_l1_loss_backward(
+    *,
+    grad_out: Operand,
+    input: Operand,
+    target: Operand,
+    reduction: str | int = "mean",
+    beta: float = 1.0,
+    out: Operand,
+    smooth_l1_kernel: str = "tbe",
+) -> None:
     """aclnnSmoothL1LossBackward (reduction as int64: none=0, mean=1, sum=2; beta as C float).
 
     ``smooth_l1_kernel`` (the CPU kernels' SoC choice) is not passed: the device runs its own."""
@@ -534,15 +576,15 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction="mean", beta=1
 
 def embedding_dense_backward(
     *,
-    grad,
-    indices,
-    num_weights,
-    padding_idx=-1,
-    scale_grad_by_freq=False,
-    out,
-    result_dtype=None,
-    deterministic_cores=0,
-):
+    grad: Operand,
+    indices: Operand,
+    num_weights: int,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    out: Operand,
+    result_dtype: npt.DTypeLike | None = None,
+    deterministic_cores: int = 0,
+) -> None:
     """aclnnEmbeddingDenseBackward (numWeights, paddingIdx as uint64: a negative padding_idx is
     passed as its two's complement, which the device reads as "no padding row").
     ``result_dtype`` and ``deterministic_cores`` are the CPU kernel's: the device decides them

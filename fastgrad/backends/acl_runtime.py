@@ -38,6 +38,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Sequence
 from ctypes import (
     POINTER,
     byref,
@@ -53,12 +54,16 @@ from ctypes import (
     c_uint64,
     c_void_p,
 )
+from typing import TYPE_CHECKING, TypeAlias
 
 import ml_dtypes
 import numpy as np
 
 from .. import _config
 from ..errors import ACLNN_ERR_RUNTIME_ERROR, AclnnError
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 ENV_LIB_DIR = _config.ENV_ACL_LIB_DIR
 ENV_DEVICE = _config.ENV_ACL_DEVICE
@@ -180,7 +185,13 @@ def _ctype(c: str, where: str):
     return C_TYPES[c]
 
 
-def load_prototypes(path: str = PROTOTYPE_HEADER) -> dict:
+#: A ctypes prototype: ``(restype or None for void, [argtypes])``.
+Prototype: TypeAlias = "tuple[type | None, list[type]]"
+#: One entry of :data:`PROTOTYPE_VARIANTS`: ``(min_version, max_version_exclusive, prototype)``.
+PrototypeVariant: TypeAlias = "tuple[Sequence[int] | None, Sequence[int] | None, Prototype]"
+
+
+def load_prototypes(path: str = PROTOTYPE_HEADER) -> dict[str, Prototype]:
     """``name -> (restype, [argtypes])`` for every declaration of the vendored header."""
     with open(path, encoding="utf-8") as f:
         parsed = parse_prototypes(f.read())
@@ -213,7 +224,7 @@ OPS = (
 #: than guessed.  Empty today: every revision of the ops-nn headers and docs in the public
 #: history declares the prototypes of ``aclnn_prototypes.h`` (e.g. aclnnCrossEntropyLossGrad's
 #: ``double labelSmoothing`` in all revisions of docs/aclnnCrossEntropyLossGrad.md).
-PROTOTYPE_VARIANTS: dict = {}
+PROTOTYPE_VARIANTS: dict[str, list[PrototypeVariant]] = {}
 
 #: Symbols without which the backend cannot run at all.
 REQUIRED_SYMBOLS = (
@@ -235,7 +246,7 @@ REQUIRED_SYMBOLS = (
 BASE_FORMATS = {0: "NCHW", 1: "NHWC", 2: "ND", 30: "NCDHW"}
 
 
-def parse_version(s: str | None) -> tuple | None:
+def parse_version(s: str | None) -> tuple[int, ...] | None:
     """``"8.2.RC1"`` -> (8, 2, 1); ``"8.0.0.alpha003"`` -> (8, 0, 0, 3); None/garbage -> None."""
     if not s:
         return None
@@ -243,7 +254,9 @@ def parse_version(s: str | None) -> tuple | None:
     return tuple(int(n) for n in nums) if nums else None
 
 
-def select_prototype(name: str, version: tuple | None, variants: dict | None = None):
+def select_prototype(
+    name: str, version: tuple[int, ...] | None, variants: dict[str, list[PrototypeVariant]] | None = None
+) -> Prototype:
     """The ctypes prototype of ``name`` for the runtime ``version`` (see PROTOTYPE_VARIANTS)."""
     variants = PROTOTYPE_VARIANTS if variants is None else variants
     if name in variants:
@@ -289,7 +302,7 @@ class Runtime:
     def __init__(self, libs: dict[str, ctypes.CDLL], paths: dict[str, str]):
         self.libs = libs  # load order preserved
         self.paths = paths
-        self._fns: dict[str, object] = {}
+        self._fns: dict[str, CFuncPtr] = {}
         self.lock = threading.RLock()  # serializes set-up and op calls
         self._tls = threading.local()
         self.acl_initialized = False  # aclInit done (by us or by someone else)
@@ -305,7 +318,7 @@ class Runtime:
         self._soc: str | None | bool = False  # False: not queried yet
 
     # --- symbols ---------------------------------------------------------------------
-    def find_symbol(self, name: str):
+    def find_symbol(self, name: str) -> CFuncPtr | None:
         for lib in self.libs.values():
             try:
                 return getattr(lib, name)
@@ -316,7 +329,7 @@ class Runtime:
     def has(self, name: str) -> bool:
         return name in self._fns or self.find_symbol(name) is not None
 
-    def fn(self, name: str):
+    def fn(self, name: str) -> CFuncPtr:
         """The C function ``name`` with its prototype set (AclnnError 361001 when missing)."""
         f = self._fns.get(name)
         if f is not None:
@@ -339,10 +352,10 @@ class Runtime:
         if not isinstance(self._version, bool):
             return self._version
         v = None
-        if self.find_symbol("aclsysGetVersionStr") is not None:
+        f = self.find_symbol("aclsysGetVersionStr")
+        if f is not None:
             buf = ctypes.create_string_buffer(256)  # ACL_PKG_VERSION_MAX_SIZE is 128
             try:
-                f = self.find_symbol("aclsysGetVersionStr")
                 f.restype, f.argtypes = PROTOTYPES["aclsysGetVersionStr"][0], list(PROTOTYPES["aclsysGetVersionStr"][1])
                 if f(b"runtime", buf) == ACL_SUCCESS and buf.value:
                     v = buf.value.decode("utf-8", "replace").strip()
@@ -351,7 +364,7 @@ class Runtime:
         self._version = v
         return v
 
-    def version_tuple(self) -> tuple | None:
+    def version_tuple(self) -> tuple[int, ...] | None:
         return parse_version(self.version())
 
     # --- SoC ---------------------------------------------------------------------------
@@ -451,7 +464,7 @@ class Runtime:
         """True when torch_npu is imported in this process: it then owns the device's lifetime."""
         return "torch_npu" in sys.modules
 
-    def sync(self, stream=None) -> int:
+    def sync(self, stream: int | None = None) -> int:
         """aclrtSynchronizeStream(stream or ours); returns the status (never raises)."""
         s = self.stream if stream is None else stream
         if s is None:

@@ -4,6 +4,16 @@
 with an op_host plan (the fused linear cross-entropy family) take ``plan=`` and ``progress=``.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the return types only (the kernels are imported on first use)
+    import numpy.typing as npt
+
+    from ..kernels._native import KernelSpec
+    from ..tiling import GemmChoice
+
 TAKES_PLAN = True
 
 _K = "fastgrad.kernels."
@@ -22,7 +32,7 @@ IMPLS = {
 }
 
 
-def resolve_gemm(dtype, setting: str, isa: str, prefer_onednn: bool):
+def resolve_gemm(dtype: npt.DTypeLike, setting: str, isa: str, prefer_onednn: bool) -> GemmChoice:
     """The GEMM choice (``tiling.GemmChoice``) of an LM-head call on this backend: the kernels'
     capability (``fastgrad/kernels/_engine.py``: ``resolve``) under the settings the op layer
     passes (``fastgrad/ops/_engines.py``)."""
@@ -31,7 +41,7 @@ def resolve_gemm(dtype, setting: str, isa: str, prefer_onednn: bool):
     return resolve(dtype, setting, isa, prefer_onednn)
 
 
-def native_variant(kind: str, isa: str):
+def native_variant(kind: str, isa: str) -> KernelSpec | None:
     """The native kernel spec that runs operands of ``kind`` (``"bf16"`` / ``"f32"``) under the ISA
     setting ``isa`` on this CPU, or None (``kernels/_bf16dot.variant``)."""
     from ..kernels import _bf16dot

@@ -41,6 +41,7 @@ grad/out as ``uint16`` bit patterns with a format code.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 from llvmlite import ir
 from numba import get_num_threads, types
 from numba.core import cgutils
@@ -169,7 +170,8 @@ def _zero_parts(ob, nparts, p):
     per = (n + nparts - 1) // nparts
     s = p * per
     if s < n:
-        _zero_fill(ob, np.int64(s), np.int64(min(per, n - s)))
+        # an @intrinsic's typing context is implicit: mypy sees the Python signature (one argument short)
+        _zero_fill(ob, np.int64(s), np.int64(min(per, n - s)))  # type: ignore[call-arg]
 
 
 @pjit
@@ -271,15 +273,15 @@ def index_int64(indices: np.ndarray) -> np.ndarray:
 
 def embedding_dense_backward(
     *,
-    grad,
-    indices,
-    num_weights,
-    padding_idx,
-    scale_grad_by_freq,
-    out,
-    result_dtype=None,
-    deterministic_cores=0,
-):
+    grad: np.ndarray,
+    indices: np.ndarray,
+    num_weights: int,
+    padding_idx: int,
+    scale_grad_by_freq: bool,
+    out: np.ndarray,
+    result_dtype: npt.DTypeLike | None = None,
+    deterministic_cores: int = 0,
+) -> np.ndarray:
     """Numba implementation (see module docstring); fills ``out`` [num_weights, D] completely.
 
     ``result_dtype`` (the op's choice, from the SoC profile): the dtype of the device's result

@@ -37,8 +37,14 @@ def _softmax32(logits, lmax, sexp, out):
 
 
 def fused_cross_entropy_loss_with_max_sum(
-    *, logits_max, sum_exp_logits, predicted_logits, label_smoothing, vocab_parallel_logits, out
-):
+    *,
+    logits_max: np.ndarray,
+    sum_exp_logits: np.ndarray,
+    predicted_logits: np.ndarray,
+    label_smoothing: float,
+    vocab_parallel_logits: np.ndarray | None,
+    out: tuple[np.ndarray, np.ndarray | None],
+) -> None:
     loss, softmax = out
     se = np.asarray(sum_exp_logits, dtype=np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -20,7 +20,11 @@ the FLCE grad); this module holds the op's epilogue (:class:`OnlineStats`) and i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeAlias
+
 import numpy as np
+import numpy.typing as npt
 
 from .. import dtypes as D
 from .._jit import njit, tjit
@@ -33,6 +37,10 @@ from ._lm_head import run as run_tiles
 from ._vmath import exp_f32, row_max_nan, row_sum_exp
 
 OP = "fused_linear_online_max_sum"
+
+#: ``(logits_max, sum_exp_logits, predicted_logits, target_mask, masked_target,
+#: vocab_parallel_logits or None)``: the op's outputs, written by :func:`run`.
+Outputs: TypeAlias = "tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]"
 
 
 @njit
@@ -76,7 +84,17 @@ class OnlineStats:
     and sum of exponentials per row, the target's logit, and the logits themselves when asked
     (``vocab_parallel_logits``)."""
 
-    def __init__(self, ops: Operands, plan, code, lmax, sexp, tcol, picked, logits):
+    def __init__(
+        self,
+        ops: Operands,
+        plan: LinearCrossEntropyPlan,
+        code: int,
+        lmax: np.ndarray,
+        sexp: np.ndarray,
+        tcol: np.ndarray,
+        picked: np.ndarray,
+        logits: np.ndarray | None,
+    ) -> None:
         self.ops, self.code, self.tcol, self.out = ops, code, tcol, logits
         self.lmax, self.sexp, self.picked = lmax, sexp, picked  # the running statistics
         self.l_buf = ops.ws.take("logits_tile", plan.bt_tile * plan.v_tile, np.float32)  # the plan's buffer
@@ -97,16 +115,16 @@ class OnlineStats:
 
 
 def run(
-    input,
-    weight,
-    target,
-    vocab_start_index,
-    vocab_end_index,
-    logits_dtype,
-    out,
+    input: np.ndarray,
+    weight: np.ndarray,
+    target: np.ndarray,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    logits_dtype: np.dtype,
+    out: Outputs,
     plan: LinearCrossEntropyPlan,
-    progress=None,
-):
+    progress: Callable[[int, int], object] | None = None,
+) -> LinearCrossEntropyPlan:
     """``out = (logits_max, sum_exp, predicted, target_mask, masked_target, logits or None)``."""
     lmax, sexp, pred, tmask, mtarget, logits = out
     BT, H = input.shape
@@ -138,8 +156,18 @@ def run(
 
 @blas_for(lambda kw: kw["plan"].gemm.engine)
 def fused_linear_online_max_sum(
-    *, input, weight, target, vocab_start_index, vocab_end_index, return_logits, logits_dtype, out, plan, progress=None
-):
+    *,
+    input: np.ndarray,
+    weight: np.ndarray,
+    target: np.ndarray,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    return_logits: bool,
+    logits_dtype: npt.DTypeLike,
+    out: Outputs,
+    plan: LinearCrossEntropyPlan,
+    progress: Callable[[int, int], object] | None = None,
+) -> None:
     """The ``"cpu"`` entry point (arguments validated by the op; ``return_logits`` is implied
     by ``out[5]``)."""
     run(input, weight, target, vocab_start_index, vocab_end_index, np.dtype(logits_dtype), out, plan, progress)

@@ -165,7 +165,7 @@ def _smb_kernel(go, y, code, mask, mask_row, mask_step, has_mask, triu, s1, scal
             _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 0, buf, part)
 
 
-def mask_plan(mask_shape, shape):
+def mask_plan(mask_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
     """The mask's row offsets for each of the ``prod(shape[:-1])`` rows, and its column step.
 
     ``mask_shape`` (already left-padded to ``len(shape)``) broadcasts to ``shape``.  Row r of
@@ -181,7 +181,15 @@ def mask_plan(mask_shape, shape):
     return mask_row, step
 
 
-def scaled_masked_softmax_backward_cpu(*, grad_output, y, mask, scale, fix_triu_mask, out):
+def scaled_masked_softmax_backward_cpu(
+    *,
+    grad_output: np.ndarray,
+    y: np.ndarray,
+    mask: np.ndarray | None,
+    scale: float,
+    fix_triu_mask: bool,
+    out: np.ndarray,
+) -> np.ndarray:
     """Numba implementation (the op module has validated every argument).
 
     ``mask``: None or a bool/integer array broadcastable to ``grad_output`` (nonzero = masked).

@@ -8,6 +8,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 from .. import dtypes as D
 from ..arrays import ArrayLike
@@ -37,7 +38,7 @@ def _stats_optional(raw: dict, strict: bool) -> bool:
 
 #: ``filter_eps="auto"``: the dtype's machine epsilon / 32, as Cut Cross-Entropy's ``_handle_eps``
 #: (bf16: 2**-12, fp16: 2**-15, fp32: 2**-28).
-def auto_filter_eps(dtype) -> float:
+def auto_filter_eps(dtype: npt.DTypeLike) -> float:
     return float(ml_dtypes.finfo(np.dtype(dtype)).eps) / 32
 
 
@@ -45,7 +46,7 @@ def auto_filter_eps(dtype) -> float:
 FILTER_EPS_VALUES = 'None, "auto" or a number in (0, 1]'
 
 
-def filter_eps_value(v, dtype) -> float | None:
+def filter_eps_value(v: str | float | None, dtype: npt.DTypeLike) -> float | None:
     """``filter_eps`` as a threshold: None (off, the device's behaviour), ``"auto"``
     (:func:`auto_filter_eps` of ``dtype``) or a number in (0, 1]; raises ``ValueError`` for
     anything else (each caller reports it as 161002 with :data:`FILTER_EPS_VALUES`)."""

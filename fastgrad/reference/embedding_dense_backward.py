@@ -10,13 +10,22 @@ Float indices are truncated toward zero, as the device's Cast to an integer type
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 OP = "embedding_dense_backward"
 
 
 def embedding_dense_backward(
-    *, grad, indices, num_weights, padding_idx, scale_grad_by_freq, out, result_dtype=None, deterministic_cores=0
-):
+    *,
+    grad: np.ndarray,
+    indices: np.ndarray,
+    num_weights: int,
+    padding_idx: int,
+    scale_grad_by_freq: bool,
+    out: np.ndarray,
+    result_dtype: npt.DTypeLike | None = None,
+    deterministic_cores: int = 0,
+) -> np.ndarray:
     # deterministic_cores: the device's summation order; the float64 golden has none (exact sums)
     nw, d = out.shape
     acc = np.zeros((nw, d), np.float64)

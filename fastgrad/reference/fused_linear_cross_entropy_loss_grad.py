@@ -8,6 +8,7 @@ casts for the Cube unit) and each output is rounded once to the input dtype.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from ..vocab_parallel import megatron_smoothing, unpack_target_mask
 
@@ -19,18 +20,18 @@ def _round(a64: np.ndarray, dtype) -> np.ndarray:
 
 
 def grad_logits(
-    grad,
-    input,
-    weight,
-    target_mask,
-    masked_target,
-    label_smoothing=0.0,
-    logits_max=None,
-    sum_exp_logits=None,
-    softmax=None,
-    rows=None,
-    cols=None,
-):
+    grad: np.ndarray,
+    input: np.ndarray,
+    weight: np.ndarray,
+    target_mask: np.ndarray,
+    masked_target: np.ndarray,
+    label_smoothing: float = 0.0,
+    logits_max: np.ndarray | None = None,
+    sum_exp_logits: np.ndarray | None = None,
+    softmax: np.ndarray | None = None,
+    rows: npt.ArrayLike | None = None,
+    cols: npt.ArrayLike | None = None,
+) -> np.ndarray:
     """float64 ``g`` (already rounded to the input dtype's values) for ``rows`` × ``cols``.
 
     ``rows``/``cols``: optional index arrays selecting a sub-block (for sampled checks of large
@@ -59,8 +60,18 @@ def grad_logits(
 
 
 def fused_linear_cross_entropy_loss_grad(
-    *, grad, input, weight, target_mask, masked_target, label_smoothing, logits_max, sum_exp_logits, softmax, out
-):
+    *,
+    grad: np.ndarray,
+    input: np.ndarray,
+    weight: np.ndarray,
+    target_mask: np.ndarray,
+    masked_target: np.ndarray,
+    label_smoothing: float,
+    logits_max: np.ndarray | None,
+    sum_exp_logits: np.ndarray | None,
+    softmax: np.ndarray | None,
+    out: tuple[np.ndarray, np.ndarray],
+) -> None:
     gi_out, gw_out = out
     g = grad_logits(
         grad, input, weight, target_mask, masked_target, label_smoothing, logits_max, sum_exp_logits, softmax

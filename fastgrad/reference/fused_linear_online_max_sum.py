@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from ..vocab_parallel import pack_target_mask, shard_target_mask
 
@@ -10,8 +11,16 @@ OP = "fused_linear_online_max_sum"
 
 
 def fused_linear_online_max_sum(
-    *, input, weight, target, vocab_start_index, vocab_end_index, return_logits, logits_dtype, out
-):
+    *,
+    input: np.ndarray,
+    weight: np.ndarray,
+    target: np.ndarray,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    return_logits: bool,
+    logits_dtype: npt.DTypeLike,
+    out: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None],
+) -> None:
     lmax, sexp, pred, tmask, mtarget, logits_out = out
     BT = input.shape[0]
     V = weight.shape[0]

@@ -23,7 +23,15 @@ def _fl(a):
     return np.asarray(a, np.float64).astype(np.float32).astype(np.float64)
 
 
-def scaled_masked_softmax_backward_reference(*, grad_output, y, mask, scale, fix_triu_mask, out):
+def scaled_masked_softmax_backward_reference(
+    *,
+    grad_output: np.ndarray,
+    y: np.ndarray,
+    mask: np.ndarray | None,
+    scale: float,
+    fix_triu_mask: bool,
+    out: np.ndarray,
+) -> np.ndarray:
     go = np.asarray(grad_output).astype(np.float64)
     yy = np.asarray(y).astype(np.float64)
     sc = float(np.float32(scale))
