@@ -17,8 +17,9 @@ When the gradient is computed — the schedule
   ``schedule="fused"`` (``fused=True``) forces it where allowed.
 * **recompute** (4 GEMMs, the least memory): otherwise — ``reduction="none"`` (per-row upstream
   gradients are not known in the forward), an entropy output, memory too tight for the held
-  gradients, ``precision="fast"`` where it applies (all four GEMMs on the bf16 kernel), or
-  ``schedule="recompute"`` (``fused=False``).  The forward keeps one ``[BT, 2048]`` chunk of
+  gradients, or ``schedule="recompute"`` (``fused=False``).  ``precision="fast"`` follows the
+  same rule: fused, its three GEMMs on the bf16 kernel (``TrainingPlan.grad16``), or recomputed,
+  its four.  The forward keeps one ``[BT, 2048]`` chunk of
   logits at a time and holds only the fp32 ``[BT]`` log-sum-exp; the backward recomputes the
   logits vocabulary chunk by vocabulary chunk and writes a 16-bit ``weight``'s gradient in its
   own dtype, each chunk summed in fp32 and rounded once — no fp32 ``[V, H]`` exists.
@@ -42,7 +43,6 @@ import torch
 
 from .._config import gemm, is_strict, prefer_onednn, workspace_floor
 from ..errors import invalid, runtime_error
-from ..ops._engines import bf16_kernel_in_use
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce_op
 from ..ops.linear_cross_entropy import round_grad as _round_grad
 from . import distributed as _vp
@@ -550,13 +550,6 @@ def _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts):
     return sched == "fused"
 
 
-def _fast_applies(h, weight, filter_eps):
-    """``precision="fast"`` changes the computation: bf16 operands, the dense recompute, the
-    exact-product bf16 kernel on this CPU and the GEMM setting ``"auto"``.  The default rule then
-    recomputes (all four GEMMs on the kernel) rather than fusing (two fp32 gradient GEMMs)."""
-    return h.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and filter_eps is None and bf16_kernel_in_use()
-
-
 def _recompute_gw_dtype(weight, kw):
     """The dense recompute returns a 16-bit weight's gradient in its own dtype: the op sums each
     vocabulary chunk in fp32 and rounds it once (no fp32 ``[V, H]`` is held).  With
@@ -861,10 +854,7 @@ def linear_cross_entropy(
         fusable = reduction != "none" and not return_entropy
         if fused is None:
             fused_ok = (
-                torch.is_grad_enabled()
-                and fusable
-                and _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts)
-                and not (precision == "fast" and _fast_applies(h, weight, filter_eps))
+                torch.is_grad_enabled() and fusable and _fused_fits(h, weight, bias, accum_dtype, filter_eps, opts)
             )
         else:
             fused_ok = bool(fused) and fusable
