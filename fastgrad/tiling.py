@@ -18,9 +18,15 @@ lives in ``fastgrad._config``, with the others).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from . import _config
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 #: The device's base block (ops-nn MemFriendlyTilingFunc: baseBT = 128, baseV = 256).
 BASE_BT = 128
@@ -38,7 +44,7 @@ workspace_budget = _config.workspace_budget
 _NATIVE_KINDS = {"bfloat16": "bf16", "float16": "f32"}
 
 
-def native_kind(dtype) -> str | None:
+def native_kind(dtype: npt.DTypeLike) -> str | None:
     """The native exact-product kernel's operand kind for ``dtype`` (a dtype or its name):
     ``"bf16"`` (bf16 pairs), ``"f32"`` (fp16 values on the fp32 kernel) or None (no kernel: BLAS)."""
     import numpy as np
@@ -90,11 +96,11 @@ class GemmChoice:
     beta1: bool = False
     fallback: str | None = None
 
-    def exact_for(self, a, b) -> str | None:
+    def exact_for(self, a: np.ndarray, b: np.ndarray) -> str | None:
         """The exact-product kernel for operands ``a`` and ``b`` (both 16-bit of one dtype), or None."""
         return self.exact_for_dtype(a.dtype) if a.dtype == b.dtype else None
 
-    def exact_for_dtype(self, dtype) -> str | None:
+    def exact_for_dtype(self, dtype: npt.DTypeLike) -> str | None:
         """The exact-product kernel this choice runs for operands of ``dtype`` (or its name), or None."""
         want = native_kind(dtype)
         return self.exact if (want is not None and self.exact == want) else None
@@ -330,15 +336,15 @@ class LinearCETiling:
         """Size of the fp32 ``[BT, V]`` matrix this plan never materializes."""
         return 4 * self.BT * self.V
 
-    def v_ranges(self):
+    def v_ranges(self) -> Iterator[tuple[int, int]]:
         for v0 in range(0, self.V, self.v_tile):
             yield v0, min(v0 + self.v_tile, self.V)
 
-    def bt_ranges(self):
+    def bt_ranges(self) -> Iterator[tuple[int, int]]:
         for b0 in range(0, self.BT, self.bt_tile):
             yield b0, min(b0 + self.bt_tile, self.BT)
 
-    def tiles(self):
+    def tiles(self) -> Iterator[tuple[int, int, int, int]]:
         """(b0, b1, v0, v1) in execution order."""
         for v0, v1 in self.v_ranges():
             for b0, b1 in self.bt_ranges():
@@ -479,11 +485,11 @@ class TileGrid:
     def n_tiles(self) -> int:
         return (-(-self.V // self.v_tile) if self.v_tile else 0) * self.n_bt
 
-    def v_ranges(self):
+    def v_ranges(self) -> Iterator[tuple[int, int]]:
         for v0 in range(0, self.V, self.v_tile):
             yield v0, min(v0 + self.v_tile, self.V)
 
-    def bt_ranges(self):
+    def bt_ranges(self) -> Iterator[tuple[int, int]]:
         for k in range(self.n_bt):
             yield (k * self.BT) // self.n_bt, ((k + 1) * self.BT) // self.n_bt
 
@@ -604,7 +610,7 @@ class TrainingPlan:
         recompute_rows)`` equal row blocks (``kernels/linear_cross_entropy._vocab_major``)."""
         return TileGrid(self.BT, self.K, self.recompute_chunk, -(-self.BT // self.recompute_rows) if self.BT else 0)
 
-    def row_blocks(self):
+    def row_blocks(self) -> Iterator[tuple[int, int]]:
         """``(b0, b1)`` of the equal row blocks, in order."""
         n = self.n_blocks
         for k in range(n):

@@ -50,6 +50,8 @@ unchanged (bitwise equal to the unfiltered op).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .. import dtypes as D
@@ -210,7 +212,20 @@ class FlceGrad:
     sum_exp)`` (memory-saving) or the fp32 softmax (high-performance)."""
 
     def __init__(
-        self, input, plan, ops: Operands, stat, grad32, tcol, code, smooth, inv_k, eps, s_over_k, gw_out, stats
+        self,
+        input: np.ndarray,
+        plan: LinearCrossEntropyPlan,
+        ops: Operands,
+        stat: tuple[np.ndarray, np.ndarray] | np.ndarray,
+        grad32: np.ndarray,
+        tcol: np.ndarray,
+        code: int,
+        smooth: np.float32,
+        inv_k: np.float32,
+        eps: float | None,
+        s_over_k: float,
+        gw_out: np.ndarray,
+        stats: dict[str, int],
     ):
         BT, H = input.shape
         bt, vt = plan.bt_tile, plan.v_tile
@@ -305,20 +320,20 @@ class FlceGrad:
 @blas_for(lambda kw: kw["plan"].gemm.engine)
 def fused_linear_cross_entropy_loss_grad(
     *,
-    grad,
-    input,
-    weight,
-    target_mask,
-    masked_target,
-    label_smoothing,
-    logits_max,
-    sum_exp_logits,
-    softmax,
-    out,
+    grad: np.ndarray,
+    input: np.ndarray,
+    weight: np.ndarray,
+    target_mask: np.ndarray,
+    masked_target: np.ndarray,
+    label_smoothing: float,
+    logits_max: np.ndarray | None,
+    sum_exp_logits: np.ndarray | None,
+    softmax: np.ndarray | None,
+    out: tuple[np.ndarray, np.ndarray],
     plan: LinearCrossEntropyPlan,
-    progress=None,
-    stats=None,
-):
+    progress: Callable[[int, int], object] | None = None,
+    stats: dict[str, int] | None = None,
+) -> LinearCrossEntropyPlan:
     """The ``"cpu"`` entry point (arguments validated by the op): the op over its tile plan, BLAS
     single-threaded (the tile grid is the parallelism), on the GEMMs the plan names
     (``plan.gemm``, the op layer's choice).  ``out = (grad_input, grad_weight)``, C-contiguous.

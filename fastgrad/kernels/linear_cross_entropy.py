@@ -52,6 +52,9 @@ Pure: imports only dtypes helpers, the JIT helpers, the allocator, the vector ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from .. import dtypes as D
@@ -88,23 +91,23 @@ __all__ = ["linear_cross_entropy_cpu"]
 @blas_for(lambda kw: kw["params"].get("gemm", BLAS).engine)
 def linear_cross_entropy_cpu(
     *,
-    input,
-    weight,
-    target_cols,
-    bias,
-    class_weight,
-    target_weight,
-    coef_ce,
-    coef_z,
-    params,
+    input: np.ndarray,
+    weight: np.ndarray,
+    target_cols: np.ndarray,
+    bias: np.ndarray | None,
+    class_weight: np.ndarray | None,
+    target_weight: np.ndarray,
+    coef_ce: np.ndarray | None,
+    coef_z: np.ndarray | None,
+    params: dict[str, Any],
     plan: TrainingPlan,
-    coef_h=None,
-    z_mean=None,
-    lse,
-    combine,
-    out,
-    progress=None,
-):
+    coef_h: np.ndarray | None = None,
+    z_mean: np.ndarray | None = None,
+    lse: np.ndarray | None,
+    combine: Callable | None,
+    out: dict[str, Any],
+    progress: Callable[[int, int], object] | None = None,
+) -> None:
     """The ``cpu`` backend's implementation of ``fastgrad.linear_cross_entropy``: the block loop
     (module docstring), BLAS single-threaded, on the GEMMs ``params["gemm"]`` names (a
     ``tiling.GemmChoice``: the op layer's choice from the settings; default BLAS).  Arrays are
@@ -129,7 +132,7 @@ def linear_cross_entropy_cpu(
     gi, gw, gb = out.get("grad_input"), out.get("grad_weight"), out.get("grad_bias")
     # grad_weight in a 16-bit dtype (``accum_dtype``): its bits, accumulated with rounding
     gw_code = D.code_of(gw.dtype) if (gw is not None and gw.dtype != cdt) else None
-    gw_acc = gw.view(np.uint16) if gw_code is not None else gw
+    gw_acc = gw.view(np.uint16) if (gw is not None and gw_code is not None) else gw
     want_grad = gi is not None or gw is not None or gb is not None
     recompute = lse is not None
     softcap = params.get("softcap")
