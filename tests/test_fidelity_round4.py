@@ -90,6 +90,155 @@ def test_ce_grad_950_label_smoothing_order_is_the_arch35_kernels():
     assert got[0, 1] == F32(0.06666668)
 
 
+# --- row 4m: label smoothing with a class weight and a non-finite sm: Σ_j w_j·sm term by term ----
+
+def _arch35_ce_grad_smooth(g, lp, t, w, reduction, ignore_index, ls):
+    """ops-nn loss/cross_entropy_loss_grad/op_kernel/arch35, label smoothing, statement by
+    statement in fp32: base.h:191-192 (smoothFactor = fl(ls/C), 1 - ls); none: base.h:565-605
+    (c = fl(g_i·(1-ls)), sm = fl(g_i·smoothFactor), ×ignoreSelect when ignore_index >= 0), mean /
+    sum: weight_not_none.h:572-630 / base.h:660-712 (element 0 of grad_loss; c = fl(fl(g·(1-ls))/W),
+    sm = fl(fl(g/W)·smoothFactor), W = 1 for sum, ×ignoreSelect); with a weight c ×= weight[t]
+    (weight_not_none.h:490-493,623) and the row's S = Σ_j fl(w_j·sm) **term by term**
+    (ComputeLogSmoothLoss*, weight_not_none.h:218-330, then ReduceSum :392,427), without one
+    S = fl(sm·C) (weight_none.h:65); x = fl(e·c), x[t] = fl(x[t] - c) (base.h:487-527); out =
+    fl(fl(fl(e·S) - fl(w_j·sm)) + x_j) (weight_not_none.h:173-177, weight_none.h:85-89)."""
+    f = F32
+    n, c = lp.shape
+    smf = f(f(ls) / f(c))
+    keep = f(f(1) - f(ls))
+    wv = np.ones(c, f) if w is None else np.asarray(w, f)
+    gv = np.asarray(g, f).reshape(-1)
+    sel = np.where((ignore_index >= 0) & (t == ignore_index), f(0), f(1)).astype(f)
+    out = np.empty((n, c), f)
+    with np.errstate(all="ignore"):
+        W = f(1)
+        if reduction == "mean":  # the per-core ReduceSum; the values used here sum exactly
+            W = f(np.sum((sel * wv[t]).astype(np.float64)))
+        for i in range(n):
+            if reduction == "none":
+                ci, sm = f(gv[i] * keep), f(gv[i] * smf)
+            else:
+                ci, sm = f(f(gv[0] * keep) / W), f(f(gv[0] / W) * smf)
+            if ignore_index >= 0:
+                ci, sm = f(ci * sel[i]), f(sm * sel[i])
+            if w is not None:
+                ci = f(ci * wv[t[i]])
+                terms = (wv * sm).astype(f)
+                s_row = f(0)
+                for u in terms:  # term by term
+                    s_row = f(s_row + u)
+            else:
+                terms = np.full(c, sm, f)
+                s_row = f(sm * f(c))
+            e = np.exp(lp[i].astype(f)).astype(f)
+            x = (e * ci).astype(f)
+            x[t[i]] = f(x[t[i]] - ci)
+            out[i] = (((e * s_row).astype(f) - terms).astype(f) + x).astype(f)
+    return out
+
+
+def _same_placement(got, want):
+    got, want = np.asarray(got, F32), np.asarray(want, F32)
+    for pred in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(pred(got), pred(want))
+
+
+def _nonfinite_ce_inputs(seed, dtype, weights):
+    rng = np.random.default_rng(seed)
+    n, c = 6, 9
+    lp = np.log(rng.dirichlet(np.ones(c), n)).astype(dtype)
+    lp[1, 2], lp[2, 5], lp[3, 0] = np.inf, -np.inf, np.nan
+    t = np.array([0, 3, 8, 1, 0, 4])
+    w = {"mixed": rng.uniform(0, 1, c) - 0.3, "zero": np.r_[0.0, rng.uniform(0.1, 1, c - 1)],
+         "positive": rng.uniform(0.1, 1, c)}[weights]
+    w = np.round(w * 8) / 8  # dyadic: the mean's W sums exactly
+    w[w == 0] = 0.125 if weights != "zero" else 0.0
+    w[0] = 0.0 if weights == "zero" else w[0]
+    if weights == "mixed":
+        w[[1, 4]] = [-0.5, 0.75]
+    return lp, t, w.astype(F32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("weights", ["mixed", "zero", "positive", None])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("ignore_index", [0, -100])
+def test_ce_grad_950_nonfinite_sm_sums_w_sm_term_by_term(dtype, weights, reduction, ignore_index):
+    lp, t, w = _nonfinite_ce_inputs(11, dtype, weights or "positive")
+    w = None if weights is None else w
+    ls = 0.3
+    if reduction == "none":
+        gs = [np.array([np.inf, -np.inf, 0.5, np.nan, -np.inf, 2.0], dtype)]
+    else:
+        gs = [np.array(v, dtype) for v in (np.inf, -np.inf, np.nan, 1.5)]
+    for g in gs:
+        want = _arch35_ce_grad_smooth(g, lp, t, w, reduction, ignore_index, ls).astype(dtype)
+        with fg.soc_version("Ascend950"):
+            got = fg.cross_entropy_loss_grad(g, lp, t, w, reduction=reduction, ignore_index=ignore_index,
+                                             label_smoothing=ls)
+            with fg.use_backend("reference"):
+                ref = fg.cross_entropy_loss_grad(g, lp, t, w, reduction=reduction, ignore_index=ignore_index,
+                                                 label_smoothing=ls)
+        assert got.dtype == dtype
+        _same_placement(got, want)
+        _same_placement(ref, want)
+        fin = np.isfinite(want.astype(F32))
+        # finite positions: the device's reduce order is not reproduced (row 4l), a few ulps
+        np.testing.assert_allclose(got.astype(F32)[fin], want.astype(F32)[fin], rtol=2e-3 if dtype == np.float16
+                                   else 1e-5, atol=1e-6)
+
+
+def test_ce_grad_950_mixed_sign_weights_infinite_sm_is_nan_not_inf():
+    """The point of row 4m: weights of both signs, sm = +inf.  S = Σ_j w_j·sm = inf - inf = NaN on
+    the device; sm·Σw would be +inf and leave ±inf at the columns whose weight has the other sign."""
+    lp = np.log(np.full((2, 4), 0.25, F32))
+    t = np.array([1, 2])
+    w = np.array([1.0, -0.5, 0.25, -2.0], F32)  # Σw = -1.25
+    with fg.soc_version("Ascend950"):
+        got = fg.cross_entropy_loss_grad(F32(np.inf), lp, t, w, reduction="sum", label_smoothing=0.2)
+    assert np.isnan(got).all()
+    want = _arch35_ce_grad_smooth(F32(np.inf), lp, t, w, "sum", -100, 0.2)
+    assert np.isnan(want).all()
+    # the same weights, all of one sign: S = +inf, and only inf - inf cancels: still NaN, as before
+    with fg.soc_version("Ascend950"):
+        pos = fg.cross_entropy_loss_grad(F32(np.inf), lp, t, np.abs(w), reduction="sum", label_smoothing=0.2)
+    _same_placement(pos, _arch35_ce_grad_smooth(F32(np.inf), lp, t, np.abs(w), "sum", -100, 0.2))
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_ce_grad_a2_composite_nonfinite_sm_is_pytorchs(reduction):
+    """A2/A3 outside strict compute PyTorch's composite (row 4i: the A2 kernel never writes x_grad
+    with ls != 0, cross_entropy_loss_grad_weight_not_none.h:133-135,145-147).  PyTorch sums the
+    -sm·w_j of its grad_output term by term too (_log_softmax_backward_data): NaN rows for an
+    infinite sm with weights of both signs, in the same places as fastgrad."""
+    torch = pytest.importorskip("torch")
+    lp, t, w = _nonfinite_ce_inputs(3, np.float32, "mixed")
+    ls = 0.3
+    g = (np.array([np.inf, -np.inf, 0.5, 1.0, -np.inf, 2.0], F32) if reduction == "none"
+         else np.array(np.inf, F32))
+    x = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
+    wt = torch.tensor(w, dtype=torch.float64)
+    tt = torch.tensor(t)
+    nll = torch.nn.functional.nll_loss(x, tt, weight=wt, reduction=reduction)
+    smooth = -(x * wt).sum(-1)
+    if reduction == "sum":
+        smooth = smooth.sum()
+    elif reduction == "mean":
+        smooth = smooth.sum() / wt[tt].sum()
+    loss = (1 - ls) * nll + ls / lp.shape[1] * smooth
+    (grad_lp,) = torch.autograd.grad(loss, x, torch.tensor(g, dtype=torch.float64))
+    want = torch._log_softmax_backward_data(grad_lp, x.detach(), 1, torch.float64).numpy()
+    with fg.soc_version("Ascend910B"):
+        got = fg.cross_entropy_loss_grad(g, lp, t, w, reduction=reduction, label_smoothing=ls)
+        with fg.use_backend("reference"):
+            ref = fg.cross_entropy_loss_grad(g, lp, t, w, reduction=reduction, label_smoothing=ls)
+    assert np.isnan(got[0]).all()  # an infinite sm with mixed weights: the whole row
+    _same_placement(got, want)
+    _same_placement(ref, want)
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
+
+
 # --- generated inputs: the 950 message for a negative ignore_index with a weight ---------------
 
 def test_ce_grad_950_negative_ignore_index_message_says_no_row_is_ignored():
@@ -292,7 +441,7 @@ def _arch35_smooth_l1_dag(predict, label, dout, sigma, reduction):
         return (res * cof).astype(f)                                  # Mul0
 
 
-@pytest.mark.parametrize("beta", [5e-7, 9.99e-7, 1e-12, 1e-39, 1e-6, 1.5e-6])
+@pytest.mark.parametrize("beta", [0.0, 5e-7, 9.99e-7, 1e-12, 1e-39, 1e-6, 1.5e-6])
 @pytest.mark.parametrize("dout_shape", [(), (1,), (7,)])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_smooth_l1_950_beta_below_1e6_is_the_arch35_nan(beta, dout_shape, reduction):

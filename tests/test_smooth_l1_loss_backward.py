@@ -59,7 +59,8 @@ def _emulate(g, x, t, reduction, beta, dtype):
     strict = np.asarray(g).size != 1
     g, x, t = (np.broadcast_to(a.astype(np.float32), shape) for a in (g, x, t))
     b = np.float32(beta)
-    inv = np.float32(1) / b if b > 0 else np.float32(0)
+    # the tiling's invertSigma: NaN for |beta| < 1e-6, beta = 0 included (arch35 tiling.cpp:145)
+    inv = np.float32(np.nan) if abs(b) < np.float32(1e-6) else np.float32(1) / b
     with np.errstate(invalid="ignore"):
         d = x - t
         sign_branch = (np.abs(d) > b) if strict else (np.abs(d) >= b)
@@ -122,18 +123,29 @@ def test_matches_torch_and_device_formula(rng, dtype, reduction, beta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_beta_zero_sign_of_zero_is_zero(dtype):
+def test_beta_zero_d_zero_per_dag(dtype):
     x = np.array([-2.0, -0.5, 0.0, 0.0, 0.25, 3.0], dtype)
     t = np.array([0.0, 0.0, 0.0, 1.5, 0.0, 3.0], dtype)
     g = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], dtype)
+    d0 = x.astype(np.float64) == t.astype(np.float64)
+    # 950, tensor grad_out (SmoothL1LossGradV2OpDag): invertSigma = NaN at beta = 0 (tiling.cpp:145)
+    # and |d| > 0 fails at d = 0, so the Select takes d·NaN: NaN there, ±grad elsewhere
+    expect = np.array([-1, -2, np.nan, -4, 5, np.nan], np.float64)
     out = fg.smooth_l1_loss_backward(g, x, t, "none", 0.0)
-    expect = np.array([-1, -2, 0, -4, 5, 0], np.float64)  # sign(0) = 0 (device)
     np.testing.assert_array_equal(out.astype(np.float64), expect)
     with fg.use_backend("reference"):
         np.testing.assert_array_equal(fg.smooth_l1_loss_backward(g, x, t, "none", 0.0).astype(np.float64), expect)
+    # 950, one-element grad_out (the scalar DAG, >= / <=): d = 0 gives (1 + -1) + 0 = 0
+    for backend in ("cpu", "reference"):
+        with fg.use_backend(backend):
+            one = fg.smooth_l1_loss_backward(np.ones(1, dtype), x, t, "none", 0.0).astype(np.float64)
+        np.testing.assert_array_equal(one, [-1, -1, 0, -1, 1, 0])
+    # A2/A3 (TBE): sign(0) = 0 for every grad_out
+    with fg.soc_version("Ascend910B"):
+        tbe = fg.smooth_l1_loss_backward(g, x, t, "none", 0.0).astype(np.float64)
+    np.testing.assert_array_equal(tbe, [-1, -2, 0, -4, 5, 0])
     # PyTorch's aten op differs only where d == 0 (it gives -grad there)
     tor = _torch64(g, x, t, "none", 0.0)
-    d0 = x.astype(np.float64) == t.astype(np.float64)
     np.testing.assert_array_equal(tor[~d0], expect[~d0])
     np.testing.assert_array_equal(tor[d0], -g.astype(np.float64)[d0])
 

@@ -48,7 +48,9 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, any_sign
     * nll_i   = s_i·(1-ls)·w_t·m        (s_i = g/W, g or g_i; device order of operations)
     * smooth_i = s_i·(ls/C)·m,  coef_s = smooth_i,  coef_p = nll_i + smooth_i·Σweight
     * coef_t = nll_i (subtracted at j == t; a t outside [0, C) matches no column).
-    * coef_r = fl(smooth_i·Σweight) (the arch35 ``smoothGradReduceSum``; C without weight).
+    * coef_r = fl(smooth_i·Σweight) (the arch35 ``smoothGradReduceSum``; C without weight);
+      for a non-finite smooth_i the term-by-term ``Σ_j fl(weight_j·smooth_i)`` of the kernel
+      (NaN with a zero weight or weights of both signs), also in coef_p.
 
     Ignored rows get ``coef_t = coef_p = s_i·0·w`` (±0; NaN when s_i is not finite, as on the
     device: e.g. W = 0 for an all-ignored mean).
@@ -94,12 +96,22 @@ def _row_coefficients(tgt, grad, weight, has_weight, red, ignore_index, any_sign
             lo = g * keep * m
             sm = g * ls_c * m
         nll = lo * wt
+        red_sum = sm * Wc
+        if not np.isfinite(sm):
+            # arch35 (weight_not_none.h:218-330) and PyTorch's composite add the terms
+            # fl(w_j·sm) one by one: with sm = ±inf a zero weight (0·inf) or weights of both
+            # signs (inf − inf) make the row's sum NaN where sm·Σw would be ±inf.  For an
+            # infinite sm every term is ±inf or NaN, so the sum does not depend on the order;
+            # a NaN sm gives NaN either way.  Finite sm keeps fl(sm·fl(Σw)) (row 4l).
+            red_sum = np.float32(0.0)
+            for j in range(c):
+                red_sum += sm * weight[j]
         # ls = 0 (the device's only path): c_i itself, no 0·Σweight term (keeps -0, inf)
-        cp = nll + sm * Wc if lsf != np.float32(0.0) else nll
+        cp = nll + red_sum if lsf != np.float32(0.0) else nll
         coef_t[i] = nll  # ignored rows: ±0 (or NaN), subtracted at t as on the device
         coef_p[i] = cp
         coef_s[i] = sm
-        coef_r[i] = sm * Wc
+        coef_r[i] = red_sum
     return any_ignored
 
 

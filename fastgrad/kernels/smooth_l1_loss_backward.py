@@ -16,7 +16,7 @@ Per element, in fp32 (the device's ``SmoothL1LossGradV2`` DAG, ``PromteT = float
 
     d = input - target
     s = d * fp32(1/beta)       if not |d| >= beta'    (NaN stays NaN; -0 gives +0)
-        (d > 0) - (d < 0)      otherwise              (sign, sign(0) = 0; beta = 0 included)
+        (d > 0) - (d < 0)      otherwise              (sign, sign(0) = 0)
     grad_input = (s * grad_out) * scale               scale = fp32(1/N) for mean, else 1
 
 where ``beta' = beta`` when ``grad_out`` has one element (the device's scalar DAG
@@ -26,8 +26,9 @@ where ``beta' = beta`` when ``grad_out`` has one element (the device's scalar DA
 ``loss/smooth_l1_loss_grad_v2/op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h`` and
 ``op_host/arch35/smooth_l1_loss_grad_v2_tiling.cpp:87-97`` (``doutIsScalar``).  Below
 ``beta = fp32(1e-6)`` the device's ``1/beta`` is NaN (``tiling.cpp:145``, :func:`inverse_beta`):
-``0 < beta < 1e-6`` gives NaN in the quadratic zone, as the device (docs/device_parity.md
-row 5f); at ``beta = 0`` fastgrad keeps 0 for ``d = 0`` (row 5a).
+``0 <= beta < 1e-6`` gives NaN in the quadratic zone, as the device (docs/device_parity.md
+rows 5f, 5a): at ``beta = 0`` that zone is ``d = ±0`` for a tensor ``grad_out`` (NaN) and
+empty for a one-element one (``d = 0`` takes the sign branch: 0).
 
 and one round-to-nearest-even to the output format.  16-bit data is read and written as
 ``uint16`` bit patterns (format code ``BF16``/``F16``), never widened as whole tensors.
@@ -326,12 +327,10 @@ INV_BETA_MIN = np.float32(1e-6)
 def inverse_beta(b32: np.float32) -> np.float32:
     """The 950 tiling's fp32 constant ``invertSigma`` (ops-nn ``loss/smooth_l1_loss_grad_v2/
     op_host/arch35/smooth_l1_loss_grad_v2_tiling.cpp:145``): ``fabsf(sigma) < 1e-6f ? NAN :
-    1 / sigma`` — NaN for ``0 < beta < fp32(1e-6)`` (every fp32-subnormal beta included), so the
-    quadratic zone's ``d·invβ`` is NaN there (docs/device_parity.md row 5f).  ``beta = 0``
-    gives 0 here: its zone is the single point ``d = 0`` (tensor DAG) or empty (scalar DAG),
-    where fastgrad keeps the limit value 0 (row 5a)."""
-    if b32 == 0:
-        return np.float32(0.0)
+    1 / sigma`` — NaN for ``0 <= beta < fp32(1e-6)`` (every fp32-subnormal beta and ``beta = 0``
+    included), so the quadratic zone's ``d·invβ`` is NaN there (docs/device_parity.md row 5f).
+    At ``beta = 0`` the zone is ``d = ±0`` for the tensor DAG (``|d| > 0`` fails: NaN, as the
+    device) and empty for the scalar DAG (``|d| >= 0``: ``1 + (-1) + 0 = 0``), row 5a."""
     if abs(b32) < INV_BETA_MIN:
         return np.float32(np.nan)
     return np.float32(np.float32(1.0) / b32)

@@ -265,7 +265,11 @@ def cross_entropy_loss_grad(
     ``cross_entropy_loss_grad_weight_none.h:90-101,164-170``,
     ``cross_entropy_loss_grad_weight_not_none.h:110-150,183-194``).  Ignored rows are
     computed as ``p·c_i`` with ``c_i = ±0``, as on the device: 0, but NaN where ``log_prob``
-    is NaN (or ``exp`` overflows), and NaN when their scale is not finite.
+    is NaN (or ``exp`` overflows), and NaN when their scale is not finite.  With label
+    smoothing the row's ``Σ_c weight_c`` term is ``fl(sm_i·fl(Σ weight))`` for a finite
+    ``sm_i = m_i s_i ls/C``; for an infinite one it is summed term by term, as the arch35 kernel
+    (``arch35/cross_entropy_loss_grad_weight_not_none.h:218-330``) and PyTorch's composite do:
+    NaN for weights of both signs or a zero weight (docs/device_parity.md row 4m).
 
     Deviations, as the device: with ``mean`` and ``W = 0`` (e.g. every row ignored) the
     result is **NaN everywhere** (PyTorch returns 0).  The ignore rule is the profile's (see

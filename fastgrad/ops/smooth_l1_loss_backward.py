@@ -103,11 +103,11 @@ def smooth_l1_loss_backward(
 
     bit for bit: a ``grad_out`` of more than one element compares strictly, so ``|d| == beta``
     gives ``d * fp32(1/beta)`` (``1 - 2**-24`` for beta = 1.7); a one-element ``grad_out``
-    takes the scalar DAG (``|d| >= beta`` -> sign).  For ``0 < beta < fp32(1e-6)`` the
+    takes the scalar DAG (``|d| >= beta`` -> sign).  For ``0 <= beta < fp32(1e-6)`` the
     device's ``1/beta`` is NaN (the arch35 tiling's ``fabsf(sigma) < 1e-6f ? NAN : 1/sigma``),
     so the quadratic zone (``|d| <= beta``, resp. ``|d| < beta``) gives NaN and the rest
-    ``±grad_out``, as on the device; at ``beta = 0``, ``d = 0`` fastgrad keeps the limit value
-    0 where the tensor DAG gives NaN (docs/device_parity.md, rows 5-5f).
+    ``±grad_out``, as on the device; at ``beta = 0`` that is NaN at ``d = ±0`` for a tensor
+    ``grad_out`` and 0 there for a one-element one (docs/device_parity.md, rows 5-5f).
 
     Both: ``grad_input = s * grad_out * (fp32(1/N) if reduction == "mean" else 1)``,
     rounded once (round-to-nearest-even) to the output dtype; 16-bit inputs are widened to
@@ -117,7 +117,8 @@ def smooth_l1_loss_backward(
 
     Deviations from PyTorch's ``aten::smooth_l1_loss_backward`` (fastgrad follows the
     device): with ``beta = 0`` every element takes the sign branch, so ``d == 0`` gives 0
-    (seed formula; 910B), where the aten op gives ``-grad_out`` (autograd of
+    (seed formula; 910B, and the 950 with a one-element ``grad_out``; the 950 with a tensor
+    ``grad_out`` gives NaN, above), where the aten op gives ``-grad_out`` (autograd of
     ``F.smooth_l1_loss`` gives 0 too); ``"mean"`` divides by the broadcast output's element
     count, where the aten op divides by ``input.numel()`` (they differ only when ``input``
     itself is broadcast); and ``input`` may be broadcast to a larger shape, which the aten

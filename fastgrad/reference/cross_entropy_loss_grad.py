@@ -12,7 +12,10 @@ operands, rounded to fp32: exactly the IEEE fp32 result), with a correctly round
 ``cross_entropy_loss_grad_weight_none.h:90-101,164-181``, ``..._weight_not_none.h:80-150,
 183-207``).  Ignored rows are ``p·c_i`` with ``c_i = ±0``: 0, NaN where ``p`` is NaN or inf.
 The extension (label smoothing), which the 910B device does not compute, uses the float64
-formula (docs/spec.md) rounded once to the dtype.
+formula (docs/spec.md) rounded once to the dtype; rows with a non-finite operand (scale,
+``exp(log_prob)`` or a weight) follow the kernel's operations instead, so that inf/NaN fall where
+the kernel puts them — in particular the row's ``Σ_j w_j·sm`` is summed term by term (NaN for
+an infinite ``sm`` with a zero weight or weights of both signs; docs/device_parity.md row 4m).
 """
 
 from __future__ import annotations
@@ -113,5 +116,45 @@ def cross_entropy_loss_grad_reference(
     # ignored rows: exactly 0 when the scale is finite (p·0 would be NaN for p = inf)
     fin = np.isfinite(s) | keep
     res[~keep & fin] = 0.0
+    # Rows with a non-finite operand: the kernels' own operations, so that inf/NaN land where
+    # they do on the device (finite rows keep the formula above, unchanged).
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(s * m) | ~np.isfinite(p).all(axis=1) | (not np.isfinite(wc).all())
+    if bad.any():
+        res[bad] = _smooth_nonfinite_rows(s, m, p, t, wc, weight is not None, ls, smooth_arch35)[bad]
     out[...] = res.astype(out.dtype)
     return out
+
+
+def _smooth_nonfinite_rows(s, m, p, t, wc, has_weight, ls, arch35):
+    """ls != 0, float64, in the kernel's structure (what decides where inf and NaN fall):
+
+    ``c_i = s_i·(1-ls)·m_i·w_i`` (the device's TargetWeight: ``weight[t]`` also on ignored
+    rows, 0 outside [0, C) with a weight), ``sm_i = s_i·(ls/C)·m_i``, the terms
+    ``u_ij = w_j·sm_i`` and the row's ``S_i = Σ_j u_ij`` **term by term** — with ``sm_i = ±inf``
+    a zero weight or weights of both signs make it NaN (arch35 ``weight_not_none.h:218-330``;
+    PyTorch's composite sums its ``-sm·w_j`` the same way).  Then arch35 (``base.h:487-527``,
+    ``weight_not_none.h:146-182``, ``weight_none.h:57-93``): ``x = p·c_i``, ``x[t] -= c_i``,
+    ``out = (p·S_i − u_ij) + x``; the composite (A2/A3 outside strict):
+    ``out = p·(c_i + S_i) − u_ij``, ``− c_i`` at the target.
+    """
+    n, c = p.shape
+    inside = (t >= 0) & (t < c)
+    t_in = np.where(inside, t, 0)
+    w_t = np.where(inside, wc[t_in], 0.0 if has_weight else 1.0)
+    rows = np.nonzero(inside)[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        sm_row = s * m
+        ci = sm_row * (1.0 - ls) * w_t
+        smi = sm_row * (ls / c)
+        u = smi[:, None] * wc[None, :]
+        S = np.zeros(n)
+        for j in range(c):  # term by term (an infinite sm: the order does not matter)
+            S = S + u[:, j]
+        if arch35:
+            x = p * ci[:, None]
+            x[rows, t[rows]] = x[rows, t[rows]] - ci[rows]
+            return (p * S[:, None] - u) + x
+        r = p * (ci + S)[:, None] - u
+        r[rows, t[rows]] = r[rows, t[rows]] - ci[rows]
+        return r

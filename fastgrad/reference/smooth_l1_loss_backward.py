@@ -4,7 +4,7 @@ Computes in float64 on the broadcast inputs and rounds once to the promoted dtyp
 to ``out``'s dtype when that differs, as the device's final Cast does).  ``beta`` is taken as
 the fp32 value the device receives, and the quadratic zone multiplies by the device's fp32
 constant ``1/beta`` (ops-nn ``arch35/smooth_l1_loss_grad_v2_tiling.cpp:145``; NaN for
-``0 < beta < fp32(1e-6)``, so the zone is NaN there, row 5f); the zone is
+``0 <= beta < fp32(1e-6)``, so the zone is NaN there, rows 5f and 5a); the zone is
 ``|d| <= beta`` for a tensor ``grad_out`` and ``|d| < beta`` for a one-element one (the two
 DAGs of ``op_kernel/arch35/smooth_l1_loss_grad_v2_dag.h``).  ``smooth_l1_kernel="tbe"`` (the
 A2/A3 profiles) takes the 910B TBE formula instead (``_tbe``).
@@ -36,12 +36,10 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out, sm
     t = np.broadcast_to(np.asarray(target, dtype=np.float64), shape)
     b32 = np.float32(beta)
     b = float(b32)
-    # the device's tiling constant 1/beta, an fp32 value; NaN below fp32(1e-6) (arch35
-    # smooth_l1_loss_grad_v2_tiling.cpp:145, docs/device_parity.md row 5f); beta = 0 keeps the
-    # limit value 0 at d = 0 (row 5a)
-    if b == 0:
-        inv = 0.0
-    elif b < float(np.float32(1e-6)):
+    # the device's tiling constant 1/beta, an fp32 value; NaN below fp32(1e-6), beta = 0
+    # included (arch35 smooth_l1_loss_grad_v2_tiling.cpp:145, docs/device_parity.md rows 5f, 5a:
+    # at beta = 0 the tensor DAG's zone |d| <= 0 is NaN, the scalar DAG's |d| < 0 is empty)
+    if b < float(np.float32(1e-6)):
         inv = float("nan")
     else:
         inv = float(np.float32(np.float32(1.0) / b32))
@@ -50,7 +48,7 @@ def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out, sm
     with np.errstate(invalid="ignore", divide="ignore"):
         d = x - t
         lin = (np.abs(d) <= b) if strict else (np.abs(d) < b)
-        s = np.where(lin & (b > 0), d * inv + 0.0, np.sign(d))  # sign(0) = 0; NaN stays NaN
+        s = np.where(lin, d * inv + 0.0, np.sign(d))  # sign(0) = 0; NaN stays NaN
         if smooth_l1_kernel == "tbe":
             s = _tbe(d, b)
         r = s * g
