@@ -31,3 +31,77 @@ try:
     _hyp_settings.load_profile("fastgrad")
 except ImportError:  # pragma: no cover
     pass
+
+
+# ------------------------------------------------------------------------------------------------
+# The fast default suite and the slow tests (`-m slow`; CI runs both: `-m "slow or not slow"`).
+#
+# The tests below each took seconds to a minute on 2 cores (`pytest --durations=60`): subprocesses
+# that import torch and fastgrad afresh (torchrun, forked children, `python -O`, the bench's memory
+# subprocess), Hugging Face / TRL training runs, the ATK/TTK case files of the largest ops, the
+# README's snippets, the bench's quick run. They are marked here, by node id, so that each test
+# file keeps its own content; `pyproject.toml`'s addopts deselects them by default.  Nothing is
+# skipped: CI runs them all.
+SLOW_TESTS = (
+    "tests/test_torch_hf.py::test_trainer_patched_equals_unpatched",
+    "tests/test_torch_hf.py::test_patched_step_peak_rss_smaller_by_logits",
+    "tests/test_torch_hf.py::test_torch_compile",
+    "tests/test_torch_distributed.py::test_vocab_parallel_matches_single_process",
+    "tests/test_torch_distributed.py::test_torchrun_example_matches_single_process",
+    "tests/test_trl.py::test_sft_trainer_trains_through_fastgrad",
+    "tests/test_torch_threads.py::test_first_fastgrad_call_keeps_torch_threads",
+    "tests/test_torch_linear_cross_entropy.py::test_tiny_lm_example_runs",
+    "tests/test_torch_bench_rows.py::test_torch_rows_in_the_memory_subprocess_run_at_the_asked_thread_count",
+    "tests/test_torch_nn.py::test_equals_torch_on_its_keyword_grid",
+    "tests/test_hf_points.py::test_compile_whole_model_one_break",
+    "tests/test_msprobe.py::test_a_fresh_msprobe_dump_maps_the_same",
+    "tests/test_msprobe.py::test_msprobe_compare_against_the_bench_dump",
+    "tests/test_ascend_plugins.py::test_atk_golden_on_the_atk_case_files",
+    "tests/test_ascend_plugins.py::test_ttk_plugin_on_the_ttk_case_files",
+    "tests/test_cann_cases.py::test_atk_case[atk_aclnnScaledMaskedSoftmaxBackward-",
+    "tests/test_fork_safety.py::test_lm_head_ops_run_in_a_forked_child",
+    "tests/test_optimize_flag.py::test_lm_head_ops_under_python_O_equal_the_normal_run",
+    "tests/test_backends_and_packaging.py::test_read_only_install_compiles_without_a_writable_package_dir",
+    "tests/test_cli_run.py::test_process_peak_is_the_jobs_own_not_its_parents",
+    "tests/test_cli_run.py::test_memory_report_is_the_process_peak",
+    "tests/test_cli_docs.py::test_readme_python_snippets_run_and_print",
+    "tests/test_bench_smoke.py::test_quick_report_schema",
+    "tests/test_bench_smoke.py::test_render_compare_and_plot",
+    "tests/test_bench_stream.py::test_ctrl_c_on_a_real_run_leaves_a_partial_report",
+    # PyTorch's own test battery of F.linear_cross_entropy against fastgrad's drop-in: minutes
+    "tests/test_torch_dropin_upstream.py::test_module_gradients_sampled",
+    "tests/test_torch_dropin_upstream.py::test_module_forward",
+    "tests/test_torch_dropin_upstream.py::test_forward_mode_AD",
+    "tests/test_torch_dropin_upstream.py::test_fn_grad",
+    "tests/test_torch_dropin_upstream.py::test_output_dtype_is_pytorchs",
+)
+
+
+def _is_slow(nodeid: str) -> bool:
+    return nodeid.startswith(SLOW_TESTS) or any(nodeid.split("[")[0] == s for s in SLOW_TESTS)
+
+
+def _shares_module_state(item) -> bool:
+    """A test that uses a module-, class- or session-scoped fixture of its module (computed once)."""
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for d in defs:
+            if d.scope in ("module", "class", "package") and d.baseid:
+                return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tests (before `-m` selects); run the files holding them first, so that with
+    pytest-xdist the long tests start early and short ones fill the end (no minutes-long tail);
+    keep the tests that share a module-scoped fixture on one worker (`--dist loadgroup`)."""
+    slow_files = set()
+    for item in items:
+        if _is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+            slow_files.add(item.nodeid.split("::")[0])
+    items.sort(key=lambda it: it.nodeid.split("::")[0] not in slow_files)  # stable: order kept within
+    for item in items:
+        if _shares_module_state(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -21,7 +21,7 @@ def quick_report(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     path = d / "quick.json"
     md = d / "quick.md"
-    rc = cli_main(["bench", "--quick", "--repeat", "2", "--budget", "1", "--json", str(path),
+    rc = cli_main(["bench", "--quick", "--repeat", "1", "--budget", "1", "--json", str(path),
                    "--markdown", str(md), "-q"])
     assert rc == 0
     return d, B.load(str(path))

@@ -339,6 +339,15 @@ def format_compare(this: dict, other: dict, this_name: str | None = None, other_
 # ------------------------------------------------------------------------------ plots ----
 
 
+def _tick(r: dict) -> str:
+    """A case's x label, wrapped to ~16 characters a line so that neighbouring labels never overlap
+    (a case id's shape and mode run to 60 characters)."""
+    import textwrap
+
+    parts = [r["dtype"], r["shape_str"].replace(",", ", "), r["mode"].split("+")[0], f"thr={r['threads']}"]
+    return "\n".join(line for p in parts for line in textwrap.wrap(p, 16))
+
+
 def plot(report: dict, outdir: str) -> list:
     """One PNG per op: achieved throughput of each row beside the bound. Needs matplotlib
     (the ``plot`` extra); returns the files written ([] with a note when it is missing)."""
@@ -360,7 +369,7 @@ def plot(report: dict, outdir: str) -> list:
         metric, unit = ("gflops", "GFLOP/s") if gemm else ("gbps", "GB/s")
         cases = []
         for r in rows:
-            c = f"{r['dtype']} {r['shape_str']}\n{r['mode'].split('+')[0]} thr={r['threads']}"
+            c = _tick(r)
             if c not in cases:
                 cases.append(c)
         labels = []
@@ -370,7 +379,7 @@ def plot(report: dict, outdir: str) -> list:
                 lab = _label(r)
             if lab not in labels:
                 labels.append(lab)
-        fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases) + 2), 4.5))
+        fig, ax = plt.subplots(figsize=(max(6, 1.9 * len(cases) + 2), 5))
         width = 0.8 / max(1, len(labels))
         for j, lab in enumerate(labels):
             xs, ys = [], []
@@ -378,7 +387,7 @@ def plot(report: dict, outdir: str) -> list:
                 lr = _label(r) if r["backend"] != "bound" else "bound"
                 if lr != lab or r.get(metric) is None:
                     continue
-                c = f"{r['dtype']} {r['shape_str']}\n{r['mode'].split('+')[0]} thr={r['threads']}"
+                c = _tick(r)
                 xs.append(cases.index(c) + (j - (len(labels) - 1) / 2) * width)
                 ys.append(r[metric])
             if xs:
