@@ -21,11 +21,11 @@ from ._train_passes import (
     _E_GROUP,
     _add_outer,
     _block,
-    _col_mean16,
     _colsum_into,
     _grad_pass,
     _round_g_bf16,
     _round_rows,
+    col_means16,
 )
 
 
@@ -122,7 +122,7 @@ class _RecomputeGrad:
             self.x_bar = zeros("fast_x_mean", (nblocks, H))  # the block's mean row of X
             xu = input.view(np.uint16)
             for k, (b0, b1) in enumerate(grid.bt_ranges()):
-                run_rows(_col_mean16, H, xu[b0:b1], D.BF16, self.x_bar[k])
+                col_means16(H, xu[b0:b1], D.BF16, self.x_bar[k])
             # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
             self.xi_buf = take("x_pairs_block", _bf16dot.b_size(nr, H), np.uint32) if gw is not None else None
             self.xint = _bf16dot.interleave(input, self.xi_buf) if (gw is not None and nblocks == 1) else None
@@ -138,7 +138,7 @@ class _RecomputeGrad:
                 raise ValueError("precision='fast' needs the bf16 logits kernel")
             bfl.chunk(v0, v1)
             self.Wc = _bf16dot.interleave(W[v0:v1], self.wi_buf) if self.gi is not None else None
-            run_rows(_col_mean16, H, W[v0:v1].view(np.uint16), D.BF16, self.w_bar[v0 // self.vc])
+            col_means16(H, W[v0:v1].view(np.uint16), D.BF16, self.w_bar[v0 // self.vc])
         else:
             self.Wc = W[v0:v1] if W.dtype == self.cdt else _block(W, v0, v1, self.cdt, self.wbuf)
             if bfl is not None:

@@ -31,7 +31,6 @@ from ._train_passes import (
     P_INV_TEMPERATURE,
     _add_outer,
     _block,
-    _col_mean16,
     _colsum_into,
     _filter_flags,
     _filtered_products,
@@ -39,6 +38,7 @@ from ._train_passes import (
     _round_g_bf16,
     _scatter_add_rounded,
     _stats_chunk,
+    col_means16,
 )
 from ._train_recompute import _bf16_logits
 
@@ -147,7 +147,7 @@ class _RowStep:
         self.x_bar = take("fast_x_mean", H, cdt)[:H]
         wu = self.W.view(np.uint16)
         for c, (v0, v1) in enumerate(self.chunks):
-            run_rows(_col_mean16, H, wu[v0:v1], D.BF16, self.w_bar[c])
+            col_means16(H, wu[v0:v1], D.BF16, self.w_bar[c])
         self.xi_buf = take("x_pairs_block", _bf16dot.b_size(nb_rows, H), np.uint32) if self.gw is not None else None
         self.wi_buf = take("w_pairs_chunk", _bf16dot.b_size(vc, H), np.uint32) if self.gi is not None else None
         self.prod = take("fast_product", nb_rows * H, cdt) if self.gi is not None else None
@@ -200,7 +200,7 @@ class _RowStep:
             nch = len(self.chunks)
             self.e_row = self.e_row_buf[: nb * nch].reshape(nb, nch)
             self.e_row[...] = 0
-            run_rows(_col_mean16, self.H, self.input[b0:b1].view(np.uint16), D.BF16, self.x_bar)
+            col_means16(self.H, self.input[b0:b1].view(np.uint16), D.BF16, self.x_bar)
             self.xint = None if self.xi_buf is None else _bf16dot.interleave(self.input[b0:b1], self.xi_buf)
         if not self.recompute:
             self.m = np.full(nb, -np.inf, cdt)
