@@ -588,6 +588,7 @@ class TrainingPlan:
     staged_gradient: bool = False
     grad16: bool = False
     fallback: str | None = None
+    gemm: GemmChoice = BLAS
     buffers: tuple[Buffer, ...] = ()
 
     @property
@@ -615,6 +616,47 @@ class TrainingPlan:
         n = self.n_blocks
         for k in range(n):
             yield (k * self.BT) // n, ((k + 1) * self.BT) // n
+
+
+@dataclass(frozen=True)
+class LossParams:
+    """The training loss's scalar parameters (``fastgrad.linear_cross_entropy``), derived once by
+    the op layer (``ops/linear_cross_entropy.py``) from the call's attributes and handed to the
+    kernel and the golden as one frozen object (``kernels/_train_passes.kernel_arrays`` packs
+    them for the Numba passes).
+
+    Attributes
+    ----------
+    temperature : float
+        Logits divided by it (after the softcap).
+    softcap : float or None
+        ``z = softcap·tanh(L / softcap)``; None: no softcap.
+    eps : float
+        Label smoothing ε.
+    eps_over_V, eps_wsum_over_V : float
+        ε / V and ε·Σw / V (the global vocabulary V, the class weights' sum).
+    z_scale2 : float
+        2 · ``lse_square_scale`` (the z-loss's derivative factor).
+    need_zsum : bool
+        The statistics include ``Σ_v w_v·z_v`` (label smoothing in the forward).
+    vocab_start_index : int
+        This shard's first global vocabulary column.
+    filter_eps : float or None
+        Gradient filtering's threshold (CCE's ``filter_eps``); None: dense.
+    round_grad : bool
+        ``precision="fast"``: ``dloss/dL`` rounded to bf16 where a bf16 kernel runs the gradient.
+    """
+
+    temperature: float = 1.0
+    softcap: float | None = None
+    eps: float = 0.0
+    eps_over_V: float = 0.0
+    eps_wsum_over_V: float = 0.0
+    z_scale2: float = 0.0
+    need_zsum: bool = False
+    vocab_start_index: int = 0
+    filter_eps: float | None = None
+    round_grad: bool = False
 
 
 def training_budget_rows(vocab_size: int, itemsize: int, budget: int) -> int:
@@ -681,6 +723,7 @@ def plan_training_loss(
     a_form: str | None = None,
     staged: bool = True,
     beta1: bool = False,
+    gemm: GemmChoice = BLAS,
 ) -> TrainingPlan:
     """The training loss's plan (:class:`TrainingPlan`).  ``itemsize``: the compute dtype's
     (4, or 8 for fp64); ``widen``: 16-bit operands (fp32 copies of the weight);
@@ -693,7 +736,8 @@ def plan_training_loss(
     ``staged``: the row blocks' sweeps may run in stages (``staged_statistics``/``staged_gradient``
     where the call allows them; False: chunk by chunk — the same bits).  ``beta1``: the GEMM
     choice's ``GemmChoice.beta1`` (the row blocks' accumulating tiles in the BLAS call:
-    ``accumulate_in_gemm``, with the fp32 logits — not on the bf16 kernel's ``precision="fast"``)."""
+    ``accumulate_in_gemm``, with the fp32 logits — not on the bf16 kernel's ``precision="fast"``).
+    ``gemm``: the call's GEMM choice, recorded in the plan (:attr:`TrainingPlan.gemm`)."""
     budget = workspace_budget() if budget_bytes is None else int(budget_bytes)
     BT, K, V, H = int(BT), int(K), int(V), int(H)
     rows = training_budget_rows(max(V, 1), itemsize, budget)
@@ -740,6 +784,7 @@ def plan_training_loss(
         staged_statistics=staged_stats,
         staged_gradient=staged_grad,
         grad16=grad16,
+        gemm=gemm,
         fallback=_fast_fallback(
             fast, want_grad and K > 0 and BT > 0, logits16, vocab_major, grad16, filtering, accum16 and g3[1]
         ),

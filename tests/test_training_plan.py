@@ -10,6 +10,7 @@ from common import BF16, record_calls, workspace_budget
 
 import fastgrad as fg
 from fastgrad import tiling
+from fastgrad.errors import InternalError
 from fastgrad.kernels import _gemm
 from fastgrad.kernels import linear_cross_entropy as K
 
@@ -80,7 +81,7 @@ def test_a_plan_that_contradicts_the_call_is_refused(says, feps, match):
     plan = _plan(BT=8, Kl=20, V=20, H=4, **says)
     out = {"grad_input": np.zeros((8, 4), np.float32), "lse": np.zeros(8, np.float32)}
     extra = {} if feps is None else {"filter_eps": feps}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InternalError, match=match):
         K.linear_cross_entropy_cpu(
             input=x,
             weight=w,
@@ -90,17 +91,7 @@ def test_a_plan_that_contradicts_the_call_is_refused(says, feps, match):
             target_weight=np.ones(8),
             coef_ce=np.ones(8),
             coef_z=None,
-            params={
-                "softcap": None,
-                "temperature": 1.0,
-                "eps": 0.0,
-                "eps_over_V": 0.0,
-                "eps_wsum_over_V": 0.0,
-                "z_scale2": 0.0,
-                "need_zsum": False,
-                "vocab_start_index": 0,
-                **extra,
-            },
+            params=tiling.LossParams(**extra),
             plan=plan,
             lse=None,
             combine=None,

@@ -5,10 +5,11 @@ gathers and scatters (``kernels/linear_cross_entropy.py``: the module doc)."""
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
-from ..tiling import FAST_E_GROUP
+from ..tiling import FAST_E_GROUP, LossParams
 from ._gemm import (
     run_rows,
 )
@@ -31,6 +32,39 @@ P_NEG_INF, P_ONE, P_ZERO = 8, 9, 10
 # flags (int64): has a softcap, has a bias, has class weights, needs Σ w·z (smoothing),
 #                needs the entropy's statistic Σ e·(z - max), has an entropy gradient (coef_h, μ)
 F_SOFTCAP, F_BIAS, F_CLASS_WEIGHT, F_ZSUM, F_ENTROPY_STAT, F_ENTROPY_GRAD = 0, 1, 2, 3, 4, 5
+
+
+def kernel_arrays(
+    p: LossParams,
+    cdt: npt.DTypeLike,
+    *,
+    softcap: bool,
+    bias: bool,
+    class_weight: bool,
+    entropy_stat: bool,
+    entropy_grad: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(par, flags)``: the passes' scalar parameters in the compute dtype ``cdt`` and their
+    feature flags (int64), in the layouts the ``P_*`` / ``F_*`` indices name — the one place they
+    are filled."""
+    par = np.zeros(11, cdt)
+    par[P_SOFTCAP] = p.softcap or 0.0
+    par[P_INV_SOFTCAP] = (1.0 / p.softcap) if p.softcap else 0.0
+    par[P_INV_TEMPERATURE] = 1.0 / p.temperature
+    par[P_TEMPERATURE] = p.temperature
+    par[P_EPS] = p.eps
+    par[P_EPS_OVER_V] = p.eps_over_V
+    par[P_EPS_WSUM_OVER_V] = p.eps_wsum_over_V
+    par[P_Z_SCALE2] = p.z_scale2
+    par[P_NEG_INF], par[P_ONE], par[P_ZERO] = -np.inf, 1.0, 0.0
+    flags = np.zeros(6, np.int64)
+    flags[F_SOFTCAP] = softcap
+    flags[F_BIAS] = bias
+    flags[F_CLASS_WEIGHT] = class_weight
+    flags[F_ZSUM] = p.need_zsum
+    flags[F_ENTROPY_STAT] = entropy_stat
+    flags[F_ENTROPY_GRAD] = entropy_grad
+    return par, flags
 
 
 # Row helpers of the chunk passes (besides ``_vmath.row_*``): loops over one row of a chunk given

@@ -73,7 +73,7 @@ class _RowStep:
         self.rows = rows
         self.cw_c, self.bias_c, self.par, self.flags = consts
         self.out, self.combine, self.recompute, self.need_ent = out, combine, recompute, need_ent
-        self.col0 = int(params["vocab_start_index"])
+        self.col0 = int(params.vocab_start_index)
         self.eng = gemm.engine
         H, K = input.shape[1], W.shape[0]
         self.H, self.K = H, K
@@ -90,7 +90,7 @@ class _RowStep:
         self.b16 = b16 = plan.grad16
         if b16 != fast_fused(
             logits16=plan.logits16,
-            fast=bool(params.get("round_grad")),
+            fast=params.round_grad,
             want_grad=gi is not None or gw is not None or self.gb is not None,
             recompute=recompute,
             filtering=plan.filter_rows > 0,
@@ -156,7 +156,7 @@ class _RowStep:
     def _filters(self, params, ws) -> None:
         """Gradient filtering's state (module doc): on when ``filter_eps`` is given with a gradient."""
         cdt, K, H, take = self.cdt, self.K, self.H, ws.take
-        feps = params.get("filter_eps")
+        feps = params.filter_eps
         self.fstats = self.out.get("filter_stats")
         if self.fstats is not None:
             self.fstats.setdefault("blocks_total", 0)

@@ -36,7 +36,7 @@ backward of a forward that did not compute the gradient) the dense gradient is r
 rows, steps 4's pass and products; a chunk's ``grad_weight`` is complete after its rows, so a
 16-bit one is rounded once from fp32 and no ``[K, H]`` accumulator exists.
 
-Gradient filtering (``params["filter_eps"]``, CCE's ``filter_eps``): after step 4's pass over
+Gradient filtering (``params.filter_eps``, CCE's ``filter_eps``): after step 4's pass over
 each vocabulary chunk (the chunk still in cache) a read-only pass flags, per row and per block
 of ``plan.filter_cols`` vocabulary columns, whether some ``|G[r, v]|`` is not below
 ``filter_eps·|coef_ce[r]|`` (the row's scale: the upstream gradient and the mean's ``1/Σw``;
@@ -58,29 +58,15 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes as D
-from ..tiling import BLAS, TrainingPlan, training_modes
+from ..errors import InternalError
+from ..tiling import LossParams, TrainingPlan, training_modes
 from ._gemm import (
     blas_for,
 )
 from ._lm_head import Workspace, run_row_blocks
 from ._train_passes import (
-    F_BIAS,
-    F_CLASS_WEIGHT,
     F_ENTROPY_GRAD,
-    F_ENTROPY_STAT,
-    F_SOFTCAP,
-    F_ZSUM,
-    P_EPS,
-    P_EPS_OVER_V,
-    P_EPS_WSUM_OVER_V,
-    P_INV_SOFTCAP,
-    P_INV_TEMPERATURE,
-    P_NEG_INF,
-    P_ONE,
-    P_SOFTCAP,
-    P_TEMPERATURE,
-    P_Z_SCALE2,
-    P_ZERO,
+    kernel_arrays,
 )
 from ._train_recompute import _vocab_major
 from ._train_rows import _RowStep
@@ -88,7 +74,7 @@ from ._train_rows import _RowStep
 __all__ = ["linear_cross_entropy_cpu"]
 
 
-@blas_for(lambda kw: kw["params"].get("gemm", BLAS).engine)
+@blas_for(lambda kw: kw["plan"].gemm.engine)
 def linear_cross_entropy_cpu(
     *,
     input: np.ndarray,
@@ -99,7 +85,7 @@ def linear_cross_entropy_cpu(
     target_weight: np.ndarray,
     coef_ce: np.ndarray | None,
     coef_z: np.ndarray | None,
-    params: dict[str, Any],
+    params: LossParams,
     plan: TrainingPlan,
     coef_h: np.ndarray | None = None,
     z_mean: np.ndarray | None = None,
@@ -109,12 +95,11 @@ def linear_cross_entropy_cpu(
     progress: Callable[[int, int], object] | None = None,
 ) -> None:
     """The ``cpu`` backend's implementation of ``fastgrad.linear_cross_entropy``: the block loop
-    (module docstring), BLAS single-threaded, on the GEMMs ``params["gemm"]`` names (a
-    ``tiling.GemmChoice``: the op layer's choice from the settings; default BLAS).  Arrays are
-    validated by the op.
+    (module docstring), BLAS single-threaded, on the GEMMs ``plan.gemm`` names (a
+    ``tiling.GemmChoice``: the op layer's choice from the settings).  Arrays are validated by the
+    op; a plan that contradicts the call raises ``InternalError``.
 
-    ``params``: dict with softcap, temperature, eps, eps_over_V, eps_wsum_over_V, z_scale2,
-    need_zsum, vocab_start_index (and optionally filter_eps: the block sizes are the plan's).
+    ``params``: the scalar parameters (``tiling.LossParams``; the block sizes are the plan's).
     ``coef_h`` [BT]: the entropy's upstream coefficient per row (None: no entropy term in the
     gradient); ``z_mean`` [BT]: ``μ = Σ p·z`` for the recompute (with ``lse``).
     ``out``: dict of preallocated outputs (``lse``, ``max``, ``sum_exp``, ``z_target``, ``z_sum``,
@@ -124,7 +109,7 @@ def linear_cross_entropy_cpu(
     statistics include ``Σ exp(z - max)·(z - max)`` and ``combine`` takes and returns it as a sixth value.
     ``progress(done, total)``: after each row block (the recompute: after each tile of its grid).
     """
-    gemm = params.get("gemm", BLAS)
+    gemm = plan.gemm
     eng = gemm.engine
     BT, H = input.shape
     K = weight.shape[0]
@@ -135,25 +120,16 @@ def linear_cross_entropy_cpu(
     gw_acc = gw.view(np.uint16) if (gw is not None and gw_code is not None) else gw
     want_grad = gi is not None or gw is not None or gb is not None
     recompute = lse is not None
-    softcap = params.get("softcap")
-    par = np.zeros(11, cdt)
-    par[P_SOFTCAP] = softcap or 0.0
-    par[P_INV_SOFTCAP] = (1.0 / softcap) if softcap else 0.0
-    par[P_INV_TEMPERATURE] = 1.0 / params["temperature"]
-    par[P_TEMPERATURE] = params["temperature"]
-    par[P_EPS] = params["eps"]
-    par[P_EPS_OVER_V] = params["eps_over_V"]
-    par[P_EPS_WSUM_OVER_V] = params["eps_wsum_over_V"]
-    par[P_Z_SCALE2] = params["z_scale2"]
-    par[P_NEG_INF], par[P_ONE], par[P_ZERO] = -np.inf, 1.0, 0.0
     need_ent = not recompute and (coef_h is not None or any(out.get(k) is not None for k in ("z_mean", "entropy")))
-    flags = np.zeros(6, np.int64)
-    flags[F_SOFTCAP] = softcap is not None
-    flags[F_BIAS] = bias is not None
-    flags[F_CLASS_WEIGHT] = class_weight is not None
-    flags[F_ZSUM] = bool(params["need_zsum"])
-    flags[F_ENTROPY_STAT] = need_ent
-    flags[F_ENTROPY_GRAD] = coef_h is not None
+    par, flags = kernel_arrays(
+        params,
+        cdt,
+        softcap=params.softcap is not None,
+        bias=bias is not None,
+        class_weight=class_weight is not None,
+        entropy_stat=need_ent,
+        entropy_grad=coef_h is not None,
+    )
     bias_c = bias.astype(cdt) if bias is not None else np.zeros(1, cdt)
     cw_c = class_weight.astype(cdt) if class_weight is not None else np.zeros(1, cdt)
     wt_c = target_weight.astype(cdt)
@@ -164,13 +140,13 @@ def linear_cross_entropy_cpu(
     # the dense products write every element of grad_input / grad_weight (the first chunk, the
     # first row block) in parallel: no serial first touch of fresh memory; zeros only where
     # something may be left unwritten (filtering skips blocks; K = 0 or BT = 0 writes nothing)
-    partial = params.get("filter_eps") is not None or K == 0 or BT == 0
+    partial = params.filter_eps is not None or K == 0 or BT == 0
     if gi is not None and partial:
         gi[...] = 0
     # the recompute of the gradient alone runs vocabulary-major (``_vocab_major``); the plan was
     # made by the same rule (a plan made for other arguments is refused below)
     vmajor, filtering = training_modes(
-        want_grad=want_grad, recompute=recompute, filtered=params.get("filter_eps") is not None, K=K, BT=BT
+        want_grad=want_grad, recompute=recompute, filtered=params.filter_eps is not None, K=K, BT=BT
     )
     if gw is not None and (partial or (gw_code is not None and not vmajor)):  # 16-bit: accumulated from zero
         gw[...] = 0
@@ -192,9 +168,9 @@ def linear_cross_entropy_cpu(
     # vocabulary-parallel group plans the same row blocks (the combine runs per block)
     W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
     if vmajor != plan.vocab_major:
-        raise ValueError(f"plan.vocab_major is {plan.vocab_major}, the call's arguments say {vmajor}")
+        raise InternalError(f"plan.vocab_major is {plan.vocab_major}, the call's arguments say {vmajor}")
     if filtering != (plan.filter_rows > 0):
-        raise ValueError(f"plan.filter_rows is {plan.filter_rows}, the call's arguments say filtering={filtering}")
+        raise InternalError(f"plan.filter_rows is {plan.filter_rows}, the call's arguments say filtering={filtering}")
     # every buffer from the plan's list (tiling.training_buffers): the memory estimate is what runs
     ws = Workspace(plan)
     if vmajor:
@@ -207,7 +183,7 @@ def linear_cross_entropy_cpu(
             (cw_c, bias_c, par, flags),
             plan,
             ws,
-            bool(params.get("round_grad")),
+            params.round_grad,
             gemm,
             progress,
         )

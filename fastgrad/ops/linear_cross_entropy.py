@@ -196,20 +196,20 @@ def _relations(call: Call) -> None:
                 zm_a = _row_vector(call, "z_mean", BT)
     if call.reasons:
         return
-    params = {
-        "softcap": cap,
-        "temperature": temp,
-        "eps": eps,
-        "eps_over_V": eps / V if V else 0.0,
-        "eps_wsum_over_V": eps * wsum_all / V if V else 0.0,
-        "z_scale2": 2.0 * zsc,
-        "need_zsum": eps != 0.0 and not recompute,
-        "vocab_start_index": start,
-        "filter_eps": feps,
-        "round_grad": at["precision"] == "fast",
-        # the GEMMs, chosen once from the settings (the kernel reads none): ops/_engines.py
-        "gemm": gemm_choice(x.dtype, call.settings),
-    }
+    params = tiling.LossParams(
+        softcap=cap,
+        temperature=temp,
+        eps=eps,
+        eps_over_V=eps / V if V else 0.0,
+        eps_wsum_over_V=eps * wsum_all / V if V else 0.0,
+        z_scale2=2.0 * zsc,
+        need_zsum=eps != 0.0 and not recompute,
+        vocab_start_index=start,
+        filter_eps=feps,
+        round_grad=at["precision"] == "fast",
+    )
+    # the GEMMs, chosen once from the settings (the kernel reads none; the plan carries them): ops/_engines.py
+    gemm = gemm_choice(x.dtype, call.settings)
     want_grad = any(need)
     fstats: dict | None = {} if (feps is not None and want_grad) else None
     ent = at["return_entropy"] and not recompute
@@ -231,7 +231,7 @@ def _relations(call: Call) -> None:
         BT=BT, H=H, K=K, V=V, cdt=cdt, gw_dt=gw_dt, need=need, feps=feps, recompute=recompute, tl=tl,
         valid=valid, tcol=tcol, n_valid=n_valid, wt=wt, wsum_all=wsum_all, cw_local=cw_local,
         weight_sum=weight_sum, coef_ce=coef_ce, coef_z=coef_z, coef_h=coef_h, lse=lse_a, z_mean=zm_a,
-        params=params, out=out, combine=combine,
+        params=params, gemm=gemm, out=out, combine=combine,
     )  # fmt: skip
 
 
@@ -262,7 +262,7 @@ def _plan(call: Call) -> tiling.TrainingPlan:
     chunks, the vocabulary-major recompute, whether the weight is widened once, and every buffer
     the kernel takes (``tiling.training_buffers``)."""
     i, w = call.info, call.a["weight"]
-    cdt, need, gemm = i["cdt"], i["need"], i["params"]["gemm"]
+    cdt, need, gemm = i["cdt"], i["need"], i["gemm"]
     budget = None if call.settings is None else call.settings.workspace_bytes  # (execute sets them)
     logits16 = bool(gemm.logits16)  # the choice for this dtype: set for bf16 operands only (kernels/_engine.resolve)
     plan = tiling.plan_training_loss(
@@ -284,6 +284,7 @@ def _plan(call: Call) -> tiling.TrainingPlan:
         a_form=gemm.a_form,
         staged=STAGED,
         beta1=gemm.beta1,
+        gemm=gemm,
     )
     warn_fallback(plan.fallback)
     return plan

@@ -32,21 +32,21 @@ gradient uses the saved ``lse`` and, with ``coef_h``, the saved ``z_mean``.
 
 Every result is exact up to float64 rounding and rounded once to its ``out`` array's dtype
 (``grad_weight`` accumulated in float64 over the row blocks and rounded at the end, a 16-bit
-``accum_dtype`` included).  Gradient filtering (``params["filter_eps"]``) and
-``params["round_grad"]`` (``precision="fast"``) are approximations of this exact gradient: the
+``accum_dtype`` included).  Gradient filtering (``params.filter_eps``) and
+``params.round_grad`` (``precision="fast"``) are approximations of this exact gradient: the
 golden ignores them, always computes the dense exact value, and reports ``filter_stats`` (when
 ``out`` has one) with ``blocks_total = blocks_skipped = 0``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:  # the plan's type only (a golden imports no settings)
-    from ..tiling import TrainingPlan
+    from ..tiling import LossParams, TrainingPlan
 
 OP = "linear_cross_entropy"
 
@@ -91,7 +91,7 @@ def linear_cross_entropy(
     target_weight: np.ndarray,
     coef_ce: np.ndarray | None,
     coef_z: np.ndarray | None,
-    params: Mapping[str, Any],
+    params: LossParams,
     plan: TrainingPlan,
     coef_h: np.ndarray | None = None,
     z_mean: np.ndarray | None = None,
@@ -123,14 +123,14 @@ def linear_cross_entropy(
         fstats["blocks_total"] = 0
         fstats["blocks_skipped"] = 0
 
-    cap = params.get("softcap")
-    T = float(params["temperature"])
-    eps = float(params["eps"])
-    eps_over_V = float(params["eps_over_V"])
-    eps_wsum_over_V = float(params["eps_wsum_over_V"])
-    z_scale2 = float(params["z_scale2"])
-    need_zsum = bool(params["need_zsum"]) and not recompute
-    col0 = int(params["vocab_start_index"])
+    cap = params.softcap
+    T = float(params.temperature)
+    eps = float(params.eps)
+    eps_over_V = float(params.eps_over_V)
+    eps_wsum_over_V = float(params.eps_wsum_over_V)
+    z_scale2 = float(params.z_scale2)
+    need_zsum = bool(params.need_zsum) and not recompute
+    col0 = int(params.vocab_start_index)
     # the entropy's statistic (and combine's sixth value): asked for, or needed by its gradient
     need_ent = not recompute and (coef_h is not None or out.get("z_mean") is not None or out.get("entropy") is not None)
 

@@ -53,7 +53,8 @@ class LinearCrossEntropyOptions:
         same fp32 logits, each gradient rounded once).  ``"device"``: the NPU's aclnn pipeline
         (plain loss only).  ``"fast"``: bf16 ``dloss/dlogits`` with its mean error restored, every
         GEMM of the step (three fused, four recomputed) on the exact-product bf16 kernel (CPUs
-        with AVX-512 BF16; elsewhere ``"accurate"`` bitwise, with a ``FallbackWarning``).  See ``docs/torch.md``, "Precision".
+        with AVX-512 BF16; elsewhere ``"accurate"`` bitwise, with a ``FallbackWarning``).  See
+        ``docs/torch.md``, "Precision".
     schedule : "auto" | "fused" | "recompute"
         ``"fused"``: the gradient is computed in the forward (three GEMMs per step) and only
         scaled in the backward; it holds fp32 ``[V, H]`` + ``[BT, H]`` gradients (16-bit
