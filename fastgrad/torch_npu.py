@@ -507,7 +507,8 @@ def smooth_l1_loss_backward(
     ``-[d <= -beta] + [d >= beta] + [|d| < beta]·d/(beta + 1e-6)`` — exactly ±1 at
     ``|d| = beta``, a true division by ``fp32(beta + 1e-6)`` inside, NaN d read as 0, so with
     beta = 0 a zero difference gives 0 (PyTorch's CPU kernel gives -1); on Ascend 950 the arch35
-    DAG ``[d > beta] - [d < -beta] + [|d| <= beta]·d·fp32(1/beta)``.  Times grad_output; mean
+    DAG ``[d > beta] - [d < -beta] + [|d| <= beta]·d·fp32(1/beta)``, where ``fp32(1/beta)`` is NaN
+    for beta < 1e-6 (beta = 0 included: the ``|d| <= beta`` zone is NaN; rows 5a, 5f).  Times grad_output; mean
     multiplies by ``fp32(1/n)`` (see :func:`fastgrad.smooth_l1_loss_backward`).
 
     Raises
