@@ -18,10 +18,12 @@ Backends: ``available_backends``, ``set_backend``, ``use_backend``; strict devic
 engine of the fused linear kernels: ``gemm_engine``, ``set_gemm_engine``, ``gemm``; the
 device's deterministic mode (``ACL_OPT_DETERMINISTIC``): ``deterministic``, ``set_deterministic``,
 ``is_deterministic``; every
-setting in force at once: ``settings()`` (a frozen :class:`Settings`, fastgrad/_config.py).
+setting in force at once: ``settings()`` (a frozen :class:`Settings`, fastgrad/_config.py); one call's
+own settings: ``options=Options(...)`` (the LM-head ops).
 """
 
 from ._config import (
+    Options,
     Settings,
     deterministic,
     gemm,
@@ -87,6 +89,7 @@ __all__ = [
     "gemm_engine",
     "set_gemm_engine",
     "settings",
+    "Options",
     "Settings",
     "deterministic",
     "set_deterministic",

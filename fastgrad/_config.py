@@ -35,7 +35,8 @@ import contextvars
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 _STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fastgrad_strict", default=None)
 _strict_global: bool | None = None
@@ -673,6 +674,59 @@ class Settings:
     progress: Callable[[int, int], object] | None
     #: the device's deterministic mode (:func:`is_deterministic`)
     deterministic: bool = False
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-call settings of the LM-head ops (``options=`` of :func:`fastgrad.fused_linear_online_max_sum`,
+    :func:`fastgrad.fused_linear_cross_entropy_loss_grad`, :func:`fastgrad.linear_cross_entropy`):
+    each field not None overrides the setting in force for that call only, resolved by the op
+    (:meth:`resolve`, as PyTorch's ``LinearCrossEntropyOptions._adjust``) — no context manager,
+    nothing process-wide, so calls in several threads each carry their own.
+
+    Attributes
+    ----------
+    gemm : {"auto", "blas", "onednn"} or None
+        The GEMM setting (:func:`set_gemm_engine`).
+    native_isa : {"auto", "avx512", "avx2"} or None
+        The native kernel's ISA setting (:func:`set_native_isa`).
+    workspace_bytes : int or None
+        The tile plans' scratch budget in bytes (:func:`set_workspace_budget`), ≥ 1.
+    prefer_onednn : bool or None
+        The training loss's GEMM preference inside ``fastgrad.torch`` (``"auto"`` prefers the bf16
+        logits kernel and oneDNN's fp32 tiles; :func:`prefer_onednn`).
+
+    Raises (from :meth:`resolve`): ``AclnnParamError`` 161002 naming ``options.<field>`` for a
+    value out of range.
+    """
+
+    gemm: str | None = None
+    native_isa: str | None = None
+    workspace_bytes: int | None = None
+    prefer_onednn: bool | None = None
+
+    def resolve(self, s: Settings) -> Settings:
+        """``s`` with this object's fields that are not None in place of its own."""
+        from .errors import invalid
+
+        changes: dict[str, Any] = {}
+        if self.gemm is not None:
+            if str(self.gemm).strip().lower() not in GEMM_ENGINES:
+                raise invalid("options.gemm", "one of " + ", ".join(GEMM_ENGINES), repr(self.gemm))
+            changes["gemm"] = str(self.gemm).strip().lower()
+        if self.native_isa is not None:
+            isa = str(self.native_isa).strip().lower()
+            if isa not in NATIVE_ISAS:
+                raise invalid("options.native_isa", "one of " + ", ".join(NATIVE_ISAS), repr(self.native_isa))
+            changes["native_isa"] = isa
+        if self.workspace_bytes is not None:
+            wb = self.workspace_bytes
+            if isinstance(wb, bool) or not isinstance(wb, int) or wb < 1:
+                raise invalid("options.workspace_bytes", "an int >= 1 (bytes)", repr(wb))
+            changes["workspace_bytes"] = wb
+        if self.prefer_onednn is not None:
+            changes["prefer_onednn"] = bool(self.prefer_onednn)
+        return replace(s, **changes) if changes else s
 
 
 def settings() -> Settings:

@@ -178,3 +178,40 @@ def test_specs_are_named_by_the_plan():
     for name, spec in _native.SPECS.items():
         assert _bf16dot.spec_named(name) is spec
     assert _bf16dot.spec_named(None) is None
+
+
+def test_options_are_the_calls_own_settings():
+    """``options=fastgrad.Options(...)``: the call's settings over those in force, resolved by the
+    op (the plan records them), nothing process-wide; the same bits as the context managers."""
+    import ml_dtypes as _md
+
+    x, w, t, mask, g = _inputs(BT=64, H=32, V=700)
+    s = fg.fused_linear_online_max_sum(x, w, t, 0, w.shape[0])
+    m, e = np.asarray(s[0], np.float32), np.asarray(s[1], np.float32)
+    before = fg.settings()
+    with fg.gemm("blas"):
+        want = fg.fused_linear_cross_entropy_loss_grad(g, x, w, mask, t, logits_max=m, sum_exp_logits=e)
+    *got, plan = fg.fused_linear_cross_entropy_loss_grad(
+        g, x, w, mask, t, logits_max=m, sum_exp_logits=e, options=fg.Options(gemm="blas"), return_plan=True
+    )
+    assert plan.gemm.exact is None and plan.gemm.engine == "blas"
+    assert all(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)) for a, b in zip(got, want))
+    assert fg.settings() == before
+    if _bf16dot.variant("bf16", "avx2") is not None:
+        *_, p2 = fg.fused_linear_cross_entropy_loss_grad(
+            g, x, w, mask, t, logits_max=m, sum_exp_logits=e, options=fg.Options(native_isa="avx2"), return_plan=True
+        )
+        assert p2.gemm.variant == "avx2_bf16"
+    r = fg.linear_cross_entropy(x, w, t, return_grad=True, options=fg.Options(workspace_bytes=64 * 700 * 4 // 3))
+    assert r.plan.budget_bytes == 64 * 700 * 4 // 3 and r.plan.n_blocks > 1
+    assert x.dtype == _md.bfloat16
+    for bad, param in (
+        ({"gemm": "mkl"}, "options.gemm"),
+        ({"native_isa": "neon"}, "options.native_isa"),
+        ({"workspace_bytes": 0}, "options.workspace_bytes"),
+    ):
+        with pytest.raises(fg.AclnnError) as ei:
+            fg.fused_linear_online_max_sum(x, w, t, 0, w.shape[0], options=fg.Options(**bad))
+        assert ei.value.status == 161002 and param in str(ei.value)
+    with pytest.raises(fg.AclnnError, match="options"):
+        fg.linear_cross_entropy(x, w, t, options={"gemm": "blas"})

@@ -439,9 +439,17 @@ def _implementation(op: OpDef, backend: str) -> Callable:
     return dispatch(op.name, fb)
 
 
-def execute(op: OpDef, args: dict, out: Any = None) -> Any:
-    """Run ``op`` on ``args`` (its inputs and attributes by name): check, plan, compute, wrap."""
+def execute(op: OpDef, args: dict, out: Any = None, options: Any = None) -> Any:
+    """Run ``op`` on ``args`` (its inputs and attributes by name): check, plan, compute, wrap.
+    ``options``: a :class:`fastgrad._config.Options` (the call's own settings over those in
+    force), or None; anything else is refused (161002) before any work."""
     s = _config.settings()  # every setting, read once for this call
+    if options is not None:
+        if not isinstance(options, _config.Options):
+            from ..errors import invalid
+
+            raise invalid("options", "a fastgrad.Options or None", type(options).__name__, op.name)
+        s = options.resolve(s)
     backend = resolve_backend(s.backend)  # once: the SoC profile and the dispatch agree
     call = Call(op, s.strict, args, soc=current_profile(s.soc_version, backend), settings=s)
     _adapt_inputs(op, call)

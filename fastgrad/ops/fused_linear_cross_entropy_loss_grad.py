@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import dtypes as D
+from .._config import Options
 from ..arrays import ArrayLike
 from ..errors import ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_RUNTIME_ERROR
 from ..vocab_parallel import live_filter_eps
@@ -251,6 +252,7 @@ def fused_linear_cross_entropy_loss_grad(
     filter_eps: float | str | None = None,
     return_plan: bool = False,
     out: Any = None,
+    options: Options | None = None,
 ) -> tuple:
     r"""Gradient of the vocabulary-parallel linear cross-entropy w.r.t. ``input`` and ``weight``.
 
@@ -306,6 +308,10 @@ def fused_linear_cross_entropy_loss_grad(
         output then differs by that plus one rounding of its dtype.
     return_plan : bool, keyword-only
         Also return the tile plan, with ``blocks_total`` and ``blocks_skipped`` filled in.
+    options : fastgrad.Options, keyword-only, optional
+        This call's own settings (GEMM setting, native ISA, workspace budget) over those in
+        force (``fastgrad._config.Options``): no context manager, nothing process-wide; 161002
+        for another type or a field out of range.
 
     Returns
     -------
@@ -369,4 +375,5 @@ def fused_linear_cross_entropy_loss_grad(
             return_plan=return_plan,
         ),
         out,
+        options=options,
     )

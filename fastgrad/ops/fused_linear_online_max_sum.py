@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import dtypes as D
+from .._config import Options
 from ..arrays import ArrayLike
 from ..errors import ACLNN_ERR_INNER_NULLPTR
 from ._engines import lm_head_plan
@@ -128,6 +129,7 @@ def fused_linear_online_max_sum(
     *,
     logits_dtype: Any = None,
     out: Any = None,
+    options: Options | None = None,
 ) -> OnlineMaxSum:
     """This shard's logits statistics for vocabulary-parallel cross-entropy.
 
@@ -158,6 +160,10 @@ def fused_linear_online_max_sum(
     out : tuple of six arrays, optional
         Preallocated outputs in the order of :class:`OnlineMaxSum` (``None`` for the logits
         when ``return_logits`` is False).
+    options : fastgrad.Options, keyword-only, optional
+        This call's own settings (GEMM setting, native ISA, workspace budget) over those in
+        force (``fastgrad._config.Options``): no context manager, nothing process-wide; 161002
+        for another type or a field out of range.
 
     Returns
     -------
@@ -214,4 +220,5 @@ def fused_linear_online_max_sum(
             logits_dtype=logits_dtype,
         ),
         out,
+        options=options,
     )

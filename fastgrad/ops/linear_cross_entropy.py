@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import _outcache, arrays, tiling
 from .. import dtypes as D
+from .._config import Options
 from ..arrays import ArrayLike
 from ..errors import AclnnError
 from ._engines import gemm_choice, warn_fallback
@@ -439,6 +440,7 @@ def linear_cross_entropy(
     grad_entropy: ArrayLike | float | None = None,
     z_mean: ArrayLike | None = None,
     precision: str = "accurate",
+    options: Options | None = None,
 ) -> LinearCrossEntropyResult:
     r"""Cross-entropy of ``z = softcap(input·weightᵀ + bias)/temperature`` without ``[BT, V]``.
 
@@ -525,6 +527,10 @@ def linear_cross_entropy(
         absolute error against float64 stays near the fp32 computation's
         (``docs/torch.md``, Precision).  Anywhere else ``"fast"`` is ``"accurate"``, bitwise.
         Strict mode rejects ``"fast"`` (161002); anything else: 161002.
+    options : fastgrad.Options, keyword-only, optional
+        This call's own settings (GEMM setting, native ISA, workspace budget) over those in
+        force (``fastgrad._config.Options``): no context manager, nothing process-wide; 161002
+        for another type or a field out of range.
 
     Returns
     -------
@@ -577,4 +583,5 @@ def linear_cross_entropy(
             z_mean=z_mean,
             precision=precision,
         ),
+        options=options,
     )
