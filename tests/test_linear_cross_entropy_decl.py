@@ -31,9 +31,9 @@ def test_the_op_is_a_declaration_run_by_execute(monkeypatch):
     seen = []
     real = _opdef.execute
 
-    def spy(op, args, out=None):
+    def spy(op, args, out=None, options=None):
         seen.append(op.name)
-        return real(op, args, out)
+        return real(op, args, out, options)
 
     monkeypatch.setattr(lce, "execute", spy)
     x, w, t = _data()
