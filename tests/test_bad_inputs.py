@@ -23,28 +23,37 @@ def _raises(status, param, fn, *args, **kw):
 
 
 # ---------------------------------------------------------------------------------------------
-# smooth L1 with an fp32-subnormal beta: finite, the formula's values
+# smooth L1 with an fp32-subnormal beta: the 910B's finite formula, the 950's NaN zone (row 5f)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
-def test_smooth_l1_subnormal_beta_is_finite_and_exact(dtype, reduction):
-    beta = 1e-39                                    # fp32 subnormal: fp32(1/beta) overflows
+def test_smooth_l1_subnormal_beta_follows_each_soc(dtype, reduction):
+    """910B (the TBE kernel: ``d/fp32(β + 1e-6)``): finite, the formula's values.  950 (the arch35
+    tiling: ``1/β`` is NaN below 1e-6, ``smooth_l1_loss_grad_v2_tiling.cpp:145``): NaN in the
+    quadratic zone (``|d| <= β`` for a tensor grad_out, ``|d| < β`` for a one-element one: the
+    DAGs' compares, docs/device_parity.md row 5f), ``sign(d)·grad`` outside it."""
+    beta = 1e-39                                    # fp32 subnormal
     b32 = float(np.float32(beta))
     t = np.zeros(6, np.float32)
     x = np.array([0.0, 5e-40, -5e-40, 1.0, -2.0, 0.0], np.float32)   # d = x - t
     if dtype != np.float32:                         # 16-bit: no subnormal d of that size
         x = np.array([0.0, 0.0, 0.5, 1.0, -2.0, 0.0], np.float32)
     g = np.float32(0.5) if reduction != "none" else np.linspace(1, 2, 6).astype(np.float32)
-    with fg.soc_version("Ascend950"):  # the arch35 DAG's 1/beta (the A2/A3 TBE divides by beta + 1e-6)
-        out = fg.smooth_l1_loss_backward(np.asarray(g).astype(dtype), x.astype(dtype), t.astype(dtype),
-                                         reduction, beta)
-    got = np.asarray(out, np.float64)
-    assert np.all(np.isfinite(got))
-    d = x.astype(np.float64)
-    s = np.where(np.abs(d) < b32, d / b32, np.sign(d))
-    want = s * np.asarray(g, np.float64) * (1 / 6 if reduction == "mean" else 1)
-    np.testing.assert_allclose(got, want, rtol=2 ** -7 if dtype != np.float32 else 1e-6, atol=0)
+    scale = (1 / 6 if reduction == "mean" else 1)
+    d = x.astype(dtype).astype(np.float64)
+    g64 = np.asarray(g, np.float64)
+    args = (np.asarray(g).astype(dtype), x.astype(dtype), t.astype(dtype), reduction, beta)
+    with fg.soc_version("Ascend950"):
+        got950 = np.asarray(fg.smooth_l1_loss_backward(*args), np.float64)
+    zone = np.abs(d) <= b32 if reduction == "none" else np.abs(d) < b32
+    assert np.array_equal(np.isnan(got950), zone)
+    np.testing.assert_allclose(got950[~zone], (np.sign(d) * g64 * scale)[~zone], rtol=2 ** -7, atol=0)
+    got910 = np.asarray(fg.smooth_l1_loss_backward(*args), np.float64)
+    assert np.all(np.isfinite(got910))
+    den = float(np.float32(b32 + 1e-6))
+    want = np.where(np.abs(d) < b32, d / den, np.sign(d)) * g64 * scale
+    np.testing.assert_allclose(got910, want, rtol=2 ** -7 if dtype != np.float32 else 1e-6, atol=1e-45)
 
 
 def test_smooth_l1_subnormal_beta_reference_agrees():
