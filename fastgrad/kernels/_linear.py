@@ -55,6 +55,52 @@ def fp32_block(a: np.ndarray, r0: int, r1: int, buf: np.ndarray | None = None, w
     return out
 
 
+@tjit
+def _take_cols(lo, hi, src, cols, dst):
+    """dst[i, q] = src[i, cols[q]] for the rows ``lo:hi``."""
+    n = cols.size
+    for i in range(lo, hi):
+        r = src[i]
+        d = dst[i]
+        for q in range(n):
+            d[q] = r[cols[q]]
+
+
+@tjit
+def _take_rows(lo, hi, src, rows, dst):
+    """dst[q, :] = src[rows[q], :] for ``q`` in ``lo:hi``."""
+    for q in range(lo, hi):
+        dst[q, :] = src[rows[q], :]
+
+
+@tjit
+def _add_rows_at(lo, hi, dst, rows, src):
+    """dst[rows[q], :] += src[q, :] for ``q`` in ``lo:hi`` (``rows`` distinct: no two tasks add
+    to one row)."""
+    for q in range(lo, hi):
+        d = dst[rows[q]]
+        s = src[q]
+        for j in range(d.size):
+            d[j] += s[j]
+
+
+def take_cols(src: np.ndarray, cols: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[:] = src[:, cols]`` (gradient filtering's kept columns) on the GEMM pool; returns ``out``."""
+    run_rows(_take_cols, src.shape[0], src, cols, out)
+    return out
+
+
+def take_rows(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[:] = src[rows]`` (the kept weight rows) on the GEMM pool; returns ``out``."""
+    run_rows(_take_rows, rows.size, src, rows, out)
+    return out
+
+
+def add_rows_at(dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+    """``dst[rows] += src`` (distinct ``rows``: one addition per element, as NumPy's) on the GEMM pool."""
+    run_rows(_add_rows_at, rows.size, dst, rows, src)
+
+
 def kept_blocks(keep: np.ndarray, fb: int, rb: int, nrows: int, ncols: int):
     """Gradient filtering: for each row block ``k`` of ``keep`` [row blocks, column blocks] with
     a kept column block, yield ``(r0, r1, cols)``: its rows and the kept columns (below ``ncols``)."""
