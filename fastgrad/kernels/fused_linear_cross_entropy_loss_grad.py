@@ -152,10 +152,6 @@ def _filtered_products(
     nb, nv = G.shape
     g_c, w_c, q_c, p_c = bufs
     if b16 is None:
-
-        def add_gw(cols, Q):
-            gwt[cols] += Q
-
         kept_products(
             keep,
             fb,
@@ -163,11 +159,11 @@ def _filtered_products(
             nb,
             nv,
             group=nv,
-            gather_g=lambda r0, r1, cols, out: np.take(G[r0:r1], cols, axis=1, out=out),
-            gather_w=lambda cols, out: np.take(W32, cols, axis=0, out=out),
+            gather_g=lambda r0, r1, cols, out: take_cols(G[r0:r1], cols, out),
+            gather_w=lambda cols, out: take_rows(W32, cols, out),
             X=Xb,
             gi_rows=gi_rows,
-            add_gw=add_gw,
+            add_gw=lambda cols, Q: add_rows_at(gwt, cols, Q),
             bufs=(g_c, w_c, p_c, q_c),
             engine=engine,
         )
