@@ -72,7 +72,7 @@ def test_ctrl_c_on_a_real_run_leaves_a_partial_report(tmp_path):
                          stdout=subprocess.DEVNULL, text=True)
     try:
         for line in p.stderr:
-            if "[1/" in line:
+            if "[1/" in line and "cases done" in line:   # the first case finished and was written
                 p.send_signal(signal.SIGINT)
                 break
         _, err = p.communicate(timeout=120)

@@ -323,6 +323,7 @@ def run(
     copy_bytes=None,
     only_rows=None,
     on_case=None,
+    on_case_start=None,
 ) -> dict:
     """Run ``cases`` and return the report dict (see ``docs/benchmarks.md`` for the schema).
 
@@ -333,7 +334,8 @@ def run(
     ``backends``: fastgrad backends, one row each per fastgrad runner; ``thread_counts``: the
     thread settings (None: the default); ``memory=False`` runs memory cases in-process
     without peak RSS.  ``progress(row)`` is called after each row; ``on_case(report, done,
-    total)`` after each case with the report so far (``settings.complete`` False until the last
+    total)`` after each case with the report so far, ``on_case_start(case, k, total)`` as case ``k``
+    (1-based) starts (``settings.complete`` False until the last
     case: a caller writes it as it grows, so an interrupted run keeps what finished).  Cases run
     in the given order; with ``memory``, each memory case in a fresh subprocess (in quick mode
     one subprocess for all of them, reporting each as it finishes).
@@ -438,13 +440,19 @@ def run(
 
                 def arrived(k, rws, mem=mem, nthr=nthr, bw=bw):
                     finish_case(mem[k][0], rws, mem[k][2], nthr, bw)
+                    if on_case_start and k + 1 < len(mem):  # the subprocess goes on with the next
+                        on_case_start(mem[k + 1][0], done + 1, total)
 
+                if on_case_start:
+                    on_case_start(mem[0][0], done + 1, total)
                 run_in_subprocess(jobs, nthr, repeat, budget_s, quick, on_job=arrived)
             in_quick_group = {id(c) for c, _, _ in mem} if quick else set()
             for case, specs, skipped in planned:
                 if id(case) in in_quick_group:
                     continue
                 case_rows: list = []
+                if on_case_start:
+                    on_case_start(case, done + 1, total)
                 if case.memory and memory and specs:
                     case_rows = run_in_subprocess([(case, specs)], nthr, repeat, budget_s, quick)[0]
                 elif specs:

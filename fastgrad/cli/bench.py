@@ -253,15 +253,18 @@ def main(argv: list[str]) -> int:
 
         from ..benchmarks.report import _label, save_text
 
-        last_case = [None]
+        def on_case_start(case, k, total):
+            if not args.quiet:
+                where = " (in a fresh subprocess, for its peak RSS)" if case.memory and not args.no_subprocess else ""
+                print(f"  [{k}/{total}] {case.id}{where} ...", file=sys.stderr, flush=True)
 
         def progress(r):
             if not args.quiet:
-                if r["case"] != last_case[0]:
-                    last_case[0] = r["case"]
-                    print(f"  {r['case']}", file=sys.stderr, flush=True)
                 t = r.get("time_median_s")
-                tt = f"{t * 1e3:.3g} ms" if t else r["status"] + (f" ({r['note'][:70]})" if r.get("note") else "")
+                note = str(r.get("note") or "")
+                if note.startswith(r["status"] + ":"):  # "skipped: torch not installed"
+                    note = note[len(r["status"]) + 1 :].strip()
+                tt = f"{t * 1e3:.3g} ms" if t else r["status"] + (f" ({note[:70]})" if note else "")
                 print(f"    {_label(r)}  thr={r['threads']}: {tt}", file=sys.stderr, flush=True)
 
         state = {"report": None}
@@ -279,8 +282,8 @@ def main(argv: list[str]) -> int:
 
         if not args.quiet:
             print(
-                f"fastgrad bench: {len(cases)} case(s) x {len(thr)} thread setting(s); a line per row, "
-                "one per case as it finishes"
+                f"fastgrad bench: {len(cases)} case(s) x {len(thr)} thread setting(s); a line as each case "
+                "starts, its rows when it ends, then the time so far and left"
                 + ("; the report is written after each case" if args.json or args.markdown else ""),
                 file=sys.stderr,
                 flush=True,
@@ -298,6 +301,7 @@ def main(argv: list[str]) -> int:
                 progress=progress,
                 only_rows=None if args.rows is None else set(args.rows),
                 on_case=on_case,
+                on_case_start=on_case_start,
             )
         except KeyboardInterrupt:
             rep = state["report"]
