@@ -255,3 +255,29 @@ def test_the_main_job_takes_the_soc_and_records_it(tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["soc_version"] == "Ascend910_93" and rep["strict"] is False
+
+
+def test_help_and_version_import_no_numba():
+    """`fastgrad -h`, `--version` and every subcommand's `-h` need none of the kernels: the command's
+    own modules import no Numba before parsing (with the package's root import made lazy, they
+    are instant; here the root `fastgrad/__init__.py` is bypassed to check the command alone)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for argv in (["--version"], ["-h"], ["case", "-h"], ["golden", "-h"], ["compare", "-h"], ["bench", "-h"],
+                 ["ttk-plugin", "-h"]):
+        code = (
+            "import sys, types, io, contextlib\n"
+            f"pkg = types.ModuleType('fastgrad'); pkg.__path__ = [{os.path.join(root, 'fastgrad')!r}]\n"
+            "sys.modules['fastgrad'] = pkg\n"
+            "import fastgrad.cli\n"
+            "out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out):\n"
+            f"    rc = fastgrad.cli.main({argv!r})\n"
+            "assert rc == 0 and out.getvalue(), rc\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite', 'torch')))\n"
+        )
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip() == "[]", (argv, p.stdout[:300])

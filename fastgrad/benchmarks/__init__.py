@@ -8,24 +8,34 @@ bandwidth and GEMM bounds), :mod:`.timing` (warm-up + repeated timing, threads, 
 ``docs/benchmarks.md``.
 """
 
-from .cases import ALIASES, Case, Runner, all_cases, find_case, select
-from .report import format_compare, format_markdown, format_table, load, plot, save
-from .runner import SCHEMA, run, run_one
+import importlib
+from typing import Any
 
-__all__ = [
-    "ALIASES",
-    "Case",
-    "Runner",
-    "all_cases",
-    "find_case",
-    "select",
-    "SCHEMA",
-    "run",
-    "run_one",
-    "format_compare",
-    "format_markdown",
-    "format_table",
-    "load",
-    "plot",
-    "save",
-]
+#: the package's names and the module each comes from, imported on first use: ``fastgrad -h``
+#: and the command's other paths import ``benchmarks.report`` / ``.timing`` without the cases
+#: and the runner (which pull in Numba)
+_EXPORTS = {
+    "ALIASES": "cases",
+    "Case": "cases",
+    "Runner": "cases",
+    "all_cases": "cases",
+    "find_case": "cases",
+    "select": "cases",
+    "format_compare": "report",
+    "format_markdown": "report",
+    "format_table": "report",
+    "load": "report",
+    "plot": "report",
+    "save": "report",
+    "SCHEMA": "report",
+    "run": "runner",
+    "run_one": "runner",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

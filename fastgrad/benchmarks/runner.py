@@ -24,9 +24,8 @@ import numpy as np
 
 from . import cases as C
 from .machine import copy_bandwidth, gemm_runner, machine_id, machine_info, versions
+from .report import SCHEMA  # noqa: F401  (re-exported: the schema the runner's reports carry)
 from .timing import MIB, current_rss, peak_rss, reset_peak_rss, threads, time_fn, torch_module
-
-SCHEMA = "fastgrad-bench/1"
 
 
 def _spec_label(case, runner) -> str:

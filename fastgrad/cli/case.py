@@ -267,13 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     import contextlib
 
+    args = build_parser().parse_args(argv)  # first: `-h` imports nothing of the package
+
     import numpy as np
 
     from ..dtypes import DTYPE_ALIASES, dtype_name
     from ..errors import AclnnError
     from .golden import _parse_attr
 
-    args = build_parser().parse_args(argv)
     op = resolve_op(args.op)
     if op is None:
         raise CliError("OP", "one of " + op_choices(), repr(args.op))

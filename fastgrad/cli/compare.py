@@ -178,11 +178,12 @@ def _donor(what: str, metas: dict) -> dict | None:
 
 
 def main(argv: list[str]) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)  # first: `-h` imports nothing of the package
+
     from ..compare import REL_EPS, compare, load_array
     from ..errors import AclnnError
 
-    p = build_parser()
-    args = p.parse_args(argv)
 
     _check_file(args.actual, "ACTUAL")
     _check_file(args.golden, "GOLDEN")

@@ -290,8 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     import contextlib
 
-    from ..dtypes import parse_dtype
-    from ..errors import AclnnError
     from ._common import CliError, enter_device, op_choices, refuse_missing_kernel, resolve_op
 
     if any(a == "--from-msprobe" or a.startswith("--from-msprobe=") for a in argv) and not any(
@@ -301,7 +299,11 @@ def main(argv: list[str]) -> int:
 
         return from_msprobe(argv)
     p = build_parser()
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # first: `-h` imports nothing of the package
+
+    from ..dtypes import parse_dtype
+    from ..errors import AclnnError
+
     op = resolve_op(args.op)
     if op is None:
         raise CliError("OP", "one of " + op_choices(), repr(args.op))

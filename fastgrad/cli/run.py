@@ -170,12 +170,16 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        import numba
+        from importlib.metadata import PackageNotFoundError, version
 
         from .._version import __version__
 
+        try:  # the installed version, without importing Numba (seconds): `fastgrad --version` is instant
+            numba_version = version("numba")
+        except PackageNotFoundError:
+            numba_version = "not installed"
         print(
-            f"fastgrad {__version__} (numpy {np.__version__}, numba {numba.__version__}, "
+            f"fastgrad {__version__} (numpy {np.__version__}, numba {numba_version}, "
             f"Python {platform.python_version()})"
         )
         parser.exit(0)
