@@ -299,6 +299,12 @@ def main(argv: list[str]) -> int:
         device = enter_device(stack, args)
         refuse_missing_kernel(op, device["soc_version"])
         _prepare_out(args.out)
+        chain_note = " (the online max-sum's golden first)" if op in (FCE, FLCE) else ""
+        print(
+            f"fastgrad case: {ACLNN_OF[op]} {args.shape} {dtype_name(dt)} on {device['soc_version']}: generating the "
+            f"inputs and the float64 golden{chain_note} ...",
+            flush=True,
+        )
         rng = np.random.default_rng(args.seed)
         stack.enter_context(fg.use_backend("reference"))
         try:
@@ -360,11 +366,9 @@ def main(argv: list[str]) -> int:
     }
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, default=str)
-    print(
-        f"fastgrad case: {ACLNN_OF[op]} {args.shape} {manifest['dtype']} on {device['soc_version']}"
-        f" (strict {'on' if device['strict'] else 'off'}, seed {args.seed}) -> {args.out}"
-    )
+    print(f"  written to {args.out} (strict {'on' if device['strict'] else 'off'}, seed {args.seed}):")
     for where, man in (("inputs", man_in), ("golden", man_out)):
         for m in man.values():
             print(f"  {where}/{m['file']}  {m['dtype']} {m['shape']}")
+    print(f"  check an NPU output: fastgrad compare NPU_OUT.bin {os.path.join(args.out, 'golden', '<output>.bin')}")
     return 0
