@@ -184,7 +184,6 @@ def main(argv: list[str]) -> int:
     from ..compare import REL_EPS, compare, load_array
     from ..errors import AclnnError
 
-
     _check_file(args.actual, "ACTUAL")
     _check_file(args.golden, "GOLDEN")
     if args.reference:
