@@ -587,6 +587,7 @@ class TrainingPlan:
     staged_statistics: bool = False
     staged_gradient: bool = False
     grad16: bool = False
+    weight16_cached: bool = False
     fallback: str | None = None
     gemm: GemmChoice = BLAS
     buffers: tuple[Buffer, ...] = ()
@@ -784,6 +785,7 @@ def plan_training_loss(
         staged_statistics=staged_stats,
         staged_gradient=staged_grad,
         grad16=grad16,
+        weight16_cached=grad16 and -(-BT // block) > 1 and 2 * b_size(H, max(K, 1)) * 4 <= 4 * budget,
         gemm=gemm,
         fallback=_fast_fallback(
             fast, want_grad and K > 0 and BT > 0, logits16, vocab_major, grad16, filtering, accum16 and g3[1]
@@ -915,6 +917,10 @@ def training_buffers(
         if gi:
             add("w_pairs_chunk", (b_size(vc, H),), "uint32", "tile")
             add("fast_product", (nb_rows, H), cdt, "tile")
+        if plan.weight16_cached:  # the weight's two layouts, kept across the row blocks
+            add("w_packed_all", (nchunks * b_size(H, vc),), "uint32", "call")
+            if gi:
+                add("w_pairs_all", (nchunks * b_size(vc, H),), "uint32", "call")
     if gi and not plan.accumulate_in_gemm and not g16:
         add("grad_input_product", (nb_rows, H), cdt, "tile")
     if gw and not g16:

@@ -260,3 +260,36 @@ def test_op_fast_recompute_matches_float64():
         eu = np.abs(out["fused"][i] - ref[i]).mean()
         assert ea <= 1e-3 * once and np.isfinite(ef) and ef <= 2 * once, (i, ea, ef, once)
         assert np.isfinite(eu) and eu <= 2 * once, (i, eu, once)
+
+
+@pytest.mark.skipif(not bf16_kernel_available(), reason="needs AVX2 + FMA (the kernel 'fast' runs on)")
+def test_fused_fast_weight_layouts_cached_across_row_blocks_same_bits(monkeypatch):
+    """``plan.weight16_cached``: the weight packed for the logits and paired for ``grad_input`` once,
+    in the first row block, reused by the others — bitwise the gradient that re-packs them per row
+    block (the same operands), with several row blocks and vocabulary chunks."""
+    from fastgrad._config import prefer_onednn
+    from fastgrad.ops import linear_cross_entropy as op
+
+    h, w, t = bf16_lm_inputs(150, 66, 9000, "randn", seed=8)
+    real = tiling.plan_training_loss
+    seen = []
+
+    def plan(*a, cached=True, **k):
+        p = real(*a, **k)
+        seen.append(p.weight16_cached)
+        return p if cached else __import__("dataclasses").replace(p, weight16_cached=False)
+
+    res = {}
+    for cached in (True, False):
+        monkeypatch.setattr(op.tiling, "plan_training_loss", lambda *a, c=cached, **k: plan(*a, cached=c, **k))
+        tiling.set_workspace_budget(9000 * 4 * 40)  # row blocks of <= 40 rows: four
+        try:
+            with prefer_onednn():
+                r = fg.linear_cross_entropy(h, w, t, return_grad=True, precision="fast")
+        finally:
+            tiling.set_workspace_budget(None)
+        assert r.plan.grad16 and r.plan.n_blocks > 1
+        res[cached] = (r.grad_input.numpy().view(np.uint32), r.grad_weight.numpy().view(np.uint32))
+    assert seen[0] is True  # the plan's own rule caches here
+    for a, b in zip(res[True], res[False]):
+        assert np.array_equal(a, b)

@@ -659,6 +659,14 @@ class Logits:
         self.n = 0
         self.spec = spec
 
+    def use(self, packed: np.ndarray, n: int) -> None:
+        """Take an ``n``-row tile of ``W`` packed earlier by :meth:`chunk` (into ``packed``, this
+        object's ``pbuf`` then) instead of packing it again."""
+        kp = self.H if self.f16 else (self.H + 1) // 2
+        w = b_cols(n)
+        self.bp = packed[: kp * w].reshape(kp, w)
+        self.n = n
+
     def chunk(self, v0: int, v1: int) -> None:
         if self.f16:
             w = self.W[v0:v1].view(np.uint16)

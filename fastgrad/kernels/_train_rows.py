@@ -43,6 +43,12 @@ from ._train_passes import (
 from ._train_recompute import _bf16_logits
 
 
+def part_view(buf: np.ndarray, k: int, n: int) -> np.ndarray:
+    """The ``B`` :func:`_bf16dot.interleave` wrote into ``buf`` for a ``[k, n]`` operand."""
+    w = _bf16dot.b_cols(n)
+    return buf[: ((k + 1) // 2) * w].reshape((k + 1) // 2, w)
+
+
 class _RowStep:
     """The fused step's and the forward's epilogue of the LM-head loop's row-major order
     (``_lm_head.run_row_blocks`` over ``plan.row_blocks()``; the module doc's steps 1-4).  Per row block:
@@ -130,6 +136,8 @@ class _RowStep:
         self.first = True  # the first row block: grad_weight written, not summed onto
         self._filters(params, ws)
         self._w: dict[int, np.ndarray] = {}
+        self.wpk_all: np.ndarray | None = None
+        self.wi_all: np.ndarray | None = None
         if b16:
             self._fast_buffers(gemm, ws)
 
@@ -152,6 +160,11 @@ class _RowStep:
         self.wi_buf = take("w_pairs_chunk", _bf16dot.b_size(vc, H), np.uint32) if self.gi is not None else None
         self.prod = take("fast_product", nb_rows * H, cdt) if self.gi is not None else None
         self.xint: np.ndarray | None = None
+        if self.plan.weight16_cached:  # the weight's two bf16 layouts, made in the first row block
+            self.wpk_size = _bf16dot.b_size(H, vc)
+            self.wpk_all = take("w_packed_all", nch * self.wpk_size, np.uint32)
+            self.wi_size = _bf16dot.b_size(vc, H)
+            self.wi_all = take("w_pairs_all", nch * self.wi_size, np.uint32) if self.gi is not None else None
 
     def _filters(self, params, ws) -> None:
         """Gradient filtering's state (module doc): on when ``filter_eps`` is given with a gradient."""
@@ -261,7 +274,16 @@ class _RowStep:
         return nt_tasks(self.X, self._w[c], Lc, engine=self.eng, rows=r, cols=k)
 
     def _logits16(self, v0: int, v1: int, Lc: np.ndarray) -> None:
-        self.bfl.chunk(v0, v1)
+        if self.wpk_all is None:
+            self.bfl.chunk(v0, v1)
+        else:  # plan.weight16_cached: packed once, in the first row block, into its slice of the cache
+            c = v0 // self.plan.v_chunk
+            part = self.wpk_all[c * self.wpk_size : (c + 1) * self.wpk_size]
+            if self.first:
+                self.bfl.pbuf = part
+                self.bfl.chunk(v0, v1)
+            else:
+                self.bfl.use(part, v1 - v0)
         self.bfl.logits(self.b0, self.b1, Lc)
 
     def _stats(self, c: int) -> list:
@@ -375,7 +397,12 @@ class _RowStep:
             ng = -(-nb // _E_GROUP)
             run_rows(_add_outer, w, acc, self.e_col[: ng * w].reshape(ng, w).sum(0), self.x_bar)
         if self.gi is not None:
-            wi = _bf16dot.interleave(self.W[v0:v1], self.wi_buf)
+            if self.wi_all is None:
+                wi = _bf16dot.interleave(self.W[v0:v1], self.wi_buf)
+            else:  # plan.weight16_cached: paired once, in the first row block
+                c = v0 // self.plan.v_chunk
+                part = self.wi_all[c * self.wi_size : (c + 1) * self.wi_size]
+                wi = _bf16dot.interleave(self.W[v0:v1], part) if self.first else part_view(part, w, H)
             gi = self.gi[self.b0 : self.b1]
             _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), wi, H, gi, acc=v0 > 0, spec=self.spec)
 
