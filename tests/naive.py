@@ -293,7 +293,11 @@ def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0,
     with sign(0) = 0; times grad_out; mean divides by the broadcast output's element count.
 
     ``tbe`` (the A2/A3 SoC profiles, the default): the 910B TBE kernel divides by
-    ``fp32(beta + 1e-6)`` instead, and a NaN d gives 0 when beta = 0 (its compares read NaN as 0)."""
+    ``fp32(beta + 1e-6)`` instead, and a NaN d gives 0 when beta = 0 (its compares read NaN as 0).
+    ``tbe=False`` (the 950's arch35 kernel): for beta < 1e-6 (0 included) the tiling's ``1/beta``
+    is NaN (``smooth_l1_loss_grad_v2_tiling.cpp:145``), so the quadratic zone is NaN — ``|d| <=
+    beta`` for a per-element grad_out (the tensor DAG), ``|d| < beta`` for a one-element one (the
+    scalar DAG, ``smooth_l1_loss_grad_v2_dag.h``; docs/device_parity.md rows 5a, 5f)."""
     red = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction) \
         if not isinstance(reduction, str) else reduction
     g, x, t = (f64(a) for a in (grad_out, input, target))
@@ -302,9 +306,13 @@ def smooth_l1_loss_backward(grad_out, input, target, reduction="mean", beta=1.0,
     beta = float(np.float32(beta))
     n = int(np.prod(shape))
     out = np.zeros(n)
+    nan_zone = not tbe and beta < 1e-6
+    scalar_grad = f64(grad_out).size == 1
     for k in range(n):
         d = float(np.float32(x[k] - t[k]))          # the device's fp32 difference
-        if abs(d) < beta:
+        if nan_zone and (abs(d) < beta or (abs(d) <= beta and not scalar_grad)):
+            s = math.nan
+        elif abs(d) < beta:
             s = d / (float(np.float32(np.float32(beta) + np.float32(1e-6))) if tbe else beta)
         elif d != d:
             s = 0.0 if (tbe and beta == 0) else d
