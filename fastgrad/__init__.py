@@ -22,6 +22,9 @@ setting in force at once: ``settings()`` (a frozen :class:`Settings`, fastgrad/_
 own settings: ``options=Options(...)`` (the LM-head ops).
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._config import (
     Options,
     Settings,
@@ -43,10 +46,7 @@ from ._config import (
     soc_version,
     strict,
 )
-from ._outcache import empty_cache, output_cache, output_cache_info, set_output_cache_limit
 from ._version import __version__
-from .backends import available_backends, get_backend, set_backend, use_backend
-from .compare import compare
 from .errors import (
     ACLNN_ERR_PARAM_INVALID,
     ACLNN_ERR_PARAM_NULLPTR,
@@ -56,14 +56,56 @@ from .errors import (
     AclnnParamError,
     AclnnRuntimeError,
 )
-from .ops.cross_entropy_loss_grad import cross_entropy_loss_grad
-from .ops.embedding_dense_backward import embedding_dense_backward
-from .ops.fused_cross_entropy_loss_with_max_sum import fused_cross_entropy_loss_with_max_sum
-from .ops.fused_linear_cross_entropy_loss_grad import fused_linear_cross_entropy_loss_grad
-from .ops.fused_linear_online_max_sum import fused_linear_online_max_sum
-from .ops.linear_cross_entropy import linear_cross_entropy
-from .ops.scaled_masked_softmax_backward import scaled_masked_softmax_backward
-from .ops.smooth_l1_loss_backward import smooth_l1_loss_backward
+
+#: the names whose modules import NumPy's kernels and Numba, loaded on first use: ``import
+#: fastgrad`` (and so ``fastgrad -h`` / ``--version``) imports none of them
+_LAZY = {
+    "empty_cache": "._outcache",
+    "output_cache": "._outcache",
+    "output_cache_info": "._outcache",
+    "set_output_cache_limit": "._outcache",
+    "available_backends": ".backends",
+    "get_backend": ".backends",
+    "set_backend": ".backends",
+    "use_backend": ".backends",
+    "compare": ".compare",
+    "cross_entropy_loss_grad": ".ops.cross_entropy_loss_grad",
+    "embedding_dense_backward": ".ops.embedding_dense_backward",
+    "fused_cross_entropy_loss_with_max_sum": ".ops.fused_cross_entropy_loss_with_max_sum",
+    "fused_linear_cross_entropy_loss_grad": ".ops.fused_linear_cross_entropy_loss_grad",
+    "fused_linear_online_max_sum": ".ops.fused_linear_online_max_sum",
+    "linear_cross_entropy": ".ops.linear_cross_entropy",
+    "scaled_masked_softmax_backward": ".ops.scaled_masked_softmax_backward",
+    "smooth_l1_loss_backward": ".ops.smooth_l1_loss_backward",
+}
+
+if TYPE_CHECKING:  # the lazy names, for type checkers and IDEs
+    from ._outcache import empty_cache, output_cache, output_cache_info, set_output_cache_limit
+    from .backends import available_backends, get_backend, set_backend, use_backend
+    from .compare import compare
+    from .ops.cross_entropy_loss_grad import cross_entropy_loss_grad
+    from .ops.embedding_dense_backward import embedding_dense_backward
+    from .ops.fused_cross_entropy_loss_with_max_sum import fused_cross_entropy_loss_with_max_sum
+    from .ops.fused_linear_cross_entropy_loss_grad import fused_linear_cross_entropy_loss_grad
+    from .ops.fused_linear_online_max_sum import fused_linear_online_max_sum
+    from .ops.linear_cross_entropy import linear_cross_entropy
+    from .ops.scaled_masked_softmax_backward import scaled_masked_softmax_backward
+    from .ops.smooth_l1_loss_backward import smooth_l1_loss_backward
+
+
+def __getattr__(name: str) -> Any:
+    """A public name of :data:`_LAZY`, imported on first use (then a plain attribute)."""
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "__version__",

@@ -83,7 +83,9 @@ import json
 import math
 import os
 import sys
+import types
 from dataclasses import dataclass, field
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -631,3 +633,16 @@ __all__ = [
     "FOLLOWS",
     "MSPROBE_BENCHMARK",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """``fastgrad.compare`` names both this module and its function :func:`compare` (the package
+    exports the function, loaded lazily; importing the module, as ``fastgrad.cli`` does, binds the
+    package attribute to the module): calling the module calls the function, so
+    ``fastgrad.compare(...)`` works either way."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return compare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

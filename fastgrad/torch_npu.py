@@ -41,7 +41,9 @@ from typing import Any
 try:
     import torch
 except ImportError as _e:  # pragma: no cover - exercised only without torch
-    raise ImportError("fastgrad.torch_npu needs PyTorch (`pip install torch` or `pip install fastgrad[torch]`)") from _e
+    raise ImportError(
+        "fastgrad.torch_npu needs PyTorch: `pip install torch --index-url https://download.pytorch.org/whl/cpu`"
+    ) from _e
 
 import fastgrad as fg
 

@@ -34,7 +34,8 @@ except ImportError:  # pragma: no cover
 
 
 # ------------------------------------------------------------------------------------------------
-# The fast default suite and the slow tests (`-m slow`; CI runs both: `-m "slow or not slow"`).
+# The fast default suite and the slow tests (`-m slow`; CI runs both: `-m "not extended"`; the
+# ported peer suites at their full-size shapes are `-m extended`, run on request).
 #
 # The tests below each took seconds to a minute on 2 cores (`pytest --durations=60`): subprocesses
 # that import torch and fastgrad afresh (torchrun, forked children, `python -O`, the bench's memory

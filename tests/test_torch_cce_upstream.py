@@ -34,7 +34,7 @@ The mapping to fastgrad's API (docs/torch.md):
   loss's own tokens) on both sides.
 
 The tests run on the CPU (CCE's need CUDA); the shapes are CCE's own.  The backward grid's
-``(256, 512, 128)`` and ``(252, 507, 128)`` rows are ``@pytest.mark.slow``; the default run
+``(256, 512, 128)`` and ``(252, 507, 128)`` rows are ``@pytest.mark.extended``; the default run
 covers every flag combination on CCE's oddest shape ``(252, 507, 123)``.
 """
 
@@ -50,7 +50,9 @@ import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
 
 IGNORE_INDEX = -100
-slow = pytest.mark.slow
+# the peers' own full-size shapes: `pytest -m extended` (minutes; not in CI — the same test
+# bodies run in the default suite at the scaled shapes above)
+extended = pytest.mark.extended
 
 
 def softcapping(logits: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -77,8 +79,8 @@ def compute_z_loss(lse, targets=None, shift=False, ignore_index=IGNORE_INDEX, re
 
 SHAPES_FWD = [(256, 512, 128), (252, 507, 128), (252, 507, 123)]
 SHAPES_BWD = [
-    pytest.param((256, 512, 128), marks=slow, id="256x512x128"),
-    pytest.param((252, 507, 128), marks=slow, id="252x507x128"),
+    pytest.param((256, 512, 128), marks=extended, id="256x512x128"),
+    pytest.param((252, 507, 128), marks=extended, id="252x507x128"),
     pytest.param((252, 507, 123), id="252x507x123"),
 ]
 

@@ -22,7 +22,7 @@ to ``ignore_index``) and the tolerances are Liger's (atol/rtol per dtype and red
 files).  What changed in the port:
 
 * fastgrad runs on the CPU: the bodies run on CPU torch.  Shapes: Liger's FLCE shape
-  ``(B, T, H, V) = (8, 128, 1024, 4096)`` runs as-is under ``@pytest.mark.slow``; the default run
+  ``(B, T, H, V) = (8, 128, 1024, 4096)`` runs as-is under ``@pytest.mark.extended``; the default run
   uses ``(4, 64, 256, 1024)`` in its place, plus Liger's own "random shape" ``(4, 47, 31, 123)``.
 * Liger's cross-entropy tests take logits ``[BT, V]``.  fastgrad's loss takes hidden states and an
   LM head, so the logits are passed as ``hidden`` with an identity head ``weight = I_V``:
@@ -31,7 +31,7 @@ files).  What changed in the port:
   fp32 tolerances (rtol 1e-6, atol 1e-8) apply to fastgrad's statistics and gradient unchanged.
   The identity head is ``V × V``, so Liger's ``(2, 4096, 32000)`` / ``(3, 423, 32000)`` run as
   ``(2, 128, 1024)`` / ``(3, 423, 500)`` (the "weird" ``T = 423`` kept); the ``V = 32000`` rows
-  are under ``@pytest.mark.slow`` at ``(2, 16, 32000)`` (a 4 GiB fp32 identity would not fit,
+  are under ``@pytest.mark.extended`` at ``(2, 16, 32000)`` (a 4 GiB fp32 identity would not fit,
   so the batch is small and the head is the identity in bf16/fp32 as the dtype asks).
 * Where the signature fits (no softcap, z-loss, predicted tokens), the cross-entropy body runs on
   the drop-in ``fastgrad.torch.nn.functional.linear_cross_entropy`` (PyTorch's signature, the loss
@@ -63,7 +63,9 @@ import fastgrad as fg  # noqa: E402
 import fastgrad.torch as ft  # noqa: E402
 import fastgrad.torch.nn.functional as FF  # noqa: E402
 
-slow = pytest.mark.slow
+# the peers' own full-size shapes: `pytest -m extended` (minutes; not in CI — the same test
+# bodies run in the default suite at the scaled shapes above)
+extended = pytest.mark.extended
 
 
 def set_seed(seed=42):
@@ -234,7 +236,7 @@ def _ignore_some(target, ignore_index):
 # ---------------------------------------------------------------------------------------------
 
 FLCE_SHAPES = [
-    pytest.param(8, 128, 1024, 4096, marks=slow, id="liger-8x128x1024x4096"),
+    pytest.param(8, 128, 1024, 4096, marks=extended, id="liger-8x128x1024x4096"),
     pytest.param(4, 64, 256, 1024, id="scaled-4x64x256x1024"),
     pytest.param(4, 47, 31, 123, id="random-4x47x31x123"),
 ]
@@ -701,7 +703,7 @@ class FastgradCE:
 CE_SHAPES = [
     pytest.param(2, 128, 1024, id="scaled-2x128x1024"),
     pytest.param(3, 423, 500, id="weird-3x423x500"),
-    pytest.param(2, 16, 32000, marks=slow, id="V32000-2x16x32000"),
+    pytest.param(2, 16, 32000, marks=extended, id="V32000-2x16x32000"),
 ]
 CE_TOLS = [(1.0, torch.bfloat16, 1e-8, 5e-2), (1.0, torch.float32, 1e-8, 1e-6)]
 
@@ -835,7 +837,7 @@ def _ce_ignore_shapes():
     return [
         pytest.param(2, 128, 1024, 2, id="scaled-2x128x1024-ii2"),
         pytest.param(3, 423, 500, -123, id="weird-3x423x500-ii-123"),
-        pytest.param(2, 16, 32000, 2, marks=slow, id="V32000"),
+        pytest.param(2, 16, 32000, 2, marks=extended, id="V32000"),
     ]
 
 
@@ -852,7 +854,7 @@ def test_ce_correctness_with_ignore_index(B, T, V, ignore_index, reduction, scal
 @pytest.mark.parametrize("B, T, V, label_smoothing", [
     pytest.param(2, 128, 1024, 0.1, id="scaled"),
     pytest.param(3, 423, 500, 0.1, id="weird"),
-    pytest.param(2, 16, 32000, 0.1, marks=slow, id="V32000"),
+    pytest.param(2, 16, 32000, 0.1, marks=extended, id="V32000"),
 ])
 @pytest.mark.parametrize("scalar, dtype, atol, rtol", CE_TOLS)
 def test_ce_correctness_with_label_smoothing(B, T, V, label_smoothing, scalar, dtype, atol, rtol):
@@ -865,7 +867,7 @@ def test_ce_correctness_with_label_smoothing(B, T, V, label_smoothing, scalar, d
 @pytest.mark.parametrize("B, T, V, ignore_index, label_smoothing", [
     pytest.param(2, 128, 1024, 1, 0.1, id="scaled"),
     pytest.param(3, 423, 500, -300, 0.2, id="weird"),
-    pytest.param(2, 16, 32000, 1, 0.1, marks=slow, id="V32000"),
+    pytest.param(2, 16, 32000, 1, 0.1, marks=extended, id="V32000"),
 ])
 @pytest.mark.parametrize("scalar, dtype, atol, rtol", CE_TOLS)
 def test_ce_correctness_with_label_smoothing_with_ignore_index(B, T, V, ignore_index, label_smoothing, scalar,
@@ -880,7 +882,7 @@ def test_ce_correctness_with_label_smoothing_with_ignore_index(B, T, V, ignore_i
 @pytest.mark.parametrize("B, T, V, softcap", [
     pytest.param(2, 128, 1024, 30.0, id="scaled"),
     pytest.param(3, 423, 500, 30.0, id="weird"),
-    pytest.param(2, 16, 32000, 30.0, marks=slow, id="V32000"),
+    pytest.param(2, 16, 32000, 30.0, marks=extended, id="V32000"),
 ])
 @pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
 @pytest.mark.parametrize("scalar, dtype, atol, rtol", CE_TOLS)
@@ -968,7 +970,7 @@ def test_ce_correctness_not_last_layer(B, T, V, reduction, scalar, dtype, atol, 
 @pytest.mark.parametrize("B, T, V", [
     pytest.param(2, 128, 1024, id="scaled"),
     pytest.param(3, 423, 500, id="weird"),
-    pytest.param(2, 16, 32000, marks=slow, id="V32000"),
+    pytest.param(2, 16, 32000, marks=extended, id="V32000"),
 ])
 @pytest.mark.parametrize("ignore_index, lse_square_scale, label_smoothing, softcap",
                          [(-100, 1e-4, 0.1, 30.0), (42, 1e-5, 0.2, 40.0)])
@@ -989,7 +991,7 @@ def test_ce_correctness_not_last_layer_with_other_params(B, T, V, reduction, ign
 @pytest.mark.parametrize("B, T, V, ignore_index", [
     pytest.param(2, 128, 1024, -100, id="scaled"),
     pytest.param(3, 423, 500, 2, id="weird"),
-    pytest.param(2, 16, 32000, -100, marks=slow, id="V32000"),
+    pytest.param(2, 16, 32000, -100, marks=extended, id="V32000"),
 ])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype, scalar, atol, rtol", [(torch.float32, 1.0, 1e-4, 1e-4),

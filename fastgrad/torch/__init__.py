@@ -22,10 +22,9 @@ try:
     import torch as _torch  # noqa: F401  (absolute import: the real PyTorch)
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "fastgrad.torch needs PyTorch, which is not installed. Install it with "
-        "`pip install torch` (CPU-only wheels: "
-        "`pip install torch --index-url https://download.pytorch.org/whl/cpu`) "
-        "or `pip install fastgrad[torch]`. The rest of fastgrad works without it."
+        "fastgrad.torch needs PyTorch, which is not installed. Install its CPU build with "
+        "`pip install torch --index-url https://download.pytorch.org/whl/cpu` "
+        "(a plain `pip install torch` pulls the CUDA build, GBs). The rest of fastgrad works without it."
     ) from _e
 
 from .distributed import shard_weight, split_vocab, vocab_shard_range
