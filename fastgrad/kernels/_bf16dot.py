@@ -111,7 +111,7 @@ AUTO_AVX2 = {"bf16": False, "f32": False}
 #: per operand kind, the CPU vendors (``fastgrad._cpu.vendor``) on which the GEMM setting
 #: ``"auto"`` runs an AVX-512 variant (ISA setting ``"auto"``); elsewhere BLAS.  AMD: the AVX-512
 #: variants win on a Zen 4 and a Zen 5 EPYC (train step 8.7 vs 10.2 s on BLAS, Zen 4, 2 threads;
-#: ``bench/results/train_step_zen4.md``).  Intel: on an Emerald Rapids Xeon (family 6, model 207,
+#: ``bench/results/zen4.md``).  Intel: on an Emerald Rapids Xeon (family 6, model 207,
 #: AVX-512 BF16 + AMX) the bf16 kernel loses to the BLAS path — bf16 FLCE grad at
 #: (1024, 896, 32000) 2.64 vs 1.40 s on one thread, 468 vs 290 ms on 16 (a second run: 2.32 vs
 #: 1.44 s, 427 vs 243 ms); fp16 on the fp32 kernel 2.69 vs 1.38 s and 378 vs 274 ms
