@@ -585,9 +585,10 @@ def _install_trl_hook() -> None:
 def _refuse_class(cls: type) -> None:
     raise invalid(
         "model_or_class",
-        "a *ForCausalLM of a supported family whose forward is the family's own ("
-        + ", ".join(f"{n}: {s.cls}" for n, s in SUPPORTED.items())
-        + "); another head may scale or transform its logits in a way fastgrad does not apply",
+        f"a *ForCausalLM of a supported family whose forward is the family's own ({len(SUPPORTED)} families: "
+        "fastgrad.torch.hf.SUPPORTED); for another model, compute its loss from the hidden states with "
+        "fastgrad.torch.linear_cross_entropy(hidden, model.lm_head.weight, labels) (docs/torch.md, "
+        "'Hugging Face models')",
         cls.__name__,
         _OP,
     )
