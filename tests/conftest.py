@@ -86,6 +86,13 @@ SAMPLED = {
     "tests/test_torch_cce_upstream.py::test_loss_forward": 2,
     "tests/test_torch_liger_upstream.py::test_flce_correctness": 2,
     "tests/test_torch_liger_upstream.py::test_flce_correctness_with_forward_only": 2,
+    "tests/test_torch_liger_upstream.py::test_ce_correctness_with_weight_with_other_params": 2,
+    "tests/test_torch_liger_upstream.py::test_ce_correctness_with_forward_only": 2,
+    "tests/test_torch_liger_upstream.py::test_flce_correctness_with_token_accuracy": 2,
+    "tests/test_torch_liger_upstream.py::test_flce_correctness_with_predicted_tokens": 2,
+    "tests/test_torch_liger_upstream.py::test_flce_correctness_functional": 2,
+    "tests/test_torch_liger_upstream.py::test_ce_correctness_with_z_loss": 2,
+    "tests/test_torch_liger_upstream.py::test_ce_correctness_with_z_loss_with_other_params": 2,
 }
 
 

@@ -221,10 +221,10 @@ def _module_gradcheck(stride: int, offset: int = 0):
 
 def test_module_gradients_sampled():
     """A tenth of the module samples (every reduction, ignore_index, smoothing, weight, bias and
-    option kind occurs in it); the whole set is the slow test below."""
+    option kind occurs in it); the whole set is the extended test below."""
     _module_gradcheck(25)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # every ModuleInfo sample (minutes): `pytest -m extended`; every 25th runs in CI
 def test_module_gradients_all():
     _module_gradcheck(1)
