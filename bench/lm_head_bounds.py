@@ -34,6 +34,32 @@ def _cpu() -> str:
         return platform.processor() or "unknown CPU"
 
 
+def _bounds(h, w) -> dict:
+    """The step's three GEMMs on bf16 ``h`` [BT, H] and ``w`` [V, H] (torch tensors) and a random
+    ``g`` [BT, V]: as fp32 sgemms (NumPy's BLAS, preallocated outputs) and as bf16 oneDNN GEMMs."""
+    import torch
+
+    BT, H = h.shape
+    V = w.shape[0]
+    gt = torch.randn(BT, V, generator=torch.Generator().manual_seed(1)).bfloat16()
+    h32, w32, g32 = h.float().numpy(), w.float().numpy(), gt.float().numpy()
+    L = np.empty((BT, V), np.float32)
+    A = np.empty((BT, H), np.float32)
+    B = np.empty((V, H), np.float32)
+
+    def sgemm3():
+        np.matmul(h32, w32.T, out=L)
+        np.matmul(g32, w32, out=A)
+        np.matmul(g32.T, h32, out=B)
+
+    def bf16x3():
+        h @ w.T
+        gt @ w
+        gt.T @ h
+
+    return {"3 fp32 sgemm": sgemm3, "3 bf16 GEMMs (oneDNN)": bf16x3}
+
+
 def _train_rows(BT: int, H: int, V: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -61,29 +87,12 @@ def _train_rows(BT: int, H: int, V: int) -> dict:
 
         return run
 
-    gt = torch.randn(BT, V, generator=g).bfloat16()
-    h32, w32, g32 = h.float().numpy(), w.float().numpy(), gt.float().numpy()
-    L = np.empty((BT, V), np.float32)
-    A = np.empty((BT, H), np.float32)
-    B = np.empty((V, H), np.float32)
-
-    def sgemm3():
-        np.matmul(h32, w32.T, out=L)
-        np.matmul(g32, w32, out=A)
-        np.matmul(g32.T, h32, out=B)
-
-    def bf16x3():
-        h @ w.T
-        gt @ w
-        gt.T @ h
-
     return {
         "fastgrad (default)": step(),
         "fastgrad fast": step(precision="fast"),
         "torch bf16 eager": eager(torch.bfloat16),
         "torch fp32 eager": eager(torch.float32),
-        "3 fp32 sgemm": sgemm3,
-        "3 bf16 GEMMs (oneDNN)": bf16x3,
+        **_bounds(h, w),
     }
 
 
@@ -109,23 +118,7 @@ def _flce_rows(BT: int, H: int, V: int) -> dict:
 
     xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     wt = torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
-    gt = torch.randn(BT, V).bfloat16()
-    x32, w32, g32 = x.astype(np.float32), w.astype(np.float32), np.asarray(gt.float())
-    L = np.empty((BT, V), np.float32)
-    A = np.empty((BT, H), np.float32)
-    B = np.empty((V, H), np.float32)
-
-    def sgemm3():
-        np.matmul(x32, w32.T, out=L)
-        np.matmul(g32, w32, out=A)
-        np.matmul(g32.T, x32, out=B)
-
-    def bf16x3():
-        xt @ wt.T
-        gt @ wt
-        gt.T @ xt
-
-    return {"fastgrad FLCE grad": flce, "3 fp32 sgemm": sgemm3, "3 bf16 GEMMs (oneDNN)": bf16x3}
+    return {"fastgrad FLCE grad": flce, **_bounds(xt, wt)}
 
 
 def interleaved(rows: dict, rounds: int) -> dict[str, list[float]]:

@@ -13,7 +13,7 @@ from ..tiling import FAST_E_GROUP, LossParams
 from ._gemm import (
     run_rows,
 )
-from ._linear import fp32_block, kept_products
+from ._linear import _add_rows_at, _take_rows, fp32_block, kept_products
 from ._vmath import exp_c, row_max_nan, row_sum_exp
 
 # ----------------------------------------------------------------------------------------------
@@ -384,16 +384,6 @@ def _gather_cols(lo, hi, L, coff, cw, r0, r1, out):
 
 
 @tjit
-def _gather_rows(lo, hi, src, rows, dst):
-    """dst[q, :] = src[rows[q], :] (same dtype)."""
-    h = src.shape[1]
-    for q in range(lo, hi):
-        r = rows[q]
-        for j in range(h):
-            dst[q, j] = src[r, j]
-
-
-@tjit
 def _gather_rows_widen(lo, hi, src, rows, code, dst):
     """dst[q, :] = fp32(src[rows[q], :]) for a uint16 (bf16/fp16 bits) source, exactly."""
     h = src.shape[1]
@@ -401,16 +391,6 @@ def _gather_rows_widen(lo, hi, src, rows, code, dst):
         r = rows[q]
         for j in range(h):
             dst[q, j] = D.to_f32(src[r, j], code)
-
-
-@tjit
-def _scatter_add_rows(lo, hi, dst, rows, src):
-    """dst[rows[q], :] += src[q, :] (rows distinct)."""
-    h = dst.shape[1]
-    for q in range(lo, hi):
-        r = rows[q]
-        for j in range(h):
-            dst[r, j] += src[q, j]
 
 
 @tjit
@@ -438,8 +418,8 @@ def _filtered_products(Lbuf, offs, widths, nb, keep, fb, rb, K, vc, wsrc, wcode,
         return out
 
     # 16-bit weight rows widened as gathered; a 16-bit grad_weight summed onto with rounding
-    gather_rows, widen_code = (_gather_rows, ()) if wcode is None else (_gather_rows_widen, (wcode,))
-    scatter_add, gw_round = (_scatter_add_rows, ()) if gw_code is None else (_scatter_add_rounded, (gw_code,))
+    gather_rows, widen_code = (_take_rows, ()) if wcode is None else (_gather_rows_widen, (wcode,))
+    scatter_add, gw_round = (_add_rows_at, ()) if gw_code is None else (_scatter_add_rounded, (gw_code,))
 
     def gather_w(cq, out):
         run_rows(gather_rows, cq.size, wsrc, cq, *widen_code, out)
