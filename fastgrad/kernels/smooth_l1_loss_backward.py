@@ -41,6 +41,8 @@ both are rare extension paths.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .._jit import njit, pjit, prange
@@ -255,7 +257,7 @@ def _sl1_u16(gb, xb, tb, ob, shape, strides, offs, code, beta, inv, den, scale):
 # ----------------------------------------------------------------------------------------
 
 
-def plan(shape: tuple, operands) -> tuple:
+def plan(shape: tuple[int, ...], operands: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Collapse ``shape`` for the given operand element strides (out is C-contiguous).
 
     Returns ``(shape, strides)`` as int64 arrays: size-1 axes dropped, adjacent axes merged
@@ -283,7 +285,15 @@ def plan(shape: tuple, operands) -> tuple:
     )
 
 
-def run(grad_out, input, target, beta: float, scale: float, out: np.ndarray, kernel: str = "dag") -> None:
+def run(
+    grad_out: np.ndarray,
+    input: np.ndarray,
+    target: np.ndarray,
+    beta: float,
+    scale: float,
+    out: np.ndarray,
+    kernel: str = "dag",
+) -> None:
     """Fill ``out`` (C-contiguous) from inputs that all have out's dtype family.
 
     ``kernel``: ``"dag"`` (the arch35 DAG: module docstring) or ``"tbe"`` (the 910B TBE kernel:
@@ -336,20 +346,29 @@ def inverse_beta(b32: np.float32) -> np.float32:
     return np.float32(np.float32(1.0) / b32)
 
 
-def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out, smooth_l1_kernel="dag"):
+def smooth_l1_loss_backward(
+    *,
+    grad_out: np.ndarray,
+    input: np.ndarray,
+    target: np.ndarray,
+    reduction: str,
+    beta: float,
+    out: np.ndarray,
+    smooth_l1_kernel: str = "dag",
+) -> np.ndarray:
     """Numba implementation (see module docstring); fills ``out`` completely.  ``smooth_l1_kernel``
     (from the op's SoC profile): ``"tbe"`` (A2/A3) or ``"dag"`` (Ascend 950), see :func:`run`."""
     if out.size == 0:
         return out
     scale = 1.0 / out.size if reduction == "mean" else 1.0
     pdt = promote(grad_out.dtype, input.dtype, target.dtype)
-    ins = [grad_out, input, target]
-    if any(a.dtype != pdt for a in ins):  # mixed inputs: promoted to fp32 (exact widening)
-        ins = [a.astype(pdt) for a in ins]
+    g, x, t = grad_out, input, target
+    if any(a.dtype != pdt for a in (g, x, t)):  # mixed inputs: promoted to fp32 (exact widening)
+        g, x, t = (a.astype(pdt) for a in (g, x, t))
     if out.dtype == pdt:
-        run(*ins, beta, scale, out, smooth_l1_kernel)
+        run(g, x, t, beta, scale, out, smooth_l1_kernel)
     else:  # out= of another float dtype: compute in the promoted dtype, then cast (device)
         tmp = np.empty(out.shape, pdt)
-        run(*ins, beta, scale, tmp, smooth_l1_kernel)
+        run(g, x, t, beta, scale, tmp, smooth_l1_kernel)
         out[...] = tmp.astype(out.dtype)
     return out
