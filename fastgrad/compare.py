@@ -84,14 +84,21 @@ import math
 import os
 import sys
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 
 from .dtypes import parse_dtype  # noqa: F401  (re-exported: fg.compare users call it)
 from .errors import invalid, null_error
+
+if TYPE_CHECKING:  # torch stays optional: only the type checker imports it
+    import numpy.typing as npt
+    import torch
+
+    from .arrays import ArrayLike
 
 OP = "compare"
 
@@ -277,7 +284,14 @@ def _common_metrics(a: np.ndarray, g: np.ndarray, fin: np.ndarray) -> dict:
 
 
 def compare(
-    actual, golden, dtype=None, standard: str = "single", reference=None, *, level: str = "L0", eps: float = REL_EPS
+    actual: ArrayLike,
+    golden: ArrayLike,
+    dtype: npt.DTypeLike | torch.dtype | None = None,
+    standard: str = "single",
+    reference: ArrayLike | None = None,
+    *,
+    level: str = "L0",
+    eps: float = REL_EPS,
 ) -> CompareResult:
     """Judge ``actual`` against ``golden`` with an Ascend operator accuracy standard.
 
@@ -534,7 +548,9 @@ def _load_pt(path: str) -> np.ndarray:
         raise invalid("path", "a tensor of a NumPy-representable dtype", f"{path}: {t.dtype} ({e})", OP) from None
 
 
-def load_array(path: str, dtype=None, shape=None) -> np.ndarray:
+def load_array(
+    path: str, dtype: npt.DTypeLike | torch.dtype | None = None, shape: str | Sequence[int] | None = None
+) -> np.ndarray:
     """Read ``.npy``, ``.pt`` (one tensor, e.g. from an msprobe dump) or a raw little-endian ``.bin`` dump.
 
     ``.npy`` files written from ``ml_dtypes.bfloat16`` arrays hold the type as ``|V2``; such a

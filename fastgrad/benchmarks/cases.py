@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -602,7 +603,7 @@ def all_cases(quick: bool = False) -> list:
     return cases
 
 
-def select(cases: list, ops) -> list:
+def select(cases: list[Case], ops: Sequence[str]) -> list[Case]:
     """Cases picked by ``ops``, a list of words (``--ops``'s comma-separated pieces): an op name
     or an alias (:data:`ALIASES`) selects that op's cases; a case id (``--list`` prints them;
     split at its own commas, its pieces are joined back) selects that case only; any other word

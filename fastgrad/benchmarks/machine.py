@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -48,7 +49,7 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, repeat: int = 7, budget_s: float =
     return {"gbps": max(nb, npy), "bytes": int(n * 4), "numba_gbps": nb, "numpy_gbps": npy}
 
 
-def gemm_runner(products, seed: int = 0):
+def gemm_runner(products: Iterable[tuple[int, int, int]], seed: int = 0) -> Callable[[], None]:
     """A zero-argument callable running fp32 GEMMs ``[(M, K, N), ...]`` (C[M,N] = A[M,K]·B[K,N]).
 
     Operands are allocated once (outputs preallocated, ``np.matmul(out=)``), so the call
@@ -62,7 +63,7 @@ def gemm_runner(products, seed: int = 0):
         c = np.empty((m, n), np.float32)
         ops.append((a, b, c))
 
-    def run():
+    def run() -> None:
         for a, b, c in ops:
             np.matmul(a, b, out=c)
 

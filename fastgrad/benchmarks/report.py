@@ -44,7 +44,7 @@ def save_text(text: str, path: str) -> str:
     return path
 
 
-def json_default(o):
+def json_default(o: object) -> object:
     """``json`` fallback: NumPy scalars as Python numbers, anything else as its ``str``."""
     import numpy as np
 
@@ -105,7 +105,7 @@ def _label(r):
     )
 
 
-def relative_words(r) -> str:
+def relative_words(r: dict[str, Any]) -> str:
     """The row's time against fastgrad:cpu, worded as a speed-up or a slow-down.
 
     ``fastgrad_speedup`` is ``t_row / t_fastgrad:cpu``: for a baseline row (PyTorch) that is how

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -85,7 +86,16 @@ def _callable(case, runner, backend, inp):
     return run
 
 
-def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> dict:
+def run_one(
+    case: C.Case,
+    runner: C.Runner,
+    backend: str,
+    inp: dict,
+    n: int,
+    repeat: int,
+    budget_s: float,
+    memory: bool = False,
+) -> dict:
     """Time one row (in this process); with ``memory``, also its peak RSS."""
     row = _row_base(case, runner, backend, n)
     try:
@@ -126,7 +136,15 @@ def run_one(case, runner, backend, inp, n, repeat, budget_s, memory=False) -> di
     return row
 
 
-def run_rows(case, specs, inp, n, repeat, budget_s, memory=False) -> list[dict]:
+def run_rows(
+    case: C.Case,
+    specs: Sequence[tuple[int, str]],
+    inp: dict,
+    n: int,
+    repeat: int,
+    budget_s: float,
+    memory: bool = False,
+) -> list[dict]:
     """Time a case's rows (``specs``: [(runner index, backend), ...]) in interleaved rounds.
 
     Round 1 is :func:`run_one` with one timed call per row, row after row (its warm-up call and,
@@ -215,7 +233,8 @@ def _child_main():
             gc.collect()
             gc.freeze()
             with threads(spec["threads"]):
-                inp: dict | None = case.build()
+                inp: dict | None  # dropped (None) before the next job's inputs are built
+                inp = case.build()
                 specs = [(ri, backend) for ri, backend in job["rows"]]
                 rows = run_rows(case, specs, inp, spec["threads"], spec["repeat"], spec["budget"], memory=True)
                 inp = None
@@ -230,7 +249,15 @@ def _child_main():
 _MARK = "@@FASTGRAD-BENCH@@"
 
 
-def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None, on_job=None) -> list:
+def run_in_subprocess(
+    jobs: Sequence[tuple[C.Case, Sequence[tuple[int, str]]]],
+    n: int,
+    repeat: int,
+    budget_s: float,
+    quick: bool,
+    timeout: float | None = None,
+    on_job: Callable[[int, list[dict]], object] | None = None,
+) -> list[list[dict]]:
     """Run ``jobs`` ([(case, [(runner index, backend), ...]), ...]) in one fresh interpreter;
     returns one list of rows per job.  ``on_job(k, rows)`` is called as each job's rows arrive
     (the child writes one line per job), so a caller can report a case while the next one runs."""
@@ -310,19 +337,19 @@ def run_in_subprocess(jobs, n, repeat, budget_s, quick, timeout=None, on_job=Non
 
 
 def run(
-    cases,
-    backends=("cpu",),
-    thread_counts=(None,),
-    repeat=5,
-    budget_s=30.0,
-    quick=False,
-    use_torch=True,
-    memory=True,
-    progress=None,
-    copy_bytes=None,
-    only_rows=None,
-    on_case=None,
-    on_case_start=None,
+    cases: Sequence[C.Case],
+    backends: Sequence[str] = ("cpu",),
+    thread_counts: Sequence[int | None] = (None,),
+    repeat: int = 5,
+    budget_s: float = 30.0,
+    quick: bool = False,
+    use_torch: bool = True,
+    memory: bool = True,
+    progress: Callable[[dict], object] | None = None,
+    copy_bytes: int | None = None,
+    only_rows: Collection[str] | None = None,
+    on_case: Callable[[dict, int, int], object] | None = None,
+    on_case_start: Callable[[C.Case, int, int], object] | None = None,
 ) -> dict:
     """Run ``cases`` and return the report dict (see ``docs/benchmarks.md`` for the schema).
 

@@ -17,6 +17,8 @@ import gc
 import os
 import sys
 import time
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +45,7 @@ class Timing:
         }
 
 
-def time_fn(fn, repeat: int = 5, budget_s: float = 30.0, warmup: int = 1) -> Timing:
+def time_fn(fn: Callable[[], object], repeat: int = 5, budget_s: float = 30.0, warmup: int = 1) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then up to ``repeat`` timed calls (>= 1)."""
     t0 = time.perf_counter()
     for _ in range(max(0, warmup)):
@@ -70,7 +72,7 @@ def time_fn(fn, repeat: int = 5, budget_s: float = 30.0, warmup: int = 1) -> Tim
     )
 
 
-def torch_module():
+def torch_module() -> types.ModuleType | None:
     """``torch`` when installed, else None (imported lazily: fastgrad does not need it)."""
     try:
         import torch
@@ -80,7 +82,7 @@ def torch_module():
 
 
 @contextlib.contextmanager
-def threads(n: int | None):
+def threads(n: int | None) -> Iterator[None]:
     """Run the Numba kernels, NumPy's BLAS and PyTorch (when imported) on ``n`` threads."""
     if n is None:
         yield

@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ._common import CliError, OneLineParser, write_markdown
+
+if TYPE_CHECKING:  # the benchmarks are imported when a command runs, not with the CLI
+    from ..benchmarks.cases import Case
 
 
 def _csv(s):
@@ -57,7 +62,7 @@ HEADLINE_CASE = "fused_linear_cross_entropy_loss_grad[memory-saving]/bf16/BT=204
 HEADLINE_ROWS = ("fastgrad", "torch-fp32", "torch-bf16", "bound")
 
 
-def row_labels(case, backends=("cpu",)) -> list[str]:
+def row_labels(case: Case, backends: Sequence[str] = ("cpu",)) -> list[str]:
     """A case's rows as the results name them (``report._label``): ``fastgrad:cpu``,
     ``fastgrad:cpu (out=)``, ``torch-fp32``, ..."""
     out = []

@@ -41,6 +41,7 @@ import json
 import os
 import shlex
 import sys
+from typing import TYPE_CHECKING, Any
 
 from ._common import (
     ACLNN_OF,
@@ -52,6 +53,9 @@ from ._common import (
     refuse_missing_kernel,
     resolve_op,
 )
+
+if TYPE_CHECKING:  # NumPy is imported when a command runs, not with the CLI
+    import numpy as np
 
 #: What ``--shape`` names for each op (the dimension names; ``...``: any number of dimensions).
 SHAPES = {
@@ -120,7 +124,9 @@ def _flce_inputs(dims, dt, rng) -> dict:
     }
 
 
-def generate(op: str, dims: tuple, dt, rng, mode: str = "memory-saving") -> tuple[dict, dict, list]:
+def generate(
+    op: str, dims: tuple[int, ...], dt: np.dtype, rng: np.random.Generator, mode: str = "memory-saving"
+) -> tuple[dict, dict, list]:
     """The op's array inputs, its attributes and the chain of upstream ops that made some of them
     (``[(op, inputs, attrs, {output: array})]``); the chain runs on the current backend, SoC and
     strict mode (the caller sets them).  ``mode``: the FLCE grad's (``"high-performance"``: its
@@ -136,7 +142,7 @@ def generate(op: str, dims: tuple, dt, rng, mode: str = "memory-saving") -> tupl
         V = dims[2]
         up_in = _flce_inputs(dims, dt, rng)
         hp = op == FLCE and mode == "high-performance"
-        up_attrs = {"vocab_start_index": 0, "vocab_end_index": V, "return_logits": op == FCE or hp}
+        up_attrs: dict[str, Any] = {"vocab_start_index": 0, "vocab_end_index": V, "return_logits": op == FCE or hp}
         f = fg.fused_linear_online_max_sum(**up_in, **up_attrs)
         up_out = {k: v for k, v in f._asdict().items() if v is not None}
         chain = [(FLOMS, up_in, up_attrs, up_out)]

@@ -14,12 +14,13 @@ beside CPU ms with GFLOP/s or GB/s for both; unmapped op types are listed with t
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ._common import CliError
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run from the parsed ``fastgrad bench`` arguments (``args.from_profile`` set)."""
     from ..ascend import profile as P
     from ..benchmarks.timing import threads

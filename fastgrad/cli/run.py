@@ -28,7 +28,8 @@ import platform
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -89,6 +90,9 @@ from ._run_report import (  # noqa: F401  (re-exported)
     sample_indices,
     write_outputs,
 )
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 # ------------------------------------------------------------------ the job
 
@@ -186,7 +190,7 @@ class Phases:
                 f"{fmt_bytes(self.process_peak[name]):>12}"
             )
 
-    def run(self, name, fn, *a, **kw):
+    def run(self, name: str, fn: Callable[_P, _T], *a: _P.args, **kw: _P.kwargs) -> _T:
         self.current = (name, time.perf_counter())
         with PhaseMemory() as pm:
             t0 = time.perf_counter()

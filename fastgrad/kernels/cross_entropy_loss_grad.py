@@ -183,20 +183,20 @@ def _ce_grad_kernel(lp, code, tgt, ignore_index, coef_p, coef_t, coef_s, coef_r,
 
 def cross_entropy_loss_grad_cpu(
     *,
-    grad_loss,
-    log_prob,
-    target,
-    weight,
-    reduction,
-    ignore_index,
-    label_smoothing,
-    grad_zloss,
-    lse_for_zloss,
-    lse_square_scale_for_zloss,
-    out,
-    ignore_any_sign=True,
-    smooth_arch35=False,
-):
+    grad_loss: np.ndarray,
+    log_prob: np.ndarray,
+    target: np.ndarray,
+    weight: np.ndarray | None,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    grad_zloss: np.ndarray | None,
+    lse_for_zloss: np.ndarray | None,
+    lse_square_scale_for_zloss: float,
+    out: np.ndarray,
+    ignore_any_sign: bool = True,
+    smooth_arch35: bool = False,
+) -> np.ndarray:
     """Numba implementation (the op module has validated every argument).
 
     ``grad_zloss``, ``lse_for_zloss`` and ``lse_square_scale_for_zloss`` are not read, as on the

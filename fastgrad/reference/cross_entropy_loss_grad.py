@@ -71,20 +71,20 @@ def _device_path(grad_loss, log_prob, target, weight, reduction, ignore_index, o
 
 def cross_entropy_loss_grad_reference(
     *,
-    grad_loss,
-    log_prob,
-    target,
-    weight,
-    reduction,
-    ignore_index,
-    label_smoothing,
-    grad_zloss,
-    lse_for_zloss,
-    lse_square_scale_for_zloss,
-    out,
-    ignore_any_sign=True,
-    smooth_arch35=False,
-):
+    grad_loss: np.ndarray,
+    log_prob: np.ndarray,
+    target: np.ndarray,
+    weight: np.ndarray | None,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    grad_zloss: np.ndarray | None,
+    lse_for_zloss: np.ndarray | None,
+    lse_square_scale_for_zloss: float,
+    out: np.ndarray,
+    ignore_any_sign: bool = True,
+    smooth_arch35: bool = False,
+) -> np.ndarray:
     """The z-loss inputs are not read (the device ignores them)."""
     n, c = log_prob.shape
     if float(label_smoothing) == 0.0:

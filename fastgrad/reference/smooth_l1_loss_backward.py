@@ -29,7 +29,16 @@ def _tbe(d, b):
         return (-(x <= -b).astype(np.float64) + (x >= b)) + np.where(np.abs(x) < b, temp, 0.0)
 
 
-def smooth_l1_loss_backward(*, grad_out, input, target, reduction, beta, out, smooth_l1_kernel="dag"):
+def smooth_l1_loss_backward(
+    *,
+    grad_out: np.ndarray,
+    input: np.ndarray,
+    target: np.ndarray,
+    reduction: str,
+    beta: float,
+    out: np.ndarray,
+    smooth_l1_kernel: str = "dag",
+) -> np.ndarray:
     shape = out.shape
     g = np.broadcast_to(np.asarray(grad_out, dtype=np.float64), shape)
     x = np.broadcast_to(np.asarray(input, dtype=np.float64), shape)

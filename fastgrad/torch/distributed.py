@@ -17,10 +17,16 @@ The backward all-reduces ``grad_input`` (in fp32, rounded once to the input dtyp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from ..errors import invalid
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["split_vocab", "shard_weight", "vocab_shard_range", "combine_stats", "all_reduce_sum_fp32"]
 
@@ -41,7 +47,10 @@ def split_vocab(vocab_size: int, world_size: int) -> list[int]:
 
 
 def shard_weight(
-    weight: torch.Tensor, rank: int | None = None, world_size: int | None = None, group=None
+    weight: torch.Tensor,
+    rank: int | None = None,
+    world_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """This rank's rows of a full ``[V, H]`` LM-head weight (a view; ``.clone()`` it to own it).
 
@@ -55,13 +64,13 @@ def shard_weight(
     return weight[start : start + sizes[rank]]
 
 
-def check_group(group, name: str = "process_group") -> None:
+def check_group(group: object, name: str = "process_group") -> None:
     """``group`` is None or a ``torch.distributed.ProcessGroup``; else ``TypeError`` naming it."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{name}: expected None or a torch.distributed.ProcessGroup, got {type(group).__name__}")
 
 
-def vocab_shard_range(local_vocab_size: int, group=None) -> tuple[int, int, int]:
+def vocab_shard_range(local_vocab_size: int, group: dist.ProcessGroup | None = None) -> tuple[int, int, int]:
     """``(vocab_start_index, vocab_end_index, vocab_size)`` of this rank's shard.
 
     All-gathers the local shard sizes once over ``group`` (a collective: every rank of the group
@@ -89,8 +98,8 @@ def combine_stats(
     predicted: torch.Tensor,
     owned: torch.Tensor,
     extra: torch.Tensor | None,
-    group,
-):
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Combine the shards' row statistics (all ranks of ``group`` must call it).
 
     Parameters
@@ -121,7 +130,7 @@ def combine_stats(
     return gmax, buf[0], buf[1], (buf[2] if extra is not None else None)
 
 
-def all_reduce_sum_fp32(t: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_sum_fp32(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum ``t`` over ``group`` in fp32 (fp64 stays fp64); returns the fp32/fp64 result."""
     acc = t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
     if acc is t:
@@ -130,7 +139,7 @@ def all_reduce_sum_fp32(t: torch.Tensor, group) -> torch.Tensor:
     return acc
 
 
-def block_combiner(group):
+def block_combiner(group: dist.ProcessGroup | None) -> Callable[..., tuple[np.ndarray, ...]]:
     """The ``combine=`` hook of :func:`fastgrad.linear_cross_entropy` over ``group``.
 
     Called once per row block with this shard's NumPy ``(max, sum_exp, z_target, z_sum,

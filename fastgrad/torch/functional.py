@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -50,6 +50,10 @@ from ._autograd import differentiable_once
 from ._device import DeviceLinearCrossEntropyFunction
 from ._schedule import _fused_fits, _recompute_gw_dtype, recycled_scratch_bytes
 from .options import resolve_options
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch._functorch.autograd_function import VmapInfo
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropyOutput"]
 
@@ -148,7 +152,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(h, weight, bias, ce_weight, t, cfg):
+    def forward(
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        ce_weight: torch.Tensor | None,
+        t: torch.Tensor,
+        cfg: dict[str, Any],
+    ) -> tuple[torch.Tensor | None, ...]:
         need = cfg["need"]
         fused = cfg["fused"] and any(need)
         group = cfg["group"]
@@ -179,7 +190,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return r.loss, r.z_loss, r.token_accuracy, pred, r.entropy, r.lse, r.z_mean, gi, gw, gb
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor | None, ...]) -> None:
         h, weight, bias, ce_weight, t, cfg = inputs
         _loss, z_loss, acc, pred, _ent, lse, z_mean, gi, gw, gb = output
         ctx.state = _State(cfg, _op_kw(cfg), cfg["fused"] and any(cfg["need"]), cfg["need"])
@@ -193,7 +204,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @differentiable_once
-    def backward(ctx, grad_loss, _gz=None, _ga=None, _gp=None, grad_entropy=None, *_saved):
+    def backward(
+        ctx: Any,
+        grad_loss: torch.Tensor | None,
+        _gz: torch.Tensor | None = None,
+        _ga: torch.Tensor | None = None,
+        _gp: torch.Tensor | None = None,
+        grad_entropy: torch.Tensor | None = None,
+        *_saved: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
         if not any(ctx.needs_input_grad[:3]) or (grad_loss is None and grad_entropy is None):
             return (None,) * 6
         h, weight, bias, ce_weight, t, lse, z_mean, gi, gw, gb = ctx.saved_tensors
@@ -204,6 +223,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # jacrev/vmap of a vjp): the kernels take plain tensors, so the gradient is computed
             # by torch ops — the fused step's gradients scaled, or the chunked recompute
             if st.fused and grad_entropy is None:
+                assert grad_loss is not None  # the early return above: one of the two is given
                 out = [
                     None if g is None or not n else (g * grad_loss.to(g.dtype)).to(x.dtype)
                     for g, n, x in zip((gi, gw, gb), need, (h, weight, bias))
@@ -215,7 +235,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return (*out, None, None, None)
 
     @staticmethod
-    def jvp(ctx, th, tw, tb, _tcw=None, _tt=None, _tcfg=None):
+    def jvp(
+        ctx: Any,
+        th: torch.Tensor | None,
+        tw: torch.Tensor | None,
+        tb: torch.Tensor | None,
+        _tcw: torch.Tensor | None = None,
+        _tt: torch.Tensor | None = None,
+        _tcfg: None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
         h, weight, bias, ce_weight, t, lse, z_mean = ctx.saved_tensors
         st = ctx.state
         if bias is None:
@@ -229,7 +257,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return lt, None, None, None, et, None, None, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, h, weight, bias, ce_weight, t, cfg):
+    def vmap(
+        info: VmapInfo,
+        in_dims: tuple[int | None, ...],
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        ce_weight: torch.Tensor | None,
+        t: torch.Tensor,
+        cfg: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], tuple[int | None, ...]]:
         return _loop_vmap(LinearCrossEntropyFunction.apply, info, in_dims, h, weight, bias, ce_weight, t, cfg)
 
 
@@ -581,32 +618,34 @@ def _shift_target(target, n, ignore_index):
 
 @torch.compiler.disable  # one graph break at the loss: dynamo never traces the kernels' Python
 def linear_cross_entropy(
-    hidden,
-    weight,
-    target,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    process_group=None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    process_group: dist.ProcessGroup | None = None,
     *,
-    bias=None,
-    ce_weight=None,
-    softcap=None,
-    temperature=1.0,
-    lse_square_scale=0.0,
-    return_z_loss=False,
-    return_token_accuracy=False,
-    return_predicted_tokens=False,
-    return_entropy=False,
-    shift=False,
-    precision=None,
-    fused=None,
-    vocab_start_index=None,
-    vocab_size=None,
-    filter_eps=None,
-    accum_dtype=None,
-    options=None,
-):
+    bias: torch.Tensor | None = None,
+    ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    lse_square_scale: float = 0.0,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    return_entropy: bool = False,
+    shift: bool | int = False,
+    precision: str | None = None,
+    fused: bool | None = None,
+    vocab_start_index: int | None = None,
+    vocab_size: int | None = None,
+    filter_eps: float | str | None = None,
+    accum_dtype: torch.dtype | None = None,
+    # None, a preset name, a LinearCrossEntropyOptions or PyTorch's torch.nn.LinearCrossEntropyOptions
+    # (torch >= 2.13 only, so not nameable here): resolve_options checks it
+    options: Any = None,
+) -> torch.Tensor | LinearCrossEntropyOutput:
     r"""``F.cross_entropy(softcap(hidden @ weight.T + bias) / temperature, target, ...)`` (+ z-loss)
     without ever materializing the ``[BT, V]`` logits.
 

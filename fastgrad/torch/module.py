@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from ..errors import invalid
 from . import distributed as _vp
-from .functional import linear_cross_entropy
+from .functional import LinearCrossEntropyOutput, linear_cross_entropy
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["LinearCrossEntropyLoss"]
 
@@ -50,7 +55,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         ignore_index: int = -100,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
-        process_group=None,
+        process_group: dist.ProcessGroup | None = None,
         *,
         vocab_start_index: int | None = None,
         vocab_size: int | None = None,
@@ -67,7 +72,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         fused: bool | None = None,
         filter_eps: float | str | None = None,
         accum_dtype: torch.dtype | None = None,
-        options=None,
+        # None, a preset name or a LinearCrossEntropyOptions (or PyTorch's): as linear_cross_entropy
+        options: Any = None,
     ):
         super().__init__()
         self.ce_weight = ce_weight
@@ -115,7 +121,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
-    ):
+    ) -> torch.Tensor | LinearCrossEntropyOutput:
         start, V = self._shard_layout(weight.shape[0])
         return linear_cross_entropy(
             hidden,
