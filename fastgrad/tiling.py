@@ -184,6 +184,7 @@ class LinearCETiling:
     blocks_skipped: int = 0
     gemm: GemmChoice = BLAS
     buffers: tuple[Buffer, ...] = ()
+    grad_input_tile: tuple[int, int] = (512, 512)
 
     @property
     def n_bt_tiles(self) -> int:
@@ -307,6 +308,7 @@ def plan_linear_cross_entropy(
         filter_cols=FILTER_COLS if filtered else 0,
         gemm=gemm,
         buffers=buffers,
+        grad_input_tile=grad_input_tile(bt, H, largest=(512, 512)),
     )
 
 
@@ -334,6 +336,38 @@ TRAIN_GRAD_WEIGHT_ROWS = 1024
 #: grid's time per interleaved round (median 0.97 over 16 rounds in three runs, faster in 13;
 #: ``bench/results/README.md``)
 TRAIN_GRAD_INPUT_TILE = (1024, 512)
+
+#: ``grad_input``'s ``G·W`` is an accumulator summed over the vocabulary (chunk after chunk, tile
+#: after tile): its tiles are the only independent tasks of that step, and the chain of steps over
+#: the vocabulary is the loop's critical path on many cores.  At the Qwen2.5 head (683-row blocks,
+#: H 896) the (1024, 512) grid gave 2 tasks per step: on a 16-core Xeon the train step ran at 3.2x
+#: the 16-thread sgemm bound (bench/results/xeon_emr.md).  :func:`grad_input_tile` cuts it to at
+#: least this many tiles (from the shapes only, never the thread count), down to
+#: :data:`GRAD_INPUT_MIN_TILE` a side; each output element is still one BLAS call over the same
+#: ``K`` (the chunk), so the bits do not depend on the grid (tests/test_grad_input_grid.py).
+GRAD_INPUT_TASKS = 16
+GRAD_INPUT_MIN_TILE = 128
+
+
+def grad_input_tile(rows: int, H: int, largest: tuple[int, int] = TRAIN_GRAD_INPUT_TILE) -> tuple[int, int]:
+    """``grad_input``'s GEMM tile (rows × columns of ``H``) for a block of ``rows`` rows: ``largest``,
+    halved (columns first, then rows, each down to :data:`GRAD_INPUT_MIN_TILE`) until the block has
+    :data:`GRAD_INPUT_TASKS` tiles.  From the shapes only."""
+    r, c = (max(int(x), 1) for x in largest)
+    rows, H = max(int(rows), 1), max(int(H), 1)
+    r, c = min(r, rows), min(c, H)
+
+    def tiles(r: int, c: int) -> int:
+        return -(-rows // r) * -(-H // c)
+
+    while tiles(r, c) < GRAD_INPUT_TASKS:
+        if c > GRAD_INPUT_MIN_TILE:
+            c = max(GRAD_INPUT_MIN_TILE, -(-c // 2))
+        elif r > GRAD_INPUT_MIN_TILE:
+            r = max(GRAD_INPUT_MIN_TILE, -(-r // 2))
+        else:
+            break
+    return r, c
 
 
 @dataclass(frozen=True)
@@ -638,6 +672,7 @@ def plan_training_loss(
         H=H,
         budget_rows=rows,
         block_rows=block,
+        grad_input_tile=grad_input_tile(block, H),
         v_chunk=vc,
         vocab_major=vocab_major,
         recompute_chunk=rc,

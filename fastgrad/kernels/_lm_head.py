@@ -158,6 +158,7 @@ class Operands:
         self.Hp = _bf16dot.npad(H) if self.f16k else H
         self.W = weight if weight.flags.c_contiguous else np.ascontiguousarray(weight)
         self.ws = ws = Workspace(plan)
+        self._gi_tile = plan.grad_input_tile  # grad_input's G·W grid (the plan's, from the shapes)
         # fp32 X and W tiles where a GEMM of this call runs on BLAS or the fp32 kernel takes them
         self._fp32 = fp32_operands(weight_tiles == "all", self.kind)
         widen = input.dtype != D.FLOAT32
@@ -248,7 +249,8 @@ class Operands:
         if self.W32 is None or self.prod is None:
             raise ValueError("the BLAS path's W tile or product buffer is missing")
         nb = b1 - b0
-        return nn_tasks(G, self.W32, out, self.prod[: nb * self.H].reshape(nb, self.H), self.engine)
+        r, c = self._gi_tile
+        return nn_tasks(G, self.W32, out, self.prod[: nb * self.H].reshape(nb, self.H), self.engine, rows=r, cols=c)
 
     def grad_products(
         self, G: np.ndarray, b0: int, b1: int, gw_out: np.ndarray, gw_acc: bool, gi_out: np.ndarray
