@@ -97,7 +97,7 @@ def _round_down(x: int, m: int) -> int:
 
 @dataclass(frozen=True)
 class Buffer:
-    """One buffer the LM-head loop allocates (``kernels/_lm_head.Workspace`` hands it out by name).
+    """One buffer the LM-head loop allocates (``lm_head/loop.Workspace`` hands it out by name).
 
     ``shape``: its largest extent (a tile at the edge of the matrix uses a prefix); ``dtype``: a
     NumPy dtype name; ``scope``: ``"call"`` (sized by the call: ``[BT, H]`` accumulators and

@@ -59,7 +59,7 @@ def lm_head_buffers(
     gemm: GemmChoice | None = None,
     filtered: bool = False,
 ) -> tuple[Buffer, ...]:
-    """Every buffer the LM-head loop (``kernels/_lm_head.py``: its operands and the op's epilogue)
+    """Every buffer the LM-head loop (``lm_head/loop.py``: its operands and the op's epilogue)
     allocates for a plan of ``bt × vt`` tiles over ``[BT, V]`` with hidden size ``H``, input
     ``dtype`` and the GEMMs ``gemm`` — the list the kernels take their buffers from, so the memory
     estimate is what the call holds (tests/test_lm_head_buffers.py measures it).
@@ -81,7 +81,7 @@ def lm_head_buffers(
     def add(name, shape, dt, scope):
         out.append(Buffer(name, tuple(int(d) for d in shape), dt, scope))
 
-    # the operands (``_lm_head.Operands``): fp32 X and W tiles where BLAS or the fp32 kernel takes them
+    # the operands (``lm_head.loop.Operands``): fp32 X and W tiles where BLAS or the fp32 kernel takes them
     fp32_ops = fp32_operands(grad, kind)
     if fp32_ops and wide:
         add("x32", (BT, hp), "float32", "call")
@@ -372,7 +372,7 @@ def grad_input_tile(rows: int, H: int, largest: tuple[int, int] = TRAIN_GRAD_INP
 
 @dataclass(frozen=True)
 class TileGrid:
-    """Tiles of the LM-head loop (``kernels/_lm_head.run``) over ``[BT, V]``: vocabulary tiles of
+    """Tiles of the LM-head loop (``lm_head/loop.run``) over ``[BT, V]``: vocabulary tiles of
     ``v_tile`` rows (the last one shorter) outer, ``n_bt`` equal row blocks inner — the training
     loss's recompute (:attr:`TrainingPlan.recompute_grid`)."""
 
@@ -428,7 +428,7 @@ class TrainingPlan:
     budget_bytes : int
     buffers : tuple of Buffer
         Every buffer the kernel allocates for this call (:func:`training_buffers`; the kernel
-        takes them by name through ``kernels/_lm_head.Workspace``, which refuses any other):
+        takes them by name through ``lm_head/loop.Workspace``, which refuses any other):
         :attr:`workspace_bytes` is their sum — what the call holds besides its outputs.
     logits16 : bool
         The logits run on the native bf16 kernel (``GemmChoice.logits16`` with bf16 operands).
@@ -450,7 +450,7 @@ class TrainingPlan:
         recompute and gradient filtering's kept blocks keep their scratch.
     staged_statistics, staged_gradient : bool
         The row block's statistics sweep (resp. gradient sweep) runs in stages
-        (``kernels/_lm_head.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
+        (``lm_head/loop.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
         and chunk ``c - 1``'s (resp. ``c + 1``'s) element-wise pass, as a dependency graph of what
         each step reads and writes (no barrier between stages) — the same calls on the same
         operands as chunk by chunk, so the same bits.  Staged where the
@@ -523,7 +523,7 @@ class TrainingPlan:
 class LossParams:
     """The training loss's scalar parameters (``fastgrad.linear_cross_entropy``), derived once by
     the op layer (``ops/linear_cross_entropy.py``) from the call's attributes and handed to the
-    kernel and the golden as one frozen object (``kernels/_train_passes.kernel_arrays`` packs
+    kernel and the golden as one frozen object (``lm_head/passes.kernel_arrays`` packs
     them for the Numba passes).
 
     Attributes

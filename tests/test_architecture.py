@@ -7,11 +7,22 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "fastgrad"
 
-KERNEL_ALLOWED = {"fastgrad.dtypes", "fastgrad._jit", "fastgrad.tiling", "fastgrad.vocab_parallel",
-                  "fastgrad.enums", "fastgrad._config", "fastgrad._outcache", "fastgrad._onednn",
-                  "fastgrad._cpu", "fastgrad.errors"}
-SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided", "_bf16dot", "_native", "_engine", "_lm_head",
-                         "_train_passes", "_train_recompute", "_train_rows"}
+KERNEL_ALLOWED = {
+    "fastgrad.dtypes",
+    "fastgrad._jit",
+    "fastgrad.tiling",
+    "fastgrad.vocab_parallel",
+    "fastgrad.enums",
+    "fastgrad._config",
+    "fastgrad._outcache",
+    "fastgrad._onednn",
+    "fastgrad._cpu",
+    "fastgrad.errors",
+}
+SHARED_KERNEL_HELPERS = {"_gemm", "_linear", "_vmath", "_strided", "_bf16dot", "_native"}
+#: the LM-head family's package (fastgrad/lm_head/: engine, loop, passes, epilogues/): kernel-level code
+#: shared by the three LM-head kernels, under the kernels' rules
+LM_HEAD = "fastgrad.lm_head"
 
 
 def _imports(path: pathlib.Path):
@@ -35,23 +46,30 @@ def _files(sub):
     return sorted((PKG / sub).glob("*.py"))
 
 
-@pytest.mark.parametrize("path", _files("kernels") + _files("reference"), ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize(
+    "path",
+    _files("kernels") + _files("reference") + _files("lm_head") + _files("lm_head/epilogues"),
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
 def test_kernels_and_goldens_are_pure(path):
-    layer = path.parent.name
+    layer = {"epilogues": "lm_head"}.get(path.parent.name, path.parent.name)
     for mod, names in _imports(path):
+        if layer in ("kernels", "lm_head") and mod.startswith(LM_HEAD):
+            continue  # the LM-head package: kernel-level helpers of the LM-head kernels
         assert not mod.startswith("fastgrad.backends"), f"{path.name} imports the registry ({mod})"
         assert not mod.startswith("torch"), f"{path.name} imports torch"
-        if mod.startswith("fastgrad.") and not mod.startswith(f"fastgrad.{layer}"):
+        helper = layer == "lm_head" and mod.startswith("fastgrad.kernels")  # the shared helpers, checked below
+        if mod.startswith("fastgrad.") and not mod.startswith(f"fastgrad.{layer}") and not helper:
             assert mod in KERNEL_ALLOWED, f"{path.name} imports {mod}"
         if mod == "fastgrad.errors":  # a kernel raises only its invariants; the user's errors are the op layer's
             assert names == ["InternalError"], f"{path.name} imports {names} from fastgrad.errors"
-        if mod.startswith("fastgrad.kernels.") and layer == "kernels":
+        if mod.startswith("fastgrad.kernels.") and layer in ("kernels", "lm_head"):
             leaf = mod.rsplit(".", 1)[1]
             assert leaf in SHARED_KERNEL_HELPERS, f"{path.name} imports another kernel ({mod})"
         if mod == "fastgrad.kernels" or mod == "fastgrad.reference":
             assert all(n in SHARED_KERNEL_HELPERS for n in names), (path.name, names)
         if layer == "reference":
-            assert not mod.startswith("fastgrad.kernels"), f"golden {path.name} imports a kernel"
+            assert not mod.startswith(("fastgrad.kernels", LM_HEAD)), f"golden {path.name} imports a kernel"
 
 
 @pytest.mark.parametrize("sub", ["cli", "torch", "torch/nn", "benchmarks", "ascend", "torch_npu.py"])
@@ -60,7 +78,7 @@ def test_front_ends_call_only_public_ops(sub):
     assert paths, sub
     for path in paths:
         for mod, names in _imports(path):
-            assert not mod.startswith("fastgrad.kernels"), f"{sub}/{path.name} imports {mod}"
+            assert not mod.startswith(("fastgrad.kernels", LM_HEAD)), f"{sub}/{path.name} imports {mod}"
             assert not mod.startswith("fastgrad.reference"), f"{sub}/{path.name} imports {mod}"
             if mod == "fastgrad":
                 assert "kernels" not in names and "reference" not in names, f"{sub}/{path.name}"
@@ -70,15 +88,20 @@ def test_plans_are_made_only_in_the_op_layer():
     for path in PKG.rglob("*.py"):
         rel = path.relative_to(PKG).as_posix()
         if rel.startswith(("ops/", "tiling.py", "cli/", "benchmarks/")):
-            continue            # the op_host layer, the plan module, and front ends that inspect plans
+            continue  # the op_host layer, the plan module, and front ends that inspect plans
         src = path.read_text()
         assert "plan_linear_cross_entropy(" not in src, f"{rel} makes a tile plan"
         assert "plan_training_loss(" not in src, f"{rel} makes the training loss's plan"
-        assert "workspace_budget(" not in src or not rel.startswith("kernels/"), f"{rel} reads the budget"
+        assert "workspace_budget(" not in src or not rel.startswith(("kernels/", "lm_head/")), f"{rel} reads the budget"
 
 
 def test_nothing_registers_itself():
-    for path in list(PKG.glob("kernels/*.py")) + list(PKG.glob("reference/*.py")) + list(PKG.glob("backends/*.py")):
+    for path in [
+        *PKG.glob("kernels/*.py"),
+        *PKG.glob("lm_head/**/*.py"),
+        *PKG.glob("reference/*.py"),
+        *PKG.glob("backends/*.py"),
+    ]:
         assert "@implements" not in path.read_text(), path
 
 
@@ -86,9 +109,15 @@ def test_every_op_has_a_declaration_and_every_backend_a_table():
     import fastgrad as fg
     from fastgrad.backends import cpu, reference
 
-    ops = ["fused_linear_online_max_sum", "fused_cross_entropy_loss_with_max_sum",
-           "fused_linear_cross_entropy_loss_grad", "cross_entropy_loss_grad",
-           "scaled_masked_softmax_backward", "smooth_l1_loss_backward", "embedding_dense_backward"]
+    ops = [
+        "fused_linear_online_max_sum",
+        "fused_cross_entropy_loss_with_max_sum",
+        "fused_linear_cross_entropy_loss_grad",
+        "cross_entropy_loss_grad",
+        "scaled_masked_softmax_backward",
+        "smooth_l1_loss_backward",
+        "embedding_dense_backward",
+    ]
     import importlib
 
     for op in ops:
@@ -121,8 +150,12 @@ def test_fused_loops_run_no_openmp_region():
     import fastgrad.kernels.fused_linear_cross_entropy_loss_grad as flce
     import fastgrad.kernels.fused_linear_online_max_sum as online
     import fastgrad.kernels.linear_cross_entropy as lce
+    import fastgrad.lm_head.epilogues.recompute as recompute
+    import fastgrad.lm_head.epilogues.train_rows as rows
+    import fastgrad.lm_head.loop as loop
+    import fastgrad.lm_head.passes as passes
 
-    for mod in (lce, flce, online, lin):
+    for mod in (lce, flce, online, lin, loop, passes, rows, recompute):
         src = pathlib.Path(mod.__file__).read_text()
         assert "prange" not in src and "@pjit" not in src, mod.__name__
 
@@ -178,7 +211,7 @@ def test_only_the_settings_module_reads_the_environment_or_a_context_variable():
 def test_kernels_and_goldens_read_no_setting():
     """Kernels and goldens take the plan and plain parameters: they import neither the settings
     module nor the op layer."""
-    for path in _files("kernels") + _files("reference"):
+    for path in _files("kernels") + _files("reference") + _files("lm_head") + _files("lm_head/epilogues"):
         for mod, _names in _imports(path):
             assert mod != "fastgrad._config", f"{path.parent.name}/{path.name} imports the settings"
             assert not mod.startswith("fastgrad.ops"), f"{path.parent.name}/{path.name} imports the op layer ({mod})"

@@ -24,7 +24,8 @@ import pytest
 from common import BF16, workspace_budget
 
 import fastgrad as fg
-from fastgrad.kernels import _gemm, _lm_head
+from fastgrad.kernels import _gemm
+from fastgrad.lm_head import loop as _lm_head
 
 torch = pytest.importorskip("torch")
 from fastgrad.ops import linear_cross_entropy as op
@@ -239,7 +240,7 @@ def test_any_schedule_the_graph_allows_gives_the_chunk_order_bits(feat, dtype, g
 def test_a_missing_declaration_is_caught_by_the_random_schedules(monkeypatch):
     """The check above can fail: with the statistics' step declared as touching nothing, some
     schedule runs a chunk's statistics before its logits, and the bits differ."""
-    from fastgrad.kernels import _train_rows as K
+    from fastgrad.lm_head.epilogues import train_rows as K
 
     real = K._RowStep._stats_uses
     monkeypatch.setattr(K._RowStep, "_stats_uses", lambda self, k, c: (set(), set()) if k == 2 else real(self, k, c))

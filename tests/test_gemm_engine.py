@@ -177,7 +177,8 @@ def _engine_run(name, X, W, G_blocks, vc, rows, together=False):
     import dataclasses
 
     from fastgrad import tiling
-    from fastgrad.kernels import _gemm, _lm_head
+    from fastgrad.kernels import _gemm
+    from fastgrad.lm_head import loop as _lm_head
 
     BT, H = X.shape
     V = W.shape[0]
@@ -220,7 +221,7 @@ def test_engine_interface_matches_float64_and_is_isa_independent(dtype):
     GEMM's bound); the native engine once per native ISA of this machine, the same bits."""
     import ml_dtypes
 
-    from fastgrad.kernels import _engine
+    from fastgrad.lm_head import engine as _engine
 
     dt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
     rng = np.random.default_rng(5)
@@ -271,7 +272,8 @@ def test_engine_choice_and_errors():
     import ml_dtypes
 
     from fastgrad import tiling
-    from fastgrad.kernels import _engine, _lm_head
+    from fastgrad.lm_head import engine as _engine
+    from fastgrad.lm_head import loop as _lm_head
 
     with pytest.raises(ValueError, match="setting"):
         _engine.choose(np.float32, "mkl")
@@ -293,8 +295,8 @@ def test_auto_keeps_blas_where_only_the_avx2_variant_runs(monkeypatch, dtype):
     import ml_dtypes
 
     from fastgrad.kernels import _bf16dot as B
-    from fastgrad.kernels import _engine
     from fastgrad.kernels import _native as N
+    from fastgrad.lm_head import engine as _engine
 
     dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
     kind = "bf16" if dtype == "bfloat16" else "f32"

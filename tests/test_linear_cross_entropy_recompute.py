@@ -108,7 +108,7 @@ def test_the_recompute_step_allocates_no_fp32_weight_gradient(monkeypatch):
     The outputs come from ``_outcache.empty``, the kernel's buffers from the plan's list
     (``Workspace.take``: every one of them, named)."""
     from fastgrad import _outcache
-    from fastgrad.kernels import _lm_head
+    from fastgrad.lm_head import loop as _lm_head
 
     BT, H, V = 16, 64, 9000  # V > VM_CHUNK: the chunks' buffers are smaller than [V, H]
     x, w, b, cw, t = _data(BT, H, V, seed=2, dtype=ml_dtypes.bfloat16)

@@ -17,7 +17,7 @@ from common import BF16, least_peak, native_isas, native_transients, record_call
 
 import fastgrad as fg
 from fastgrad import _outcache, tiling
-from fastgrad.kernels import _lm_head
+from fastgrad.lm_head import loop as _lm_head
 
 DTYPES = {"fp32": np.float32, "bf16": BF16, "fp16": np.float16}
 ENGINES = ["blas"] + [f"native-{i}" for i in native_isas() if i != "auto"]

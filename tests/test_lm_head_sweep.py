@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from fastgrad.kernels import _lm_head
+from fastgrad.lm_head import loop as _lm_head
 
 
 def _record(monkeypatch):

@@ -49,7 +49,7 @@ def _errors(h, w, t, **kw):
 def test_fast_accuracy_target(shape, gen, budget, fused, monkeypatch):
     """Both schedules: the recompute (4 GEMMs) and the fused row blocks (3 GEMMs, ``plan.grad16``:
     ``g`` rounded per row block and chunk, the mean correction per row block)."""
-    from fastgrad.kernels import _train_rows as K
+    from fastgrad.lm_head.epilogues import train_rows as K
 
     BT, H, V = shape
     h, w, t = bf16_lm_inputs(BT, H, V, gen)

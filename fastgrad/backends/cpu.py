@@ -34,9 +34,9 @@ IMPLS = {
 
 def resolve_gemm(dtype: npt.DTypeLike, setting: str, isa: str, prefer_onednn: bool) -> GemmChoice:
     """The GEMM choice (``tiling.GemmChoice``) of an LM-head call on this backend: the kernels'
-    capability (``fastgrad/kernels/_engine.py``: ``resolve``) under the settings the op layer
+    capability (``fastgrad/lm_head/engine.py``: ``resolve``) under the settings the op layer
     passes (``fastgrad/ops/_engines.py``)."""
-    from ..kernels._engine import resolve
+    from ..lm_head.engine import resolve
 
     return resolve(dtype, setting, isa, prefer_onednn)
 

@@ -22,11 +22,11 @@ accumulators in 12 ymm registers on AVX2) — all give the same bits (the module
 module is the layouts and the calls: ``W`` packed per vocabulary chunk as ``[ceil(H/2),
 64·⌈N/64⌉]`` 32-bit pairs — its own row-major pairs, transposed — the same ``B`` for every
 variant; ``A`` in the form the variant prefers (the plan's ``GemmChoice.a_form``, which
-``kernels/_engine.resolve`` takes from the spec): ``X`` read in place as 32-bit pairs
+``lm_head/engine.resolve`` takes from the spec): ``X`` read in place as 32-bit pairs
 (broadcast per row) on ``vdpbf16ps``, fp32 values on the FMA variants (``X`` widened
 once, ``g`` read in place, ``gᵀ`` copied transposed per task: one broadcast load per value, no
 pairing pass).  Every GEMM takes the variant as an argument (``spec``: the plan's
-``GemmChoice.variant``, which ``kernels/_engine.resolve`` picks with :func:`auto_variant` from the
+``GemmChoice.variant``, which ``lm_head/engine.resolve`` picks with :func:`auto_variant` from the
 ISA setting the op layer passes); the module holds no setting.  Calls go through
 ``ctypes``, which releases the GIL, so the tiles run on fastgrad's GEMM pool; every operand is
 checked first (:func:`gemm_tile`: ``InternalError``, never ``assert``).  Passes of at most
@@ -66,7 +66,7 @@ _KC = 256
 _NS = 128
 #: the native ISA settings (``fastgrad._config.set_native_isa``): ``"auto"`` (the best variant the CPU
 #: runs), ``"avx512"`` or ``"avx2"`` (only that ISA's).  This module keeps no setting: the op layer
-#: resolves the variant once per call (``kernels/_engine.resolve`` → ``GemmChoice.variant``) and every
+#: resolves the variant once per call (``lm_head/engine.resolve`` → ``GemmChoice.variant``) and every
 #: GEMM here takes that spec as an argument, so a call runs the variant its plan names whatever
 #: another thread's call chose (``tests/test_lm_head_threads.py``)
 ISAS = ("auto", "avx512", "avx2")
@@ -150,7 +150,7 @@ def a_form(kind: str = "bf16", isa: str = "auto") -> str | None:
     """The form of ``A`` the variant for ``kind`` prefers (its ``a_forms[0]``): ``"pairs"``
     (``vdpbf16ps``) or ``"f32"`` (the FMA variants: fp32 values, for bf16 two per pair of ``B``);
     None where no variant runs.  The kernels take the form from their plan (``GemmChoice.a_form``,
-    the same rule: ``kernels/_engine.resolve``) and pass it to :func:`pairs_in_place`,
+    the same rule: ``lm_head/engine.resolve``) and pass it to :func:`pairs_in_place`,
     :func:`matmul_tn` and :class:`Logits`; this query is for tests and tools."""
     spec = variant(kind, isa)
     return None if spec is None else spec.a_forms[0]

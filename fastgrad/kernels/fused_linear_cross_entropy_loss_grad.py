@@ -14,7 +14,7 @@ exponential and never writes to it.
 
 All scratch is tile-sized or ``[BT, H]``-sized: nothing grows with BT×V.
 
-The tile loop and the logits GEMM are the LM-head loop's (``kernels/_lm_head.py``, shared with
+The tile loop and the logits GEMM are the LM-head loop's (``lm_head/loop.py``, shared with
 the online max-sum); this module holds the op's epilogue (:class:`FlceGrad`: steps 2–4 and the
 rounding of ``grad_weight``) and its entry point.
 
@@ -56,13 +56,13 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import tjit
+from ..lm_head.loop import Operands
+from ..lm_head.loop import run as run_tiles
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import live_filter_eps, megatron_smoothing, target_columns, unpack_target_mask
 from . import _bf16dot
 from ._gemm import blas_for, run_rows
 from ._linear import add_rows_at, kept_blocks, kept_products, narrow, take_cols, take_rows
-from ._lm_head import Operands
-from ._lm_head import run as run_tiles
 from ._vmath import exp_f32
 
 OP = "fused_linear_cross_entropy_loss_grad"
@@ -200,7 +200,7 @@ def _epilogue_high_performance(lo, hi, S, G, row0, col0, grad, tcol, code, smoot
 
 
 class FlceGrad:
-    """The FLCE grad's epilogue of the LM-head loop (``kernels/_lm_head.py``), per tile: the
+    """The FLCE grad's epilogue of the LM-head loop (``lm_head/loop.py``), per tile: the
     device's vector epilogue with its rounding (memory-saving: from the logits and the saved
     statistics; high-performance: from ``softmax``), gradient filtering, then
     ``gi32[b] += g·W[v]`` and ``gw32[v] (+)= gᵀ·X[b]`` on the plan's GEMMs; per vocabulary tile

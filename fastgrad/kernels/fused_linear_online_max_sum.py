@@ -14,7 +14,7 @@ AVX-512F: the logits GEMM runs on the fp32 kernel of the same module over the wi
 (products of fp16 values exact in fp32; summed in another fixed order), ~1.8× OpenBLAS's sgemm
 on a Zen 5 EPYC.
 
-The tile loop and the logits GEMM are the LM-head loop's (``kernels/_lm_head.py``, shared with
+The tile loop and the logits GEMM are the LM-head loop's (``lm_head/loop.py``, shared with
 the FLCE grad); this module holds the op's epilogue (:class:`OnlineStats`) and its entry point.
 """
 
@@ -28,12 +28,12 @@ import numpy.typing as npt
 
 from .. import dtypes as D
 from .._jit import njit, tjit
+from ..lm_head.loop import Operands
+from ..lm_head.loop import run as run_tiles
 from ..tiling import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
 from ._gemm import blas_for, run_rows
 from ._linear import narrow
-from ._lm_head import Operands
-from ._lm_head import run as run_tiles
 from ._vmath import exp_f32, row_max_nan, row_sum_exp
 
 OP = "fused_linear_online_max_sum"
@@ -79,7 +79,7 @@ def _online_tile(lo, hi, L, row0, col0, code, m_run, s_run, tcol, picked):
 
 
 class OnlineStats:
-    """The online max-sum's epilogue of the LM-head loop (``kernels/_lm_head.py``), per tile: the
+    """The online max-sum's epilogue of the LM-head loop (``lm_head/loop.py``), per tile: the
     logits (rounded to ``logits_dtype`` first, as the kernel's matmul output), the running max
     and sum of exponentials per row, the target's logit, and the logits themselves when asked
     (``vocab_parallel_logits``)."""

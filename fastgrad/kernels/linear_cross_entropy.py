@@ -15,10 +15,10 @@ memory budget, never from BT or the thread count):
    logits as the statistics, not rounded; ``h·p·(μ - z)`` the entropy's term, ``μ = Σ p·z``) and two
    GEMMs accumulate ``grad_input[b] = G·W`` and ``grad_weight += Gᵀ·X[b]`` in the compute dtype.
 
-The row blocks run on the LM-head loop's row-major order (``_lm_head.run_row_blocks``;
+The row blocks run on the LM-head loop's row-major order (``lm_head.loop.run_row_blocks``;
 :class:`_RowStep` is its epilogue: steps 1-2 its statistics sweep, 3 ``end_statistics``, 4 its
 gradient sweep).  Three GEMMs per row block, run in stages where the plan says so
-(``TrainingPlan.staged_statistics`` / ``staged_gradient``, ``_lm_head.sweep``): the logits tiles of
+(``TrainingPlan.staged_statistics`` / ``staged_gradient``, ``lm_head.loop.sweep``): the logits tiles of
 chunk ``c`` beside the widening of chunk ``c + 1`` and the statistics of chunk ``c - 1``; then chunk
 ``c``'s two gradient GEMMs beside chunk ``c + 1``'s gradient pass and widening — the same calls on
 the same operands as chunk by chunk (the same bits), the element-wise passes and the widening
@@ -59,17 +59,17 @@ import numpy as np
 
 from .. import dtypes as D
 from ..errors import InternalError
+from ..lm_head.epilogues.recompute import _vocab_major
+from ..lm_head.epilogues.train_rows import _RowStep
+from ..lm_head.loop import Workspace, run_row_blocks
+from ..lm_head.passes import (
+    F_ENTROPY_GRAD,
+    kernel_arrays,
+)
 from ..tiling import LossParams, TrainingPlan, training_modes
 from ._gemm import (
     blas_for,
 )
-from ._lm_head import Workspace, run_row_blocks
-from ._train_passes import (
-    F_ENTROPY_GRAD,
-    kernel_arrays,
-)
-from ._train_recompute import _vocab_major
-from ._train_rows import _RowStep
 
 __all__ = ["linear_cross_entropy_cpu"]
 

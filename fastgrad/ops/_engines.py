@@ -6,7 +6,7 @@ native kernel's ISA, ``fastgrad.torch``'s preference) and returns a
 exact-product kernel and which variant — that the op records in its plan
 (``LinearCETiling.gemm``) or passes to the kernel (``linear_cross_entropy``).  The kernels take
 it and read no setting (``tests/test_architecture.py``).  The capability is the kernel module's
-(``fastgrad/kernels/_engine.py``: ``resolve``), reached here through the cpu backend.
+(``fastgrad/lm_head/engine.py``: ``resolve``), reached here through the cpu backend.
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ def _plan(call: Call) -> tiling.TrainingPlan:
     i, w = call.info, call.a["weight"]
     cdt, need, gemm = i["cdt"], i["need"], i["gemm"]
     budget = None if call.settings is None else call.settings.workspace_bytes  # (execute sets them)
-    logits16 = bool(gemm.logits16)  # the choice for this dtype: set for bf16 operands only (kernels/_engine.resolve)
+    logits16 = bool(gemm.logits16)  # the choice for this dtype: set for bf16 operands only (lm_head/engine.resolve)
     plan = tiling.plan_training_loss(
         i["BT"],
         i["K"],

@@ -3,7 +3,7 @@ the one choice of a call.
 
 The engine itself — ``X`` prepared once, a weight tile packed once, the three products into fp32
 accumulators (``logits``, ``grad_weight``, ``grad_input``) on BLAS, oneDNN or the native
-exact-product kernel — is ``kernels/_lm_head.Operands``, the loop's operands object; its buffers
+exact-product kernel — is ``lm_head/loop.Operands``, the loop's operands object; its buffers
 are the plan's (``tiling.lm_head_buffers``).  This module decides which of them a call runs:
 
 * :func:`engines` lists the engines that can run a dtype here (capability by dtype and CPU: the
@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _onednn
+from ..kernels import _bf16dot, _gemm
 from ..tiling import GemmChoice, native_kind
-from . import _bf16dot, _gemm
 
 __all__ = ["engines", "choose", "resolve"]
 

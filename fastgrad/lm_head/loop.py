@@ -51,10 +51,10 @@ import numpy as np
 from .. import dtypes as D
 from .._outcache import empty as scratch
 from ..errors import InternalError
+from ..kernels import _bf16dot
+from ..kernels._gemm import matmul_nt, nn_tasks, run_graph, run_tasks, tn_tasks
+from ..kernels._linear import fp32_block
 from ..tiling import LinearCrossEntropyPlan, TrainingPlan, fp32_operands
-from . import _bf16dot
-from ._gemm import matmul_nt, nn_tasks, run_graph, run_tasks, tn_tasks
-from ._linear import fp32_block
 
 __all__ = [
     "Workspace",

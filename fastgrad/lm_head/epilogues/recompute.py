@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtypes as D
-from ..tiling import BLAS
-from . import _bf16dot
-from ._gemm import (
+from ... import dtypes as D
+from ...kernels import _bf16dot
+from ...kernels._gemm import (
     matmul_nn,
     matmul_nt,
     matmul_tn,
     run_rows,
 )
-from ._lm_head import need
-from ._lm_head import run as run_tiles
-from ._train_passes import (
+from ...tiling import BLAS
+from ..loop import need
+from ..loop import run as run_tiles
+from ..passes import (
     _E_GROUP,
     _add_outer,
     _block,
@@ -42,7 +42,7 @@ def _bf16_logits(input, W, vc, plan, gemm, ws):
 
 def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False, gemm=BLAS, progress=None):
     """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk, on the LM-head
-    loop (``_lm_head.run`` over ``plan.recompute_grid``: vocabulary chunks outer, equal row blocks
+    loop (``lm_head.loop.run`` over ``plan.recompute_grid``: vocabulary chunks outer, equal row blocks
     inner; :class:`_RecomputeGrad` is its operands and its epilogue).
 
     For each chunk of ``recompute_chunk`` columns: the weight's rows widened once; for each row
@@ -71,7 +71,7 @@ def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False,
 
 class _RecomputeGrad:
     """The recompute's operands (:meth:`chunk`: the weight's chunk in the forms its GEMMs take)
-    and its epilogue (:meth:`begin`, :meth:`tile`, :meth:`end`) for ``_lm_head.run``, then
+    and its epilogue (:meth:`begin`, :meth:`tile`, :meth:`end`) for ``lm_head.loop.run``, then
     :meth:`finish` (``precision="fast"``: the rounding error's mean part of ``grad_input``).
     Arguments as :func:`_vocab_major`'s (its tiles: ``plan.recompute_grid``)."""
 

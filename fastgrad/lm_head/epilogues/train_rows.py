@@ -9,11 +9,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import dtypes as D
-from ..errors import InternalError
-from ..tiling import fast_fused
-from . import _bf16dot
-from ._gemm import (
+from ... import dtypes as D
+from ...errors import InternalError
+from ...kernels import _bf16dot
+from ...kernels._gemm import (
     IN_BLAS,
     matmul_nn,
     nn_tasks,
@@ -22,9 +21,10 @@ from ._gemm import (
     run_rows,
     tn_tasks,
 )
-from ._linear import fp32_block_tasks
-from ._lm_head import Sweep, need, sweep
-from ._train_passes import (
+from ...kernels._linear import fp32_block_tasks
+from ...tiling import fast_fused
+from ..loop import Sweep, need, sweep
+from ..passes import (
     _E_GROUP,
     F_BIAS,
     F_SOFTCAP,
@@ -40,7 +40,7 @@ from ._train_passes import (
     _stats_chunk,
     col_means16,
 )
-from ._train_recompute import _bf16_logits
+from .recompute import _bf16_logits
 
 
 def part_view(buf: np.ndarray, k: int, n: int) -> np.ndarray:
@@ -51,7 +51,7 @@ def part_view(buf: np.ndarray, k: int, n: int) -> np.ndarray:
 
 class _RowStep:
     """The fused step's and the forward's epilogue of the LM-head loop's row-major order
-    (``_lm_head.run_row_blocks`` over ``plan.row_blocks()``; the module doc's steps 1-4).  Per row block:
+    (``lm_head.loop.run_row_blocks`` over ``plan.row_blocks()``; the module doc's steps 1-4).  Per row block:
 
     * :meth:`statistics` — the sweep over the vocabulary chunks: the chunk's weight widened
       (16-bit, unless the whole weight was widened once), its logits (BLAS tiles, or the bf16

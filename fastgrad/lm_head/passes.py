@@ -9,12 +9,12 @@ import numpy.typing as npt
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
-from ..tiling import FAST_E_GROUP, LossParams
-from ._gemm import (
+from ..kernels._gemm import (
     run_rows,
 )
-from ._linear import _add_rows_at, _take_rows, fp32_block, kept_products
-from ._vmath import exp_c, row_max_nan, row_sum_exp
+from ..kernels._linear import _add_rows_at, _take_rows, fp32_block, kept_products
+from ..kernels._vmath import exp_c, row_max_nan, row_sum_exp
+from ..tiling import FAST_E_GROUP, LossParams
 
 # ----------------------------------------------------------------------------------------------
 # dtype-generic scalar helpers (fp32: the vectorizable exp; fp64: libm)

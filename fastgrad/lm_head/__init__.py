@@ -1,0 +1,29 @@
+"""The LM-head family's kernel-level package: what the three LM-head kernels share.
+
+The family is three ops over one loop — ``fused_linear_online_max_sum`` (the forward statistics),
+``fused_linear_cross_entropy_loss_grad`` (the FLCE grad) and the training loss
+``linear_cross_entropy`` — planned by :mod:`fastgrad.tiling` (the op_host layer: ``LinearCETiling``,
+``TrainingPlan``, the GEMM choice ``GemmChoice``) and entered through their kernels in
+``fastgrad/kernels/`` (the ``"cpu"`` backend's table).  Here, below the op layer, under the
+kernels' rules (``tests/test_architecture.py``: no settings, no registry, no torch):
+
+``engine``
+    The GEMM choice's capability: which engines and native-kernel variants a dtype can run
+    (``resolve``), read by the op layer through ``backends/cpu.py``; the plan records the choice.
+``loop``
+    The loop and its operands: ``Workspace`` (the plan's buffers by name), ``Operands`` (the only
+    GEMM caller of the vocabulary-major epilogues), the vocabulary-major ``run`` and the row-block
+    ``run_row_blocks`` with their staged ``Sweep`` (a dependency graph of what each step reads and
+    writes).
+``passes``
+    The training loss's Numba passes (softmax gradient, statistics, filtering's kept blocks) and
+    ``kernel_arrays`` (the plan's ``LossParams`` as the passes' ``par``/``flags``).
+``epilogues.train_rows``
+    The training loss's row blocks: statistics and gradient sweeps, the fused ``precision="fast"``
+    path, gradient filtering.
+``epilogues.recompute``
+    The training loss's vocabulary-major recompute of the gradient from a saved log-sum-exp.
+
+The FLCE grad's and the online max-sum's epilogues live with their kernels
+(``kernels/fused_linear_cross_entropy_loss_grad.py``, ``kernels/fused_linear_online_max_sum.py``).
+"""
