@@ -150,12 +150,14 @@ def test_fused_loops_run_no_openmp_region():
     import fastgrad.kernels.fused_linear_cross_entropy_loss_grad as flce
     import fastgrad.kernels.fused_linear_online_max_sum as online
     import fastgrad.kernels.linear_cross_entropy as lce
+    import fastgrad.lm_head.epilogues.flce_grad as flce_epilogue
+    import fastgrad.lm_head.epilogues.online_stats as online_epilogue
     import fastgrad.lm_head.epilogues.recompute as recompute
     import fastgrad.lm_head.epilogues.train_rows as rows
     import fastgrad.lm_head.loop as loop
     import fastgrad.lm_head.passes as passes
 
-    for mod in (lce, flce, online, lin, loop, passes, rows, recompute):
+    for mod in (lce, flce, online, lin, loop, passes, rows, recompute, flce_epilogue, online_epilogue):
         src = pathlib.Path(mod.__file__).read_text()
         assert "prange" not in src and "@pjit" not in src, mod.__name__
 

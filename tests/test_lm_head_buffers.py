@@ -17,6 +17,7 @@ from common import BF16, least_peak, native_isas, native_transients, record_call
 
 import fastgrad as fg
 from fastgrad import _outcache, tiling
+from fastgrad.errors import InternalError
 from fastgrad.lm_head import loop as _lm_head
 
 DTYPES = {"fp32": np.float32, "bf16": BF16, "fp16": np.float16}
@@ -147,5 +148,5 @@ def test_buffers_follow_the_gemm_choice():
 def test_a_plan_for_other_operands_is_refused_by_name():
     x, w, t = _inputs(BF16, 64, 32, 700)
     plan = tiling.plan_linear_cross_entropy(64, 700, 32, mode="forward", dtype="float32")  # fp32's list
-    with pytest.raises(ValueError, match="x32"):
+    with pytest.raises(InternalError, match="x32"):  # an invariant, not the user's error
         _lm_head.Operands(x, w, plan)

@@ -46,7 +46,7 @@ from .. import _cpu
 from .. import dtypes as D
 from .._jit import tjit
 from ..errors import InternalError
-from ..tiling import NATIVE_COLS, b_cols, b_size, npad
+from ..lm_head.plan_types import NATIVE_COLS, Buffer, BufferSource, b_cols, b_size, npad  # noqa: F401  (b_size: re-exported)
 from . import _native
 
 _COLS = NATIVE_COLS  #: the packed ``B``'s column granule (``tiling``: the plan sizes the layout)
@@ -623,41 +623,57 @@ class Logits:
         W: np.ndarray,
         vc: int,
         x32: np.ndarray | None = None,
-        take=None,
         *,
+        ws: BufferSource,
         form: str | None,
         spec: _native.KernelSpec | None,
     ):
-        """``take(name, size, dtype)``: where the buffers come from (the LM-head loop's
-        ``Workspace.take``: the plan's list, ``tiling.lm_head_buffers``); default recycled
-        scratch of that size."""
-        from .._outcache import empty as scratch
+        """``ws``: where the buffers of :meth:`buffers` come from, by name (the LM-head loop's
+        ``Workspace``: the plan's list, which holds this declaration)."""
         from ._linear import fp32_block
 
-        if take is None:
-            take = lambda name, size, dt: scratch(size, dt)  # noqa: E731
         H, BT = input.shape[1], input.shape[0]
         self.W = W
         self.H = H
         self.f16 = input.dtype == np.float16
         if self.f16:
             if x32 is None:
-                x32 = fp32_block(input, 0, BT, buf=take("x32", BT * npad(H), np.float32), width=npad(H))
+                x32 = fp32_block(input, 0, BT, buf=ws.take("x32"), width=npad(H))
             self.x32 = x32
             self.xp = self.x32[:, :H]
-            self.pbuf = take("w_packed", H * b_cols(vc), np.float32)
+            self.pbuf = ws.take("w_packed")
             self.code = D.code_of(input.dtype)
         else:
             _check_form(form)
             if form == "f32":  # the FMA variants: X widened once (exact)
-                self.xp = fp32_block(input, 0, BT, buf=take("x32", BT * H, np.float32))
+                self.xp = fp32_block(input, 0, BT, buf=ws.take("x32"))
             else:
-                self.xp = pairs(input, take("x_pairs_padded", BT * (H + 1), np.uint16) if H % 2 else None)
-            self.pbuf = take("w_packed", b_size(H, vc), np.uint32)
-            self.wbuf = take("w_pairs_padded", vc * (H + 1), np.uint16) if H % 2 else None
+                self.xp = pairs(input, ws.get("x_pairs_padded"))  # (odd H: padded to a pair)
+            self.pbuf = ws.take("w_packed")
+            self.wbuf = ws.get("w_pairs_padded")
         self.bp = np.empty((0, 0), np.uint32)
         self.n = 0
         self.spec = spec
+
+    @staticmethod
+    def buffers(BT: int, H: int, vt: int, *, f16: bool, form: str | None, x_given: bool = False) -> list[Buffer]:
+        """The buffers a :class:`Logits` over ``[BT, H]`` rows and vocabulary tiles of ``vt`` rows
+        takes: fp16 (the fp32 kernel) — ``X`` widened and padded once unless ``x_given`` (the
+        caller's fp32 copy), the tile widened transposed; bf16 — ``X`` widened once (``form``
+        "f32") or paired with a zero column (odd ``H``), the packed tile, the tile's padded pairs
+        (odd ``H``)."""
+        if f16:
+            out = [] if x_given else [Buffer("x32", (BT, npad(H)), "float32", "call")]
+            return out + [Buffer("w_packed", (H, b_cols(vt)), "float32", "tile")]
+        out = []
+        if form == "f32":
+            out.append(Buffer("x32", (BT, H), "float32", "call"))
+        elif H % 2:
+            out.append(Buffer("x_pairs_padded", (BT, H + 1), "uint16", "call"))
+        out.append(Buffer("w_packed", ((H + 1) // 2, b_cols(vt)), "uint32", "tile"))
+        if H % 2:
+            out.append(Buffer("w_pairs_padded", (vt, H + 1), "uint16", "tile"))
+        return out
 
     def use(self, packed: np.ndarray, n: int) -> None:
         """Take an ``n``-row tile of ``W`` packed earlier by :meth:`chunk` (into ``packed``, this

@@ -15,7 +15,7 @@ AVX-512F: the logits GEMM runs on the fp32 kernel of the same module over the wi
 on a Zen 5 EPYC.
 
 The tile loop and the logits GEMM are the LM-head loop's (``lm_head/loop.py``, shared with
-the FLCE grad); this module holds the op's epilogue (:class:`OnlineStats`) and its entry point.
+the FLCE grad); the op's epilogue is ``lm_head/epilogues/online_stats.OnlineStats``; this module holds the entry point.
 """
 
 from __future__ import annotations
@@ -27,91 +27,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import dtypes as D
-from .._jit import njit, tjit
+from ..lm_head.epilogues.online_stats import OnlineStats
 from ..lm_head.loop import Operands
 from ..lm_head.loop import run as run_tiles
-from ..tiling import LinearCrossEntropyPlan
+from ..lm_head.plan_types import LinearCrossEntropyPlan
 from ..vocab_parallel import pack_target_mask, shard_target_mask
-from ._gemm import blas_for, run_rows
-from ._linear import narrow
-from ._vmath import exp_f32, row_max_nan, row_sum_exp
+from ._gemm import blas_for
 
 OP = "fused_linear_online_max_sum"
 
 #: ``(logits_max, sum_exp_logits, predicted_logits, target_mask, masked_target,
 #: vocab_parallel_logits or None)``: the op's outputs, written by :func:`run`.
 Outputs: TypeAlias = "tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]"
-
-
-@njit
-def _round_row(L, i, code):
-    for j in range(L.shape[1]):
-        L[i, j] = D.round_f32(L[i, j], code)
-
-
-@tjit
-def _online_tile(lo, hi, L, row0, col0, code, m_run, s_run, tcol, picked):
-    """Round L [nb, nv] to the input dtype in place; fold it into the running max/sum."""
-    nb, nv = L.shape
-    for i in range(lo, hi):
-        r = row0 + i
-        if code != 0:
-            _round_row(L, i, code)
-        mt, nan = row_max_nan(L[i], np.float32(-np.inf))
-        if nan:
-            mt = np.float32(np.nan)
-        st = row_sum_exp(L[i], mt, np.float32(0.0))
-        m0 = m_run[r]
-        if m0 >= mt:
-            mnew = m0
-        elif mt > m0:
-            mnew = mt
-        else:  # a NaN on either side
-            mnew = np.float32(np.nan)
-        if mnew == -np.inf:
-            s_run[r] = s_run[r] + st
-        else:
-            s_run[r] = s_run[r] * exp_f32(m0 - mnew) + st * exp_f32(mt - mnew)
-        m_run[r] = mnew
-        t = tcol[r] - col0
-        if t >= 0 and t < nv:
-            picked[r] = L[i, t]
-
-
-class OnlineStats:
-    """The online max-sum's epilogue of the LM-head loop (``lm_head/loop.py``), per tile: the
-    logits (rounded to ``logits_dtype`` first, as the kernel's matmul output), the running max
-    and sum of exponentials per row, the target's logit, and the logits themselves when asked
-    (``vocab_parallel_logits``)."""
-
-    def __init__(
-        self,
-        ops: Operands,
-        plan: LinearCrossEntropyPlan,
-        code: int,
-        lmax: np.ndarray,
-        sexp: np.ndarray,
-        tcol: np.ndarray,
-        picked: np.ndarray,
-        logits: np.ndarray | None,
-    ) -> None:
-        self.ops, self.code, self.tcol, self.out = ops, code, tcol, logits
-        self.lmax, self.sexp, self.picked = lmax, sexp, picked  # the running statistics
-        self.l_buf = ops.ws.take("logits_tile", plan.bt_tile * plan.v_tile, np.float32)  # the plan's buffer
-
-    def begin(self, v0: int, v1: int) -> None:
-        pass
-
-    def tile(self, b0: int, b1: int, v0: int, v1: int) -> None:
-        nb, nv = b1 - b0, v1 - v0
-        Lt = self.l_buf[: nb * nv].reshape(nb, nv)
-        self.ops.logits(b0, b1, Lt)
-        run_rows(_online_tile, nb, Lt, b0, v0, self.code, self.lmax, self.sexp, self.tcol, self.picked)
-        if self.out is not None:
-            narrow(Lt, self.out[b0:b1, v0:v1])  # on the pool: no OpenMP region (fork-safe)
-
-    def end(self, v0: int, v1: int) -> None:
-        pass
 
 
 def run(

@@ -7,6 +7,9 @@ The family is three ops over one loop — ``fused_linear_online_max_sum`` (the f
 ``fastgrad/kernels/`` (the ``"cpu"`` backend's table).  Here, below the op layer, under the
 kernels' rules (``tests/test_architecture.py``: no settings, no registry, no torch):
 
+``plan_types``
+    The plans' types (``LinearCETiling``, ``TrainingPlan``, ``GemmChoice``, ``Buffer``...), made by
+    ``fastgrad.tiling`` (which re-exports them) and taken by the kernels; imports nothing of fastgrad's.
 ``engine``
     The GEMM choice's capability: which engines and native-kernel variants a dtype can run
     (``resolve``), read by the op layer through ``backends/cpu.py``; the plan records the choice.
@@ -23,7 +26,11 @@ kernels' rules (``tests/test_architecture.py``: no settings, no registry, no tor
     path, gradient filtering.
 ``epilogues.recompute``
     The training loss's vocabulary-major recompute of the gradient from a saved log-sum-exp.
+``epilogues.flce_grad``, ``epilogues.online_stats``
+    The aclnn ops' epilogues (``FlceGrad``, ``OnlineStats``); their entry points stay in
+    ``kernels/`` (the ``"cpu"`` backend's table).
 
-The FLCE grad's and the online max-sum's epilogues live with their kernels
-(``kernels/fused_linear_cross_entropy_loss_grad.py``, ``kernels/fused_linear_online_max_sum.py``).
+Every component declares the buffers it takes (a ``buffers(...)`` beside its code); the plan's
+buffer list is their concatenation (``tiling.lm_head_buffers`` / ``training_buffers``) and the
+component takes them by name only (``loop.Workspace``).
 """

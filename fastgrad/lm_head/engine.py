@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _onednn
 from ..kernels import _bf16dot, _gemm
-from ..tiling import GemmChoice, native_kind
+from .plan_types import GemmChoice, native_kind
 
 __all__ = ["engines", "choose", "resolve"]
 

@@ -54,7 +54,7 @@ from ..errors import InternalError
 from ..kernels import _bf16dot
 from ..kernels._gemm import matmul_nt, nn_tasks, run_graph, run_tasks, tn_tasks
 from ..kernels._linear import fp32_block
-from ..tiling import LinearCrossEntropyPlan, TrainingPlan, fp32_operands
+from .plan_types import Buffer, GemmChoice, LinearCrossEntropyPlan, TrainingPlan, b_size, fp32_operands, npad
 
 __all__ = [
     "Workspace",
@@ -84,28 +84,32 @@ def need(x: _T | None, what: str) -> _T:
 
 
 class Workspace:
-    """The plan's buffers (``plan.buffers``: ``tiling.lm_head_buffers``, or for the training loss's
-    kernel ``tiling.training_buffers``), handed out by name — the only memory the loop allocates,
-    so the plan's ``workspace_bytes`` is what a call holds.
+    """The plan's buffers (``plan.buffers``), handed out by name — the only memory the loop
+    allocates, so the plan's ``workspace_bytes`` is what a call holds.  Each buffer is declared
+    once, by the component that takes it (``Operands.buffers``, ``_bf16dot.Logits.buffers``, the
+    epilogues' ``buffers``), and the plan's list is the concatenation of those declarations
+    (``tiling.lm_head_buffers`` / ``training_buffers``): the components take them by name and
+    restate neither size, dtype nor the condition.
 
-    :meth:`take` returns a flat array of the listed size (recycled scratch, ``fastgrad._outcache``);
-    a name the plan does not list, or a larger size, is a ``ValueError``
-    (a plan made for other operands or another GEMM choice)."""
+    :meth:`take` returns the declared buffer as a flat array of its size and dtype (recycled
+    scratch, ``fastgrad._outcache``); a name the plan does not declare is an
+    :class:`~fastgrad.errors.InternalError` (a plan made for other operands or another GEMM
+    choice).  :meth:`get`: the same, or None where the plan declares no such buffer (a buffer
+    the call needs only in some cases: the declaration's condition decides)."""
 
     def __init__(self, plan: LinearCrossEntropyPlan | TrainingPlan):
         self._listed = {b.name: b for b in plan.buffers}
 
-    def take(self, name: str, size: int, dtype) -> np.ndarray:
+    def take(self, name: str) -> np.ndarray:
         b = self._listed.get(name)
         if b is None:
-            raise ValueError(
-                f"the plan lists no buffer {name!r} (it lists {sorted(self._listed)}): made for other operands?"
-            )
-        if int(size) > b.size or np.dtype(dtype) != np.dtype(b.dtype):
-            raise ValueError(
-                f"buffer {name!r}: the plan lists {b.size} x {b.dtype}, the loop asks {size} x {np.dtype(dtype)}"
+            raise InternalError(
+                f"the plan declares no buffer {name!r} (it declares {sorted(self._listed)}): made for other operands?"
             )
         return scratch(b.size, b.dtype)
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self.take(name) if name in self._listed else None
 
 
 class Epilogue(Protocol):
@@ -161,35 +165,66 @@ class Operands:
         self._gi_tile = plan.grad_input_tile  # grad_input's G·W grid (the plan's, from the shapes)
         # fp32 X and W tiles where a GEMM of this call runs on BLAS or the fp32 kernel takes them
         self._fp32 = fp32_operands(weight_tiles == "all", self.kind)
-        widen = input.dtype != D.FLOAT32
-        x_buf = ws.take("x32", BT * self.Hp, np.float32) if (self._fp32 and widen) else None
-        self.Xp = fp32_block(input, 0, BT, x_buf, width=self.Hp) if self._fp32 else None  # exact fp32
+        # (the buffers: :meth:`buffers`, the plan's list; 16-bit operands widened into them — a plan
+        # made for fp32 operands declares none, and is refused here)
+        widen = self._fp32 and input.dtype != D.FLOAT32
+        self.Xp = fp32_block(input, 0, BT, ws.take("x32") if widen else None, width=self.Hp) if self._fp32 else None
         self.X32 = None if self.Xp is None else self.Xp[:, :H]
-        self._w_buf = ws.take("w32_tile", plan.v_tile * self.Hp, np.float32) if (self._fp32 and widen) else None
+        self._w_buf = ws.take("w32_tile") if widen else None
         # the logits on the exact-product kernel (its packed W tile, X in its A form)
         self.lg = None
         if self.kind and logits:
-            self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp, take=ws.take, form=self.form, spec=self.spec)
+            self.lg = _bf16dot.Logits(input, self.W, plan.v_tile, self.Xp, ws=ws, form=self.form, spec=self.spec)
         self.W32p: np.ndarray | None = None
         self.W32: np.ndarray | None = None
         # the gradient GEMMs' operands and products (weight_tiles="all": the FLCE grad)
         self.xinter: dict[int, np.ndarray] = {}
         self.wt_inter = self.prod = self.gw_tmp = None
         if weight_tiles == "all":
-            bt, vt = plan.bt_tile, plan.v_tile
             if self.b16:  # X's row tiles as grad_weight's B, once, in one buffer; W's tile as grad_input's
                 rows = [(b0, b1, _bf16dot.b_size(b1 - b0, H)) for b0, b1 in plan.bt_ranges()]
-                xi = ws.take("x_pairs_tiles", sum(n for _, _, n in rows), np.uint32)
+                xi = ws.take("x_pairs_tiles")
                 o = 0
                 for b0, b1, n in rows:
                     self.xinter[b0] = _bf16dot.interleave(input[b0:b1], xi[o : o + n])
                     o += n
-                self.wt_inter = ws.take("w_pairs_tile", _bf16dot.b_size(vt, H), np.uint32)
+                self.wt_inter = ws.take("w_pairs_tile")
             elif self.kind is None:  # BLAS: each product into scratch, then summed
-                self.prod = ws.take("product", bt * H, np.float32)
-                self.gw_tmp = ws.take("grad_weight_product", vt * H, np.float32) if plan.n_bt_tiles > 1 else None
+                self.prod = ws.take("product")
+                self.gw_tmp = ws.get("grad_weight_product")
         self._bp_i: np.ndarray | None = None
         self._v = (0, 0)
+
+    @staticmethod
+    def buffers(
+        BT: int, H: int, bt: int, vt: int, *, dtype: str, gemm: GemmChoice, logits: bool, grad: bool
+    ) -> list[Buffer]:
+        """The buffers :class:`Operands` takes for a plan of ``bt × vt`` tiles over ``BT`` rows of
+        hidden size ``H``, ``dtype`` operands and the GEMMs ``gemm``; ``logits``/``grad``: the
+        logits GEMM runs (not high-performance mode) / the gradient GEMMs run (``weight_tiles="all"``).
+        fp32 copies of ``X`` (once) and ``W``'s tile where BLAS or the fp32 kernel takes 16-bit
+        operands, the native logits' (``_bf16dot.Logits.buffers``), and the gradient GEMMs': ``X``'s
+        row tiles and ``W``'s tile as the bf16 kernel's ``B``, or BLAS's scratch products."""
+        kind = gemm.exact_for_dtype(dtype)
+        b16, f16k = kind == "bf16", kind == "f32"
+        hp = npad(H) if f16k else H
+        fp32 = fp32_operands(grad, kind)
+        out = []
+        if fp32 and dtype != "float32":
+            out += [Buffer("x32", (BT, hp), "float32", "call"), Buffer("w32_tile", (vt, hp), "float32", "tile")]
+        if kind is not None and logits:
+            out += _bf16dot.Logits.buffers(BT, H, vt, f16=f16k, form=gemm.a_form, x_given=fp32)
+        if grad and b16:
+            rows = sum(b_size(min(bt, BT - b0), H) for b0 in range(0, BT, bt)) if bt else 0
+            out += [
+                Buffer("x_pairs_tiles", (rows,), "uint32", "call"),
+                Buffer("w_pairs_tile", (b_size(vt, H),), "uint32", "tile"),
+            ]
+        elif grad and kind is None:  # BLAS: each product into scratch, then summed over the row tiles
+            out.append(Buffer("product", (bt, H), "float32", "tile"))
+            if bt and -(-BT // bt) > 1:
+                out.append(Buffer("grad_weight_product", (vt, H), "float32", "tile"))
+        return out
 
     def chunk(self, v0: int, v1: int) -> None:
         """Prepare vocabulary tile ``[v0, v1)``: its fp32 rows and/or its packed form."""

@@ -14,7 +14,7 @@ from ..kernels._gemm import (
 )
 from ..kernels._linear import _add_rows_at, _take_rows, fp32_block, kept_products
 from ..kernels._vmath import exp_c, row_max_nan, row_sum_exp
-from ..tiling import FAST_E_GROUP, LossParams
+from .plan_types import FAST_E_GROUP, LossParams
 
 # ----------------------------------------------------------------------------------------------
 # dtype-generic scalar helpers (fp32: the vectorizable exp; fp64: libm)

@@ -14,7 +14,6 @@ from ...kernels._gemm import (
     matmul_tn,
     run_rows,
 )
-from ...tiling import BLAS
 from ..loop import need
 from ..loop import run as run_tiles
 from ..passes import (
@@ -27,6 +26,7 @@ from ..passes import (
     _round_rows,
     col_means16,
 )
+from ..plan_types import BLAS, FAST_E_GROUP, Buffer, TrainingPlan, b_size
 
 
 def _bf16_logits(input, W, vc, plan, gemm, ws):
@@ -37,7 +37,7 @@ def _bf16_logits(input, W, vc, plan, gemm, ws):
         return None
     if input.dtype != D.BFLOAT16 or W.dtype != D.BFLOAT16:
         raise ValueError(f"plan.logits16 with {input.dtype} / {W.dtype} operands (bf16 expected)")
-    return _bf16dot.Logits(input, W, vc, take=ws.take, form=gemm.a_form, spec=_bf16dot.spec_named(gemm.variant))
+    return _bf16dot.Logits(input, W, vc, ws=ws, form=gemm.a_form, spec=_bf16dot.spec_named(gemm.variant))
 
 
 def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False, gemm=BLAS, progress=None):
@@ -77,7 +77,7 @@ class _RecomputeGrad:
 
     def __init__(self, input, W, cdt, grads, rows, consts, plan, ws, round_grad, gemm):
         self.gi, self.gw, self.gw_acc, self.gw_code, self.gb = grads
-        gi, gw = self.gi, self.gw
+        gw = self.gw
         self.rows, self.consts = rows, consts
         self.input, self.W, self.cdt, self.gemm = input, W, cdt, gemm
         self.spec = _bf16dot.spec_named(gemm.variant)  # the plan's native variant (None: BLAS)
@@ -85,7 +85,7 @@ class _RecomputeGrad:
         self.BT, self.H = BT, H
         K = W.shape[0]
         grid = plan.recompute_grid
-        vc, nblocks, nr = grid.v_tile, grid.n_bt, grid.largest_bt
+        vc, nblocks = grid.v_tile, grid.n_bt
         self.block_of = {b0: k for k, (b0, _) in enumerate(grid.bt_ranges())}
         self.nblocks = nblocks
         self.vc = vc
@@ -94,29 +94,29 @@ class _RecomputeGrad:
         # precision="fast": the gradient GEMMs on the kernel too, g rounded and compensated
         self.b16 = b16 = bfl is not None and round_grad
         widen_x = input.dtype != cdt and not b16
-        self.take = take = ws.take
+        # the buffers of :func:`buffers` (the plan's list), by name
+        self.take, get = ws.take, ws.get
         self.xall = None
         if nblocks == 1 and not b16:
-            self.xall = _block(input, 0, BT, cdt, take("x_whole", BT * H, cdt) if widen_x else None)
-        self.xbuf = take("x_block", nr * H, cdt) if (self.xall is None and widen_x) else None
-        self.wbuf = take("w_chunk", vc * H, cdt) if W.dtype != cdt and not b16 else None
-        self.Lt = take("logits_block", nr * vc, cdt)
-        self.th = take("grad_input_product", nr * H, cdt) if gi is not None and not b16 else None
+            self.xall = _block(input, 0, BT, cdt, ws.take("x_whole") if widen_x else None)
+        self.xbuf = get("x_block")
+        self.wbuf = ws.take("w_chunk") if W.dtype != cdt and not b16 else None
+        self.Lt = ws.take("logits_block")
+        self.th = get("grad_input_product")
         # a 16-bit grad_weight: the chunk summed in fp32 here, then rounded once
-        self.tw = take("grad_weight_chunk", vc * H, cdt) if (gw is not None and self.gw_code is not None) else None
-        self.tw2 = take("grad_weight_product", vc * H, cdt) if (gw is not None and nblocks > 1 and not b16) else None
+        self.tw = get("grad_weight_chunk")
+        self.tw2 = get("grad_weight_product")
         self.offs = np.zeros(1, np.int64)
         self.xint = None
         if b16:
             nchunks = -(-K // vc)
-            ngrp = -(-nr // _E_GROUP)
 
             def zeros(name, shape):
-                a = take(name, shape[0] * shape[1], cdt)[: shape[0] * shape[1]].reshape(shape)
+                a = ws.take(name)[: shape[0] * shape[1]].reshape(shape)
                 a[...] = 0
                 return a
 
-            self.e_col = take("fast_e_col", ngrp * vc, cdt)  # the rounding error's partial column sums
+            self.e_col = ws.take("fast_e_col")  # the rounding error's partial column sums
             self.e_row = zeros("fast_e_row", (BT, nchunks))  # its row sums, per chunk
             self.w_bar = zeros("fast_w_mean", (nchunks, H))  # the chunk's mean row of W
             self.x_bar = zeros("fast_x_mean", (nblocks, H))  # the block's mean row of X
@@ -124,9 +124,9 @@ class _RecomputeGrad:
             for k, (b0, b1) in enumerate(grid.bt_ranges()):
                 col_means16(H, xu[b0:b1], D.BF16, self.x_bar[k])
             # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
-            self.xi_buf = take("x_pairs_block", _bf16dot.b_size(nr, H), np.uint32) if gw is not None else None
+            self.xi_buf = get("x_pairs_block")
             self.xint = _bf16dot.interleave(input, self.xi_buf) if (gw is not None and nblocks == 1) else None
-            self.wi_buf = take("w_pairs_chunk", _bf16dot.b_size(vc, H), np.uint32) if gi is not None else None
+            self.wi_buf = get("w_pairs_chunk")
         self.Wc = None
         self.widths = np.zeros(1, np.int64)
 
@@ -227,5 +227,60 @@ class _RecomputeGrad:
         """``precision="fast"``: ``grad_input += e_row · w_bar`` (the rounding error's mean part)."""
         if self.b16 and self.gi is not None:
             BT, H = self.BT, self.H
-            tmp = self.take("fast_product", BT * H, self.cdt)[: BT * H].reshape(BT, H)
+            tmp = self.take("fast_product")[: BT * H].reshape(BT, H)
             matmul_nn(self.e_row, self.w_bar, self.gi, tmp=tmp, engine=self.eng)
+
+
+def buffers(
+    plan: TrainingPlan,
+    *,
+    cdt: str,
+    widen: bool,
+    grads: tuple[bool, bool, bool],
+    accum16: bool,
+    fast: bool,
+    a_form: str | None,
+) -> list[Buffer]:
+    """The buffers the recompute (:class:`_RecomputeGrad`) takes for ``plan.recompute_grid``:
+    the bf16 logits' (``plan.logits16``), ``X`` and the weight's chunk in the compute dtype
+    ``cdt`` (16-bit operands, ``widen``: ``X`` whole with one row block), the tile's logits, the
+    accumulating GEMMs' scratch products, a 16-bit ``grad_weight``'s fp32 chunk (``accum16``), and
+    ``precision="fast"``'s (``fast`` with the bf16 logits: the rounding error's sums, the mean
+    rows, the bf16 pairs, the ``[BT, H]`` product).  ``grads``: which of (grad_input,
+    grad_weight, grad_bias) are computed."""
+    BT, K, H = plan.BT, plan.K, plan.H
+    gi, gw, _gb = grads
+    grid = plan.recompute_grid
+    vc, nblocks, nr = grid.v_tile, grid.n_bt, grid.largest_bt
+    out: list[Buffer] = []
+    if plan.logits16:
+        out += _bf16dot.Logits.buffers(BT, H, vc, f16=False, form=a_form)
+    b16 = plan.logits16 and fast  # the gradient GEMMs on the bf16 kernel too
+    widen_x = widen and not b16
+    if widen_x and nblocks == 1:
+        out.append(Buffer("x_whole", (BT, H), cdt, "call"))
+    elif widen_x:
+        out.append(Buffer("x_block", (nr, H), cdt, "tile"))
+    if widen and not b16:
+        out.append(Buffer("w_chunk", (vc, H), cdt, "tile"))
+    out.append(Buffer("logits_block", (nr, vc), cdt, "tile"))
+    if gi and not b16:
+        out.append(Buffer("grad_input_product", (nr, H), cdt, "tile"))
+    if gw and accum16:
+        out.append(Buffer("grad_weight_chunk", (vc, H), cdt, "tile"))
+    if gw and nblocks > 1 and not b16:
+        out.append(Buffer("grad_weight_product", (vc, H), cdt, "tile"))
+    if b16:
+        nchunks = -(-K // vc)
+        out += [
+            Buffer("fast_e_col", (-(-nr // FAST_E_GROUP), vc), cdt, "tile"),
+            Buffer("fast_e_row", (BT, nchunks), cdt, "call"),
+            Buffer("fast_w_mean", (nchunks, H), cdt, "call"),
+            Buffer("fast_x_mean", (nblocks, H), cdt, "call"),
+        ]
+        if gw:
+            out.append(Buffer("x_pairs_block", (b_size(nr, H),), "uint32", "tile"))
+        if gi:
+            out.append(Buffer("w_pairs_chunk", (b_size(vc, H),), "uint32", "tile"))
+            out.append(Buffer("fast_product", (BT, H), cdt, "call"))
+    return out

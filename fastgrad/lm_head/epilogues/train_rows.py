@@ -22,7 +22,6 @@ from ...kernels._gemm import (
     tn_tasks,
 )
 from ...kernels._linear import fp32_block_tasks
-from ...tiling import fast_fused
 from ..loop import Sweep, need, sweep
 from ..passes import (
     _E_GROUP,
@@ -40,6 +39,7 @@ from ..passes import (
     _stats_chunk,
     col_means16,
 )
+from ..plan_types import FAST_E_GROUP, Buffer, TrainingPlan, b_size, fast_fused
 from .recompute import _bf16_logits
 
 
@@ -84,7 +84,7 @@ class _RowStep:
         H, K = input.shape[1], W.shape[0]
         self.H, self.K = H, K
         self.want_grad = gi is not None or gw is not None or self.gb is not None
-        self.fwd_only = fwd_only = not self.want_grad
+        self.fwd_only = not self.want_grad
         vc = plan.v_chunk
         self.chunks = [(v0, min(K, v0 + vc)) for v0 in range(0, K, vc)]
         self.widen = widen = W.dtype != cdt
@@ -109,27 +109,26 @@ class _RowStep:
         # buffered where a sweep runs in stages: chunk c + 1 widened while chunk c is read); the
         # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
         # fresh pages
-        self.wfull = _block(W, 0, K, cdt, take("w_whole", K * H, cdt)) if (widen and plan.whole_weight) else None
+        # (the buffers of :func:`buffers`, the plan's list, by name)
+        get = ws.get
+        self.wfull = _block(W, 0, K, cdt, take("w_whole")) if (widen and plan.whole_weight) else None
         # (with the logits on the bf16 kernel the chunk is read by grad_input's GEMM alone)
-        chunked = widen and self.wfull is None and (bfl is None or (gi is not None and not b16))
-        wbuf = take("w_chunk", vc * H, cdt) if chunked else None
+        wbuf = get("w_chunk")
         self.wbufs: tuple = ()
         if wbuf is not None:
-            self.wbufs = (wbuf, take("w_chunk_next", vc * H, cdt)) if plan.staged_statistics else (wbuf,)
-        nb_rows = plan.largest_block  # the equal row blocks' largest: the row-block buffers' size
+            nxt = get("w_chunk_next")  # the staged sweeps' second chunk
+            self.wbufs = (wbuf,) if nxt is None else (wbuf, nxt)
         # the row block's X in the compute dtype: for the BLAS logits and the gradient GEMMs (the
         # forward alone on the bf16 logits kernel reads none)
         self.need_x = bfl is None or (self.want_grad and not b16)
-        self.xbuf = take("x_block", nb_rows * H, cdt) if (input.dtype != cdt and self.need_x) else None
-        self.Lbuf = take("logits_block", nb_rows * (vc if fwd_only else max(K, 1)), cdt)  # the row block's logits
+        self.xbuf = take("x_block") if (input.dtype != cdt and self.need_x) else None
+        self.Lbuf = take("logits_block")  # the row block's logits
         # the accumulating tiles' scratch products, unless they add in the BLAS call
-        acc = plan.accumulate_in_gemm
-        self.tmp_h = take("grad_input_product", nb_rows * H, cdt) if (gi is not None and not acc and not b16) else None
-        need_w = gw is not None and (gw_code is not None or not acc) and not b16  # (a 16-bit grad_weight's products)
-        self.tmp_w = take("grad_weight_product", vc * H, cdt) if need_w else None
+        self.tmp_h = get("grad_input_product")
+        self.tmp_w = get("grad_weight_product")  # (also a 16-bit grad_weight's products)
         self.all_rows = None
         if gw_code is not None:  # a 16-bit grad_weight's rows, for the rounded scatter-add
-            self.all_rows = take("vocab_rows", K, np.int64)[:K]
+            self.all_rows = take("vocab_rows")[:K]
             self.all_rows[:] = np.arange(K, dtype=np.int64)
         par, flags = self.par, self.flags
         self.transform = bool(flags[F_SOFTCAP] or flags[F_BIAS] or par[P_INV_TEMPERATURE] != 1)
@@ -145,30 +144,30 @@ class _RowStep:
         """``precision="fast"``'s state (``plan.grad16``): the rounding error's sums, the chunks'
         mean rows of ``W`` (once per call), the row block's mean row of ``X``, the bf16 pairs of
         ``X[b]`` (``grad_weight``'s ``B``) and of ``W``'s chunk (``grad_input``'s ``B``)."""
-        cdt, H, take, vc = self.cdt, self.H, ws.take, self.plan.v_chunk
-        nb_rows, nch = self.plan.largest_block, len(self.chunks)
+        H, take, get, vc = self.H, ws.take, ws.get, self.plan.v_chunk
+        nch = len(self.chunks)
         self.spec = _bf16dot.spec_named(gemm.variant)
         self.form = gemm.a_form
-        self.e_col = take("fast_e_col", -(-nb_rows // _E_GROUP) * vc, cdt)
-        self.e_row_buf = take("fast_e_row", nb_rows * nch, cdt)
-        self.w_bar = take("fast_w_mean", nch * H, cdt)[: nch * H].reshape(nch, H)
-        self.x_bar = take("fast_x_mean", H, cdt)[:H]
+        self.e_col = take("fast_e_col")
+        self.e_row_buf = take("fast_e_row")
+        self.w_bar = take("fast_w_mean")[: nch * H].reshape(nch, H)
+        self.x_bar = take("fast_x_mean")[:H]
         wu = self.W.view(np.uint16)
         for c, (v0, v1) in enumerate(self.chunks):
             col_means16(H, wu[v0:v1], D.BF16, self.w_bar[c])
-        self.xi_buf = take("x_pairs_block", _bf16dot.b_size(nb_rows, H), np.uint32) if self.gw is not None else None
-        self.wi_buf = take("w_pairs_chunk", _bf16dot.b_size(vc, H), np.uint32) if self.gi is not None else None
-        self.prod = take("fast_product", nb_rows * H, cdt) if self.gi is not None else None
+        self.xi_buf = get("x_pairs_block")
+        self.wi_buf = get("w_pairs_chunk")
+        self.prod = get("fast_product")
         self.xint: np.ndarray | None = None
         if self.plan.weight16_cached:  # the weight's two bf16 layouts, made in the first row block
             self.wpk_size = _bf16dot.b_size(H, vc)
-            self.wpk_all = take("w_packed_all", nch * self.wpk_size, np.uint32)
+            self.wpk_all = take("w_packed_all")
             self.wi_size = _bf16dot.b_size(vc, H)
-            self.wi_all = take("w_pairs_all", nch * self.wi_size, np.uint32) if self.gi is not None else None
+            self.wi_all = get("w_pairs_all")
 
     def _filters(self, params, ws) -> None:
         """Gradient filtering's state (module doc): on when ``filter_eps`` is given with a gradient."""
-        cdt, K, H, take = self.cdt, self.K, self.H, ws.take
+        cdt, K, take, get = self.cdt, self.K, ws.take, ws.get
         feps = params.filter_eps
         self.fstats = self.out.get("filter_stats")
         if self.fstats is not None:
@@ -177,11 +176,11 @@ class _RowStep:
         self.filtered = self.plan.filter_rows > 0  # (training_modes: filter_eps given, a gradient, K > 0)
         if not self.filtered:
             return
-        nb_max, vc = self.plan.block_rows, self.plan.v_chunk
+        nb_max = self.plan.block_rows
         fb, rb = self.plan.filter_cols, self.plan.filter_rows
         self.fb, self.rb = fb, rb
         nblk = -(-K // fb)
-        self.fflags = take("filter_flags", nb_max * nblk, np.bool_)[: nb_max * nblk].reshape(nb_max, nblk)
+        self.fflags = take("filter_flags")[: nb_max * nblk].reshape(nb_max, nblk)
         # the row scale: |upstream grad · 1/Σw| (coef_ce); a row whose gradient is identically 0
         # (ignored, or a zero upstream grad) is negligible everywhere
         coef_ce, coef_z = self.coef_ce, self.coef_z
@@ -192,13 +191,7 @@ class _RowStep:
             self.fwsrc, self.fwcode = self.wfull, None
         else:
             self.fwsrc, self.fwcode = self.W.view(np.uint16), D.code_of(self.W.dtype)
-        gi, gw = self.gi, self.gw
-        self.fbufs = (
-            take("kept_g", rb * vc, cdt),
-            take("kept_w", vc * H, cdt) if gi is not None else None,
-            take("kept_product", rb * H, cdt) if gi is not None else None,
-            take("kept_grad_weight", vc * H, cdt) if gw is not None else None,
-        )
+        self.fbufs = (take("kept_g"), get("kept_w"), get("kept_product"), get("kept_grad_weight"))
 
     # -- the row block
     def begin_rows(self, b0: int, b1: int) -> None:
@@ -514,3 +507,75 @@ class _RowStep:
 
 
 _EMPTY_I = np.zeros(0, np.int64)
+
+
+def buffers(
+    plan: TrainingPlan,
+    *,
+    cdt: str,
+    widen: bool,
+    grads: tuple[bool, bool, bool],
+    accum16: bool,
+    a_form: str | None,
+) -> list[Buffer]:
+    """The buffers the row blocks (:class:`_RowStep`) take for ``plan`` in the compute dtype
+    ``cdt``: the bf16 logits' (``plan.logits16``), the weight whole or by chunk (double buffered
+    where the sweeps run in stages) and the row block's ``X`` for 16-bit operands (``widen``), the
+    row block's logits (a chunk of them for the forward alone), ``precision="fast"``'s
+    (``plan.grad16``: the rounding error's sums, the mean rows, the bf16 pairs, the weight's
+    layouts kept across the row blocks), the accumulating GEMMs' scratch products (unless they add
+    in the BLAS call), a 16-bit ``grad_weight``'s rows (``accum16``), and gradient filtering's
+    (``plan.filter_rows``).  ``grads``: which of (grad_input, grad_weight, grad_bias) are computed."""
+    BT, K, H, logits16 = plan.BT, plan.K, plan.H, plan.logits16
+    gi, gw, gb = grads
+    want_grad = gi or gw or gb
+    vc, nb_rows = plan.v_chunk, plan.largest_block
+    out: list[Buffer] = []
+
+    def add(name: str, shape: tuple[int, ...], dt: str, scope: str) -> None:
+        out.append(Buffer(name, tuple(int(d) for d in shape), dt, scope))
+
+    if logits16:
+        out += _bf16dot.Logits.buffers(BT, H, vc, f16=False, form=a_form)
+    g16 = plan.grad16  # the gradient GEMMs on the bf16 kernel: no fp32 weight or X
+    if widen and plan.whole_weight:
+        add("w_whole", (K, H), cdt, "call")
+    elif widen and (not logits16 or (gi and not g16)):  # with the bf16 logits kernel: grad_input's operand only
+        add("w_chunk", (vc, H), cdt, "tile")
+        if plan.staged_statistics:  # the staged sweeps' second chunk
+            add("w_chunk_next", (vc, H), cdt, "tile")
+    if widen and (not logits16 or (want_grad and not g16)):  # the forward alone on the bf16 kernel reads no X
+        add("x_block", (nb_rows, H), cdt, "tile")
+    add("logits_block", (nb_rows, max(K, 1) if want_grad else vc), cdt, "tile")
+    if g16:
+        nchunks = -(-K // vc)
+        add("fast_e_col", (-(-nb_rows // FAST_E_GROUP), vc), cdt, "tile")
+        add("fast_e_row", (nb_rows, nchunks), cdt, "tile")
+        add("fast_w_mean", (nchunks, H), cdt, "call")
+        add("fast_x_mean", (1, H), cdt, "tile")
+        if gw:
+            add("x_pairs_block", (b_size(nb_rows, H),), "uint32", "tile")
+        if gi:
+            add("w_pairs_chunk", (b_size(vc, H),), "uint32", "tile")
+            add("fast_product", (nb_rows, H), cdt, "tile")
+        if plan.weight16_cached:  # the weight's two layouts, kept across the row blocks
+            add("w_packed_all", (nchunks * b_size(H, vc),), "uint32", "call")
+            if gi:
+                add("w_pairs_all", (nchunks * b_size(vc, H),), "uint32", "call")
+    if gi and not plan.accumulate_in_gemm and not g16:
+        add("grad_input_product", (nb_rows, H), cdt, "tile")
+    if gw and not g16:
+        if accum16 or not plan.accumulate_in_gemm:  # (a 16-bit grad_weight: its products' scratch)
+            add("grad_weight_product", (vc, H), cdt, "tile")
+        if accum16:
+            add("vocab_rows", (K,), "int64", "call")
+    if plan.filter_rows:  # gradient filtering (training_modes)
+        rb = plan.filter_rows
+        add("filter_flags", (plan.block_rows, -(-K // plan.filter_cols)), "bool", "tile")
+        add("kept_g", (rb, vc), cdt, "tile")
+        if gi:
+            add("kept_w", (vc, H), cdt, "tile")
+            add("kept_product", (rb, H), cdt, "tile")
+        if gw:
+            add("kept_grad_weight", (vc, H), cdt, "tile")
+    return out
