@@ -62,10 +62,7 @@ from ..errors import InternalError
 from ..lm_head.epilogues.recompute import _vocab_major
 from ..lm_head.epilogues.train_rows import _RowStep
 from ..lm_head.loop import Workspace, run_row_blocks
-from ..lm_head.passes import (
-    F_ENTROPY_GRAD,
-    kernel_arrays,
-)
+from ..lm_head.params import F_ENTROPY_GRAD, GradOutputs, PassConstants, RowCoefficients, kernel_arrays
 from ..tiling import LossParams, TrainingPlan, training_modes
 from ._gemm import (
     blas_for,
@@ -173,14 +170,17 @@ def linear_cross_entropy_cpu(
         raise InternalError(f"plan.filter_rows is {plan.filter_rows}, the call's arguments say filtering={filtering}")
     # every buffer from the plan's list (tiling.training_buffers): the memory estimate is what runs
     ws = Workspace(plan)
+    grads = GradOutputs(gi, gw, gw_acc, gw_code, gb)
+    rows = RowCoefficients(tcol, wt_c, lse_all, coef_ce, coef_z, coef_h, zmean_all)
+    consts = PassConstants(cw_c, bias_c, par, flags)
     if vmajor:
         _vocab_major(
             input,
             W,
             cdt,
-            (gi, gw, gw_acc, gw_code, gb),
-            (tcol, wt_c, lse_all, coef_ce, coef_z, coef_h, zmean_all),
-            (cw_c, bias_c, par, flags),
+            grads,
+            rows,
+            consts,
             plan,
             ws,
             params.round_grad,
@@ -196,9 +196,9 @@ def linear_cross_entropy_cpu(
         plan,
         gemm,
         ws,
-        grads=(gi, gw, gw_acc, gw_code, gb),
-        rows=(tcol, wt_c, lse_all, coef_ce, coef_z, coef_h, zmean_all),
-        consts=(cw_c, bias_c, par, flags),
+        grads=grads,
+        rows=rows,
+        consts=consts,
         out=out,
         params=params,
         combine=combine,

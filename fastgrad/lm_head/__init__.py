@@ -18,9 +18,12 @@ kernels' rules (``tests/test_architecture.py``: no settings, no registry, no tor
     GEMM caller of the vocabulary-major epilogues), the vocabulary-major ``run`` and the row-block
     ``run_row_blocks`` with their staged ``Sweep`` (a dependency graph of what each step reads and
     writes).
+``params``
+    The training loss's parameters as its kernel takes them: ``kernel_arrays`` (``LossParams`` as
+    the passes' ``par``/``flags``, filled in one place) and the named bundles ``GradOutputs``,
+    ``RowCoefficients``, ``PassConstants``.
 ``passes``
-    The training loss's Numba passes (softmax gradient, statistics, filtering's kept blocks) and
-    ``kernel_arrays`` (the plan's ``LossParams`` as the passes' ``par``/``flags``).
+    The training loss's Numba passes (softmax gradient, statistics, filtering's kept blocks).
 ``epilogues.train_rows``
     The training loss's row blocks: statistics and gradient sweeps, the fused ``precision="fast"``
     path, gradient filtering.

@@ -5,7 +5,6 @@ gathers and scatters (``kernels/linear_cross_entropy.py``: the module doc)."""
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
@@ -14,57 +13,31 @@ from ..kernels._gemm import (
 )
 from ..kernels._linear import _add_rows_at, _take_rows, fp32_block, kept_products
 from ..kernels._vmath import exp_c, row_max_nan, row_sum_exp
-from .plan_types import FAST_E_GROUP, LossParams
+from .params import (  # noqa: F401  (the passes' indices: compile-time constants of the Numba passes)
+    F_BIAS,
+    F_CLASS_WEIGHT,
+    F_ENTROPY_GRAD,
+    F_ENTROPY_STAT,
+    F_SOFTCAP,
+    F_ZSUM,
+    P_EPS,
+    P_EPS_OVER_V,
+    P_EPS_WSUM_OVER_V,
+    P_INV_SOFTCAP,
+    P_INV_TEMPERATURE,
+    P_NEG_INF,
+    P_ONE,
+    P_SOFTCAP,
+    P_TEMPERATURE,
+    P_Z_SCALE2,
+    P_ZERO,
+    kernel_arrays,
+)
+from .plan_types import FAST_E_GROUP
 
 # ----------------------------------------------------------------------------------------------
 # dtype-generic scalar helpers (fp32: the vectorizable exp; fp64: libm)
 # ----------------------------------------------------------------------------------------------
-
-
-# The passes' scalar parameters, one array each (Numba types one array of the compute dtype and
-# one of int64 for every combination of features: one compiled pass, not one per combination),
-# read by name: ``par[P_SOFTCAP]``, ``flags[F_BIAS]`` (module constants: compile-time indices).
-# par (compute dtype): softcap, 1/softcap, 1/temperature, temperature, eps (label smoothing),
-#                      eps/V, eps·Σw/V, 2·lse_square_scale, -inf, one, zero
-P_SOFTCAP, P_INV_SOFTCAP, P_INV_TEMPERATURE, P_TEMPERATURE = 0, 1, 2, 3
-P_EPS, P_EPS_OVER_V, P_EPS_WSUM_OVER_V, P_Z_SCALE2 = 4, 5, 6, 7
-P_NEG_INF, P_ONE, P_ZERO = 8, 9, 10
-# flags (int64): has a softcap, has a bias, has class weights, needs Σ w·z (smoothing),
-#                needs the entropy's statistic Σ e·(z - max), has an entropy gradient (coef_h, μ)
-F_SOFTCAP, F_BIAS, F_CLASS_WEIGHT, F_ZSUM, F_ENTROPY_STAT, F_ENTROPY_GRAD = 0, 1, 2, 3, 4, 5
-
-
-def kernel_arrays(
-    p: LossParams,
-    cdt: npt.DTypeLike,
-    *,
-    softcap: bool,
-    bias: bool,
-    class_weight: bool,
-    entropy_stat: bool,
-    entropy_grad: bool,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(par, flags)``: the passes' scalar parameters in the compute dtype ``cdt`` and their
-    feature flags (int64), in the layouts the ``P_*`` / ``F_*`` indices name — the one place they
-    are filled."""
-    par = np.zeros(11, cdt)
-    par[P_SOFTCAP] = p.softcap or 0.0
-    par[P_INV_SOFTCAP] = (1.0 / p.softcap) if p.softcap else 0.0
-    par[P_INV_TEMPERATURE] = 1.0 / p.temperature
-    par[P_TEMPERATURE] = p.temperature
-    par[P_EPS] = p.eps
-    par[P_EPS_OVER_V] = p.eps_over_V
-    par[P_EPS_WSUM_OVER_V] = p.eps_wsum_over_V
-    par[P_Z_SCALE2] = p.z_scale2
-    par[P_NEG_INF], par[P_ONE], par[P_ZERO] = -np.inf, 1.0, 0.0
-    flags = np.zeros(6, np.int64)
-    flags[F_SOFTCAP] = softcap
-    flags[F_BIAS] = bias
-    flags[F_CLASS_WEIGHT] = class_weight
-    flags[F_ZSUM] = p.need_zsum
-    flags[F_ENTROPY_STAT] = entropy_stat
-    flags[F_ENTROPY_GRAD] = entropy_grad
-    return par, flags
 
 
 # Row helpers of the chunk passes (besides ``_vmath.row_*``): loops over one row of a chunk given

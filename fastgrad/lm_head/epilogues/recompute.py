@@ -4,6 +4,9 @@ the module doc)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from ... import dtypes as D
@@ -14,8 +17,9 @@ from ...kernels._gemm import (
     matmul_tn,
     run_rows,
 )
-from ..loop import need
+from ..loop import Workspace, need
 from ..loop import run as run_tiles
+from ..params import GradOutputs, PassConstants, RowCoefficients
 from ..passes import (
     _E_GROUP,
     _add_outer,
@@ -26,7 +30,7 @@ from ..passes import (
     _round_rows,
     col_means16,
 )
-from ..plan_types import BLAS, FAST_E_GROUP, Buffer, TrainingPlan, b_size
+from ..plan_types import BLAS, FAST_E_GROUP, Buffer, GemmChoice, TrainingPlan, b_size
 
 
 def _bf16_logits(input, W, vc, plan, gemm, ws):
@@ -40,7 +44,19 @@ def _bf16_logits(input, W, vc, plan, gemm, ws):
     return _bf16dot.Logits(input, W, vc, ws=ws, form=gemm.a_form, spec=_bf16dot.spec_named(gemm.variant))
 
 
-def _vocab_major(input, W, cdt, grads, rows, consts, plan, ws, round_grad=False, gemm=BLAS, progress=None):
+def _vocab_major(
+    input: np.ndarray,
+    W: np.ndarray,
+    cdt: Any,  # np.float32 or np.float64 (the compute dtype)
+    grads: GradOutputs,
+    rows: RowCoefficients,
+    consts: PassConstants,
+    plan: TrainingPlan,
+    ws: Workspace,
+    round_grad: bool = False,
+    gemm: GemmChoice = BLAS,
+    progress: Callable[[int, int], object] | None = None,
+) -> None:
     """The gradient from a saved log-sum-exp, vocabulary chunk by vocabulary chunk, on the LM-head
     loop (``lm_head.loop.run`` over ``plan.recompute_grid``: vocabulary chunks outer, equal row blocks
     inner; :class:`_RecomputeGrad` is its operands and its epilogue).

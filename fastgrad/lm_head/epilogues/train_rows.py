@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,8 @@ from ...kernels._gemm import (
     tn_tasks,
 )
 from ...kernels._linear import fp32_block_tasks
-from ..loop import Sweep, need, sweep
+from ..loop import Sweep, Workspace, need, sweep
+from ..params import GradOutputs, PassConstants, RowCoefficients
 from ..passes import (
     _E_GROUP,
     F_BIAS,
@@ -39,7 +41,7 @@ from ..passes import (
     _stats_chunk,
     col_means16,
 )
-from ..plan_types import FAST_E_GROUP, Buffer, TrainingPlan, b_size, fast_fused
+from ..plan_types import FAST_E_GROUP, Buffer, GemmChoice, LossParams, TrainingPlan, b_size, fast_fused
 from .recompute import _bf16_logits
 
 
@@ -70,8 +72,23 @@ class _RowStep:
     :func:`linear_cross_entropy_cpu`'s; ``need_ent``: the entropy's statistic is computed."""
 
     def __init__(
-        self, input, W, cdt, plan, gemm, ws, *, grads, rows, consts, out, params, combine, recompute, need_ent
-    ):
+        self,
+        input: np.ndarray,
+        W: np.ndarray,
+        cdt: Any,  # np.float32 or np.float64 (the compute dtype)
+        plan: TrainingPlan,
+        gemm: GemmChoice,
+        ws: Workspace,
+        *,
+        grads: GradOutputs,
+        rows: RowCoefficients,
+        consts: PassConstants,
+        out: dict[str, Any],
+        params: LossParams,
+        combine: Callable | None,
+        recompute: bool,
+        need_ent: bool,
+    ) -> None:
         self.input, self.W, self.cdt, self.plan = input, W, cdt, plan
         self.gi, self.gw, self.gw_acc, self.gw_code, self.gb = grads
         gi, gw, gw_code = self.gi, self.gw, self.gw_code
