@@ -38,72 +38,72 @@ OP = "scaled_masked_softmax_backward"
 MAX_NORM_HEAD_DIM = 1024
 
 
-@njit
-def _p(g, yr, j, s, code):
-    """fp32 ``dy_j·y_j`` (rounded), 0 in the padding past the row (``j >= s``)."""
-    if j < s:
-        return load_f32(g[j], code) * load_f32(yr[j], code)
-    return np.float32(0.0)
+#: rows per task of the parallel loop (each task allocates its scratch once): from the shape only,
+#: and each row is computed alone, so the bits do not depend on it or on the thread count
+ROWS_PER_TASK = 16
 
 
 @njit
-def _block8(g, yr, b, s, code):
-    """The vector unit's pairwise sum of one 32-byte block (8 fp32 products)."""
-    p0 = _p(g, yr, b, s, code)
-    p1 = _p(g, yr, b + 1, s, code)
-    p2 = _p(g, yr, b + 2, s, code)
-    p3 = _p(g, yr, b + 3, s, code)
-    p4 = _p(g, yr, b + 4, s, code)
-    p5 = _p(g, yr, b + 5, s, code)
-    p6 = _p(g, yr, b + 6, s, code)
-    p7 = _p(g, yr, b + 7, s, code)
-    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+def _products(g, yr, s, code, A, pad):
+    """``A[:pad]``: the fp32 products ``dy_j·y_j`` (each rounded), zero past the row (``j >= s``)."""
+    for j in range(s):
+        A[j] = load_f32(g[j], code) * load_f32(yr[j], code)
+    for j in range(s, pad):
+        A[j] = np.float32(0.0)
 
 
 @njit
-def _sum_norm(g, yr, s, code):
+def _pairs(src, dst, n):
+    """``dst[i] = src[2i] + src[2i+1]`` for ``i < n``: one level of the vector unit's pairwise
+    sums (a contiguous loop: it vectorizes)."""
+    for i in range(n):
+        dst[i] = src[2 * i] + src[2 * i + 1]
+
+
+@njit
+def _sum_norm(g, yr, s, code, A, B):
     """Σ dy·y in the order of CANN's golden for padded rows <= 1024 (``reduce_sum`` of
     ``executor_aclnnScaledMaskedSoftmaxBackward.py``, the SoftmaxGrad API's reduce): the row
     zero-padded to a multiple of 64; 8-element blocks summed pairwise; the blocks of each
     64-element repeat added lane by lane into 8 accumulators, repeat after repeat; the 8 lanes
-    summed pairwise."""
-    l0 = _block8(g, yr, 0, s, code)
-    l1 = _block8(g, yr, 8, s, code)
-    l2 = _block8(g, yr, 16, s, code)
-    l3 = _block8(g, yr, 24, s, code)
-    l4 = _block8(g, yr, 32, s, code)
-    l5 = _block8(g, yr, 40, s, code)
-    l6 = _block8(g, yr, 48, s, code)
-    l7 = _block8(g, yr, 56, s, code)
-    for r in range(1, (s + 63) // 64):
-        b = r * 64
-        l0 += _block8(g, yr, b, s, code)
-        l1 += _block8(g, yr, b + 8, s, code)
-        l2 += _block8(g, yr, b + 16, s, code)
-        l3 += _block8(g, yr, b + 24, s, code)
-        l4 += _block8(g, yr, b + 32, s, code)
-        l5 += _block8(g, yr, b + 40, s, code)
-        l6 += _block8(g, yr, b + 48, s, code)
-        l7 += _block8(g, yr, b + 56, s, code)
+    summed pairwise.  The blocks' pairwise sums are three levels of adjacent pairs over the whole
+    padded row (``A``, ``B``: scratch of its length and half); the same additions in the same
+    order as block by block."""
+    pad = (s + 63) // 64 * 64
+    _products(g, yr, s, code, A, pad)
+    _pairs(A, B, pad // 2)
+    _pairs(B, A, pad // 4)
+    _pairs(A, B, pad // 8)  # B[k]: block k's pairwise sum, 8 blocks per 64-element repeat
+    l0, l1, l2, l3 = B[0], B[1], B[2], B[3]
+    l4, l5, l6, l7 = B[4], B[5], B[6], B[7]
+    for r in range(1, pad // 64):
+        b = 8 * r
+        l0 += B[b]
+        l1 += B[b + 1]
+        l2 += B[b + 2]
+        l3 += B[b + 3]
+        l4 += B[b + 4]
+        l5 += B[b + 5]
+        l6 += B[b + 6]
+        l7 += B[b + 7]
     return ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
 
 
 @njit
-def _sum_large(g, yr, s, code, buf, part):
+def _sum_large(g, yr, s, code, A, B):
     """Σ dy·y as large_headdim.h:195-205 reduces (``WholeReduceSum`` per 64-element repeat,
     then over the repeats), in the order of CANN's golden: each 64-block summed pairwise
-    (zero padding), then the block sums pairwise, a zero appended at each odd level."""
-    nb = (s + 63) // 64
-    for k in range(nb):
-        for i in range(64):
-            buf[i] = _p(g, yr, k * 64 + i, s, code)
-        w = 32
-        while w >= 1:
-            for i in range(w):
-                buf[i] = buf[2 * i] + buf[2 * i + 1]
-            w //= 2
-        part[k] = buf[0]
-    n = nb
+    (zero padding: six levels of adjacent pairs over the whole padded row, which never cross a
+    block), then the block sums pairwise, a zero appended at each odd level."""
+    pad = (s + 63) // 64 * 64
+    _products(g, yr, s, code, A, pad)
+    src, dst, n = A, B, pad
+    for _ in range(6):
+        n //= 2
+        _pairs(src, dst, n)
+        src, dst = dst, src
+    part = src  # the nb = pad // 64 block sums (room for one appended zero: pad >= 2·nb)
+    n = pad // 64
     while n > 1:
         if n % 2:
             part[n] = np.float32(0.0)
@@ -115,7 +115,7 @@ def _sum_large(g, yr, s, code, buf, part):
 
 
 @njit(inline="always")
-def _smb_row(g, yr, o, mr, use_mr, jend, sc, code, buf, part):
+def _smb_row(g, yr, o, mr, use_mr, jend, sc, code, A, B):
     """One row for one format ``code`` (a literal at each call site, so that each inlined
     copy of the loops converts with one format only).  No fastmath: the rounding order is
     the kernel's."""
@@ -123,17 +123,17 @@ def _smb_row(g, yr, o, mr, use_mr, jend, sc, code, buf, part):
     zero = store_as(np.float32(0.0), code, o)
     norm = (s + 63) // 64 * 64 <= MAX_NORM_HEAD_DIM
     if norm:  # SoftmaxGrad: (dy - Σ)·y, then ·scale
-        acc = _sum_norm(g, yr, s, code)
+        acc = _sum_norm(g, yr, s, code, A, B)
         for j in range(jend):
             yv = load_f32(yr[j], code)
-            v = ((load_f32(g[j], code) - acc) * yv) * sc
-            o[j] = zero if (use_mr and mr[j] != 0) else store_as(v, code, o)
+            v = store_as(((load_f32(g[j], code) - acc) * yv) * sc, code, o)
+            o[j] = zero if (use_mr and mr[j] != 0) else v
     else:  # dy·y - y·Σ, then ·scale
-        acc = _sum_large(g, yr, s, code, buf, part)
+        acc = _sum_large(g, yr, s, code, A, B)
         for j in range(jend):
             yv = load_f32(yr[j], code)
-            v = (load_f32(g[j], code) * yv - yv * acc) * sc
-            o[j] = zero if (use_mr and mr[j] != 0) else store_as(v, code, o)
+            v = store_as((load_f32(g[j], code) * yv - yv * acc) * sc, code, o)
+            o[j] = zero if (use_mr and mr[j] != 0) else v
     tail = o[jend:]
     for j in range(tail.shape[0]):
         tail[j] = zero
@@ -144,25 +144,27 @@ def _smb_kernel(go, y, code, mask, mask_row, mask_step, has_mask, triu, s1, scal
     rows, s = go.shape
     sc = np.float32(scale)
     use_mr = has_mask and mask_step != 0
-    nb = (s + 63) // 64
-    for r in prange(rows):
-        # columns [0, jend) follow the mask; [jend, s) are causally masked (triu)
-        jend = s
-        if triu:
-            jend = min(s, r % s1 + 1)
-        if has_mask and mask_step == 0 and mask[mask_row[r]] != 0:
-            jend = 0
-        base = mask_row[r] if use_mr else 0
-        mr = mask[base : base + s]
-        buf = np.empty(64, np.float32)
-        part = np.empty(nb + 1, np.float32)
-        # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices
-        if code == 1:
-            _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 1, buf, part)
-        elif code == 2:
-            _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 2, buf, part)
-        else:
-            _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 0, buf, part)
+    pad = (s + 63) // 64 * 64
+    ntasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for t in prange(ntasks):
+        A = np.empty(pad, np.float32)  # the sums' scratch, once per task
+        B = np.empty(pad // 2 + 1, np.float32)
+        for r in range(t * ROWS_PER_TASK, min(rows, (t + 1) * ROWS_PER_TASK)):
+            # columns [0, jend) follow the mask; [jend, s) are causally masked (triu)
+            jend = s
+            if triu:
+                jend = min(s, r % s1 + 1)
+            if has_mask and mask_step == 0 and mask[mask_row[r]] != 0:
+                jend = 0
+            base = mask_row[r] if use_mr else 0
+            mr = mask[base : base + s]
+            # 1-D row views indexed from 0: LLVM sees unit-stride, non-negative indices
+            if code == 1:
+                _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 1, A, B)
+            elif code == 2:
+                _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 2, A, B)
+            else:
+                _smb_row(go[r], y[r], out[r], mr, use_mr, jend, sc, 0, A, B)
 
 
 def mask_plan(mask_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
