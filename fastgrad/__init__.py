@@ -19,7 +19,8 @@ engine of the fused linear kernels: ``gemm_engine``, ``set_gemm_engine``, ``gemm
 device's deterministic mode (``ACL_OPT_DETERMINISTIC``): ``deterministic``, ``set_deterministic``,
 ``is_deterministic``; every
 setting in force at once: ``settings()`` (a frozen :class:`Settings`, fastgrad/_config.py); one call's
-own settings: ``options=Options(...)`` (the LM-head ops).
+own settings: ``options=Options(...)`` (the LM-head ops); the tile plan an LM-head op will run:
+``plan(op, BT, V, H, dtype=...)``, its GEMMs: ``gemm_choice(dtype)``.
 """
 
 import importlib
@@ -75,6 +76,8 @@ _LAZY = {
     "fused_linear_cross_entropy_loss_grad": ".ops.fused_linear_cross_entropy_loss_grad",
     "fused_linear_online_max_sum": ".ops.fused_linear_online_max_sum",
     "linear_cross_entropy": ".ops.linear_cross_entropy",
+    "plan": ".ops.plan",
+    "gemm_choice": ".ops.plan",
     "scaled_masked_softmax_backward": ".ops.scaled_masked_softmax_backward",
     "smooth_l1_loss_backward": ".ops.smooth_l1_loss_backward",
 }
@@ -89,6 +92,7 @@ if TYPE_CHECKING:  # the lazy names, for type checkers and IDEs
     from .ops.fused_linear_cross_entropy_loss_grad import fused_linear_cross_entropy_loss_grad
     from .ops.fused_linear_online_max_sum import fused_linear_online_max_sum
     from .ops.linear_cross_entropy import linear_cross_entropy
+    from .ops.plan import gemm_choice, plan
     from .ops.scaled_masked_softmax_backward import scaled_masked_softmax_backward
     from .ops.smooth_l1_loss_backward import smooth_l1_loss_backward
 
@@ -152,4 +156,6 @@ __all__ = [
     "smooth_l1_loss_backward",
     "embedding_dense_backward",
     "compare",
+    "plan",
+    "gemm_choice",
 ]

@@ -79,6 +79,9 @@ def test_front_ends_call_only_public_ops(sub):
     for path in paths:
         for mod, names in _imports(path):
             assert not mod.startswith(("fastgrad.kernels", LM_HEAD)), f"{sub}/{path.name} imports {mod}"
+            # the op layer's private modules too: plans through the public fastgrad.plan / gemm_choice
+            assert not mod.startswith("fastgrad.ops._"), f"{sub}/{path.name} imports {mod}"
+            assert not (mod == "fastgrad.ops" and any(n.startswith("_") for n in names)), f"{sub}/{path.name}"
             assert not mod.startswith("fastgrad.reference"), f"{sub}/{path.name} imports {mod}"
             if mod == "fastgrad":
                 assert "kernels" not in names and "reference" not in names, f"{sub}/{path.name}"

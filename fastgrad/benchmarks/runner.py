@@ -198,15 +198,15 @@ def _gemm_engines(has_torch: bool) -> dict:
     """The GEMM engine of the NumPy-level ops and of fastgrad.torch's training loss here."""
     from .. import _config
     from ..dtypes import BFLOAT16, FLOAT16
-    from ..ops import _engines
+    from ..ops.plan import gemm_choice
 
-    b, f = _engines.gemm_choice(BFLOAT16), _engines.gemm_choice(FLOAT16)
+    b, f = gemm_choice(BFLOAT16), gemm_choice(FLOAT16)
     kernels = [f"{n} operands: {c.describe()}" for n, c in (("bf16", b), ("fp16", f)) if c.exact is not None]
     suffix = f" ({'; '.join(kernels)})" if kernels else ""
     out = {"ops": _config.gemm_engine() + suffix}
     if has_torch:
         with _config.prefer_onednn():
-            t = _engines.gemm_choice(BFLOAT16)
+            t = gemm_choice(BFLOAT16)
             logits = f" (bf16 logits: {t.describe()})" if t.logits16 else ""
             out["torch_loss"] = _config.gemm_engine() + logits
     return out

@@ -304,13 +304,14 @@ def check_out_space(job: Job) -> None:
 def _plans(BT, Vs, H, mode, dtype, budget_bytes=None):
     """The two ops' tile plans for the job, with the GEMMs the ops will choose (their buffer
     lists are the scratch estimate: ``tiling.lm_head_buffers``)."""
-    from .. import _config
-    from ..ops._engines import lm_head_plan
+    import fastgrad
 
-    s = _config.settings()
-    fwd = lm_head_plan(BT, Vs, H, "forward", dtype, s, budget_bytes=budget_bytes)
+    fwd = fastgrad.plan("fused_linear_online_max_sum", BT, Vs, H, dtype=dtype, budget_bytes=budget_bytes)
     bwd_mode = "memory_saving" if mode == "memory-saving" else "high_performance"
-    return fwd, lm_head_plan(BT, Vs, H, bwd_mode, dtype, s, budget_bytes=budget_bytes)
+    bwd = fastgrad.plan(
+        "fused_linear_cross_entropy_loss_grad", BT, Vs, H, dtype=dtype, mode=bwd_mode, budget_bytes=budget_bytes
+    )
+    return fwd, bwd
 
 
 def estimate_memory(job: Job, budget_bytes: int | None = None, shards: int | None = None) -> dict:

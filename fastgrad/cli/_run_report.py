@@ -189,9 +189,9 @@ def write_outputs(out_dir: str, fmt: str, tensors: dict, report: dict) -> list[s
 
 def gemm_kernel(dtype: np.dtype) -> str:
     """What the NumPy-level fused linear ops run their GEMMs on for ``dtype`` here."""
-    from ..ops import _engines
+    import fastgrad
 
-    return _engines.gemm_choice(dtype).describe()
+    return fastgrad.gemm_choice(dtype).describe()
 
 
 def _pct_of_blas(f: float, kernel: str = "BLAS sgemm") -> str:
