@@ -299,7 +299,7 @@ def gemm_engine() -> str:
       "bf16"`` (set only for the duration of the call), which routes it to oneDNN's AVX-512
       brgemm rather than MKL's sgemm; without AMX the arithmetic stays exact fp32 (oneDNN's
       bf16 down-conversion, "bf32", exists only for AMX).  Where OpenBLAS lacks the CPU's best
-      kernel it is much faster (Zen 5 EPYC, 2 threads: 450 vs 245 GF/s); on a Zen 4 EPYC the
+      kernel it is much faster (Zen 5 EPYC; bench/results/README.md); on a Zen 4 EPYC the
       two run at the same rate.  Its accuracy is checked once per process by a probe (an
       operand needing 24 significant bits must survive, and a random product must be within
       1e-5 of float64 relative to ``Σ|a||b|``; fp32 gives ~1e-7, a plain bf16 down-conversion
@@ -314,7 +314,7 @@ def gemm_engine() -> str:
       AVX2-only CPU keeps BLAS, :func:`fastgrad.ops._engines.bf16_kernel_in_use`), the logits GEMMs of bf16 ``hidden``
       and ``weight`` run on an exact-product bf16 kernel (``fastgrad/kernels/_bf16dot.py``: the
       products of bf16 values are exact in fp32, summed in fp32 in a fixed order, the same bits on every ISA
-      (:func:`native_isa`); ~2.2× sgemm per core on a Zen 4 EPYC with AVX-512 BF16; bf16
+      (:func:`native_isa`); about twice sgemm's rate with AVX-512 BF16; bf16
       subnormals read as zero) — ``"blas"`` or ``"onednn"`` set explicitly turn it off.
       On ``"auto"`` the NumPy-level ``fused_linear_online_max_sum`` and
       ``fused_linear_cross_entropy_loss_grad`` of bf16 operands run their GEMMs on that kernel
@@ -390,7 +390,7 @@ def native_isa() -> str:
     * ``"auto"``: the best variant this CPU runs — bf16 operands on ``vdpbf16ps`` (AVX-512 BF16),
       else AVX-512F FMAs, else AVX2 + FMA; fp16 operands on AVX-512F, else AVX2 + FMA.  Where
       that is an AVX2 variant, or an AVX-512 one on a non-AMD CPU, the GEMM setting ``"auto"``
-      keeps BLAS (measured faster there: :func:`fastgrad.ops._engines.bf16_kernel_in_use`,
+      keeps BLAS (faster there: :func:`fastgrad.ops._engines.bf16_kernel_in_use`,
       ``kernels/_bf16dot.AUTO_AVX512_VENDORS``); the variant runs when called for explicitly.
     * ``"avx512"``: only the AVX-512 variants (none on an AVX2-only CPU: BLAS); on ``"auto"``
       also on Intel CPUs (this explicit setting overrides the vendor rule).

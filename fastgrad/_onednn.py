@@ -5,9 +5,10 @@ oneDNN's brgemm matmul instead of MKL's sgemm (``ONEDNN_VERBOSE=1`` shows
 ``brg_matmul:avx512_core``, f32 in and out).  oneDNN computes f32 "as bf16" (bf32: operands
 down-converted to bf16) only on AMX CPUs (``bf32_dt = f32 && fpmath bf16 && isa ==
 avx512_core_amx``, oneDNN src/cpu/x64/matmul/brgemm_matmul_utils.cpp); elsewhere the mode leaves
-the arithmetic exact fp32 and only routes the call to oneDNN's AVX-512 kernel.  Measured: on a
-Zen 5 EPYC (2 threads, the fused kernels' 512-row tiles) 450 vs 245 GF/s for OpenBLAS's sgemm;
-on a Zen 4 EPYC the two run at the same rate (~100 GF/s per core each).  On an AMX CPU the
+the arithmetic exact fp32 and only routes the call to oneDNN's AVX-512 kernel, which is much
+faster than OpenBLAS's sgemm where OpenBLAS lacks a kernel for the CPU (Zen 5 EPYC) and as fast
+where it has one (Zen 4 EPYC; figures in bench/results/README.md, "Measurements behind the
+source's choices").  On an AMX CPU the
 down-conversion would cost fp32 accuracy: a probe checks it once per process (an operand needing
 24 significant bits, ``1 + 2⁻²²``, must survive) and the engine is never used where it fails.
 

@@ -3,9 +3,9 @@
 Why: an op called without ``out=`` writes a new array.  Above glibc's mmap threshold (at most
 32 MiB) ``np.empty`` maps fresh pages from the kernel, and the first write to each page costs a
 fault and the kernel's clearing of the page — one extra pass of writes over the output, which
-for the bandwidth-bound ops costs as much as the op itself (measured on this project's AMD EPYC VM, 2
-cores: a 524 MB copy into warm memory 31 ms, into fresh pages 50 ms, into fresh pages advised
-``MADV_HUGEPAGE`` 48 ms: the clearing, not the number of faults, is the cost).  No way of
+for the bandwidth-bound ops costs as much as the op itself (the clearing, not the number of
+faults, is the cost: fresh pages advised ``MADV_HUGEPAGE`` cost about as much as small ones;
+figures in bench/results/README.md, "Measurements behind the source's choices").  No way of
 touching the pages makes it cheaper; not asking the kernel for new pages does, as PyTorch's
 CUDA caching allocator, jemalloc and tcmalloc do.
 

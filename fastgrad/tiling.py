@@ -195,8 +195,9 @@ TRAIN_VM_CHUNK = 2048
 #: ``grad_input``'s ``G·W`` is an accumulator summed over the vocabulary (chunk after chunk, tile
 #: after tile): its tiles are the only independent tasks of that step, and the chain of steps over
 #: the vocabulary is the loop's critical path on many cores.  At the Qwen2.5 head (683-row blocks,
-#: H 896) the (1024, 512) grid gave 2 tasks per step: on a 16-core Xeon the train step ran at 3.2x
-#: the 16-thread sgemm bound (bench/results/xeon_emr.md).  :func:`grad_input_tile` cuts it to at
+#: H 896) the (1024, 512) grid gave 2 tasks per step: on a 16-core Xeon the train step took
+#: several times the 16-thread sgemm bound (bench/results/xeon_emr.md; the figure in
+#: bench/results/README.md).  :func:`grad_input_tile` cuts it to at
 #: least this many tiles (from the shapes only, never the thread count), down to
 #: :data:`GRAD_INPUT_MIN_TILE` a side; each output element is still one BLAS call over the same
 #: ``K`` (the chunk), so the bits do not depend on the grid (tests/test_grad_input_grid.py).

@@ -4,8 +4,9 @@ and the FLCE grad's ``g · W`` and ``gᵀ · X`` where ``g`` is rounded to bf16 
 When ``X`` and ``W`` are bf16, every product ``x·w`` is exact in fp32 (8 + 8 significant bits),
 so the logits GEMM needs no fp32 operands: ``vdpbf16ps`` multiplies pairs of bf16 values and
 accumulates them into fp32 lanes, at twice the rate of an fp32 FMA on the same vector width
-(measured on a Zen 4 EPYC, one thread, 512 × 896 × 512: 226 GF/s against 102 for OpenBLAS's
-sgemm and 218 for oneDNN's bf16 GEMM, whose output is rounded to bf16).  The result is an fp32
+(on a Zen 4 EPYC about twice OpenBLAS's sgemm and as fast as oneDNN's bf16 GEMM, whose output
+is rounded to bf16; figures in bench/results/README.md, "Measurements behind the source's
+choices").  The result is an fp32
 GEMM of the bf16 operands: each output summed in fp32 in a fixed order (over ``k`` pairs),
 independent of the tiling, so the forward and the backward's recompute see the same logits
 bitwise, at any thread count.  The instruction treats bf16 subnormals (|x| < 2⁻¹²⁶) as zero and
@@ -56,9 +57,9 @@ _KC = 256
 #: columns per call of the native function within a pass: its ``B`` block (``_KC`` pairs × 128
 #: columns × 4 bytes = 128 KiB) stays in the core's L2 while every row tile of the task passes
 #: under it.  A whole 512-column span (512 KiB, a Zen 3 core's entire L2) went to L3 for every
-#: row tile: two cores then contend there — AVX2 kernel, 510 × 896 × 512 tasks, one per core
-#: (Zen 3 EPYC, 2 cores): 94–134 GF/s in all on 512-column calls, 145–155 on 128 (OpenBLAS's
-#: two-thread sgemm 167; one core alone runs either at ~85, as sgemm).  The same additions in
+#: row tile: two cores then contend there, and two cores ran 128-column calls faster than
+#: 512-column ones (one core alone runs either at sgemm's rate; figures in
+#: bench/results/README.md, "Measurements behind the source's choices").  The same additions in
 #: the same order (each output's ``k`` in order within a pass): the same bits.  At least four
 #: register tiles wide (an AVX-512 variant's 64 columns: 256, a 256 KiB block — every AVX-512
 #: CPU's L2 holds it; not measured on one: none was at hand), so each row tile's ``A`` stays in
@@ -97,25 +98,22 @@ def spec_named(name: str | None) -> _native.KernelSpec | None:
 
 
 #: per operand kind, whether the GEMM setting ``"auto"`` runs the AVX2 + FMA variant when it is
-#: the best the CPU has (ISA setting ``"auto"``): no — on a Zen 4 EPYC running the AVX2 code, one
-#: thread, CPU time (noisy, shared machine), at (1024, 896, 32000) against OpenBLAS's Haswell
-#: sgemm path: bf16 FLCE grad 1.18x, online max-sum 1.12x, training loss 0.97x (a tie); fp16
-#: FLCE grad 1.37x, online max-sum 1.46x.  The AVX2 GEMM runs at 85-109 GF/s per core against
-#: sgemm's ~105, and the BLAS path's tiles beat it; the AVX-512 variants win (0.65x).  Still no on
-#: a Zen 3 EPYC (2 cores, AVX2 only) after the column blocks (``_NS``) and the row-by-row copy of
-#: contiguous ``A`` rows: bf16 FLCE grad at (1024, 896, 32000), one process, 5 interleaved rounds,
-#: native 1.29 s (2.31 s before them), BLAS 1.10 s, three sgemms 0.98 s
+#: the best the CPU has (ISA setting ``"auto"``): no — on a Zen 4 EPYC running the AVX2 code
+#: against OpenBLAS's Haswell sgemm path the BLAS path was faster for the FLCE grad and the
+#: online max-sum (bf16 and fp16) and tied on the training loss: the AVX2 GEMM runs at about
+#: sgemm's rate, and the BLAS path's tiles beat it; the AVX-512 variants win.  Still no on a Zen 3
+#: EPYC (2 cores, AVX2 only) after the column blocks (``_NS``) and the row-by-row copy of
+#: contiguous ``A`` rows: the bf16 FLCE grad still slower on the native kernel than on BLAS
+#: (figures for both CPUs in bench/results/README.md, "Measurements behind the source's choices")
 AUTO_AVX2 = {"bf16": False, "f32": False}
 
 
 #: per operand kind, the CPU vendors (``fastgrad._cpu.vendor``) on which the GEMM setting
 #: ``"auto"`` runs an AVX-512 variant (ISA setting ``"auto"``); elsewhere BLAS.  AMD: the AVX-512
-#: variants win on a Zen 4 and a Zen 5 EPYC (train step 8.7 vs 10.2 s on BLAS, Zen 4, 2 threads;
-#: ``bench/results/zen4.md``).  Intel: on an Emerald Rapids Xeon (family 6, model 207,
-#: AVX-512 BF16 + AMX) the bf16 kernel loses to the BLAS path — bf16 FLCE grad at
-#: (1024, 896, 32000) 2.64 vs 1.40 s on one thread, 468 vs 290 ms on 16 (a second run: 2.32 vs
-#: 1.44 s, 427 vs 243 ms); fp16 on the fp32 kernel 2.69 vs 1.38 s and 378 vs 274 ms
-#: (``bench/results/xeon_emr.md``).
+#: variants win on a Zen 4 and a Zen 5 EPYC (``bench/results/zen4.md``).  Intel: on an Emerald
+#: Rapids Xeon (family 6, model 207, AVX-512 BF16 + AMX) the bf16 kernel, and the fp32 kernel on
+#: fp16, lose to the BLAS path on one thread and on 16 (``bench/results/xeon_emr.md``; the figures
+#: in bench/results/README.md, "Measurements behind the source's choices").
 AUTO_AVX512_VENDORS = {"bf16": frozenset({"AuthenticAMD"}), "f32": frozenset({"AuthenticAMD"})}
 
 
@@ -182,7 +180,8 @@ def pairs(a16: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
 def _transpose_rows(lo, hi, src, dst):
     """dst[k, j] = src[j, k] for the rows ``lo:hi`` of ``dst`` (zero past src's rows).  In blocks
     of 16 columns of ``dst``: each store a cache line, the 16 source rows' segments stay in L1
-    (8x the rate of the column-at-a-time order at the Qwen2.5 head)."""
+    (several times the rate of the column-at-a-time order at the Qwen2.5 head:
+    bench/results/README.md)."""
     n = src.shape[0]
     for j0 in range(0, n, 16):
         j1 = min(j0 + 16, n)
@@ -277,7 +276,7 @@ def _top_pairs_t(lo, hi, g, dst):
     """dst[v, p] = top16(g[2p, v]) | top16(g[2p+1, v]) << 16 for the rows ``lo:hi`` of ``dst``
     (zero past g's rows): ``gᵀ`` as the kernel's ``A``.  In strips of 16 pairs: the strip's 32
     rows of ``g`` read along their rows into a small buffer (contiguous loads, vectorized), then
-    written transposed, 16 contiguous pairs per row of ``dst`` (2x the rate of reading ``g`` down
+    written transposed, 16 contiguous pairs per row of ``dst`` (faster than reading ``g`` down
     its columns 16 at a time: rows 8 KiB apart at a 2048-column chunk, one TLB entry each)."""
     k = g.shape[0]
     kp = dst.shape[1]
@@ -492,7 +491,8 @@ def _a_stride(k: int) -> int:
 def _copy_rows(lo, hi, src, dst):
     """dst[i, :] = src[i, :] for the rows ``lo:hi`` (any strides of ``src``: rows of unit column
     stride row by row; a transposed view 16 rows of ``dst`` at a time, each source row's segment a
-    cache line — that order on contiguous rows copied at 1.4 GB/s against 17 row by row)."""
+    cache line — that order on contiguous rows copied an order of magnitude slower than row by
+    row: bench/results/README.md)."""
     n = src.shape[1]
     if src.strides[1] == src.itemsize:
         for i in range(lo, hi):
@@ -528,9 +528,9 @@ def matmul(
         # fp32 A read down its columns (gᵀ in place), or rows 1 KiB · 2ʲ apart (g of a vocabulary
         # chunk of 8192): the row tile's broadcasts would share a few L1 sets.  On the AVX2
         # variants each task copies its rows into the thread's scratch first (exact; a padded
-        # row stride), then its column spans — the same sums (Zen 4 running the AVX2 code, FLCE
-        # grad at H = 896: g·W ~69 → ~97 GF/s; fp16 FLCE grad 2.48 → 2.33 s; on AVX-512 the
-        # copy cost more than it saved: 1.78 → 1.88 s, so it is not made there).  In
+        # row stride), then its column spans — the same sums (faster on the AVX2 code; on
+        # AVX-512 the copy cost more than it saved, so it is not made there; figures in
+        # bench/results/README.md, "Measurements behind the source's choices").  In
         # blocks of ≤ _AK values of k (the scratch ≤ 512 × _AK values): a block after the first
         # sums onto the stored values, the same additions in the same order (gemm_tile's passes)
         k = xp.shape[1]

@@ -12,12 +12,13 @@ thread count.
 The element-wise passes between those GEMMs run on the same pool (``run_rows``: serial
 ``nogil`` Numba kernels over fixed row spans), not on Numba's OpenMP threads: GNU OpenMP's
 workers spin after each parallel region, and the spinning took the cores from the BLAS calls
-that followed (the train step at the Qwen2.5-0.5B head, 2 cores: 17.1 s with the passes on
-OpenMP, 14.4 s on the pool).
+that followed (the train step at the Qwen2.5-0.5B head was slower with the passes on OpenMP than
+on the pool; figures in bench/results/README.md, "Measurements behind the source's choices").
 
 Two engines compute the fp32 tiles (``fastgrad.gemm_engine``): NumPy's BLAS, or PyTorch's fp32
-matmul routed to oneDNN's AVX-512 brgemm (``fastgrad._onednn``: exact fp32; 1.85× OpenBLAS's
-sgemm on a Zen 5 EPYC, the same rate on Zen 4).  Either way each tile is one single-threaded call
+matmul routed to oneDNN's AVX-512 brgemm (``fastgrad._onednn``: exact fp32; faster than
+OpenBLAS's sgemm where OpenBLAS lacks a kernel for the CPU, Zen 5, the same rate on Zen 4).
+Either way each tile is one single-threaded call
 (the pool's threads run PyTorch's OpenMP with one thread), so the reproducibility above holds
 for both.
 

@@ -52,8 +52,8 @@ pairs for bf16, values for fp32); ``A[i, k]`` at ``A + i·lda + k·ska`` (``k`` 
 ``B[k, n]`` at ``B + k·ldb + n``, ``C[i, n]`` at ``C + i·ldc + n`` (32-bit elements); ``B2``
 is ``B`` again (the FMA bf16 variants load the even halves through it: a second pointer LLVM
 cannot prove equal, so it does not merge the two loads and hold the raw pairs across both
-halves — without it the 6 × 16 AVX2 tile spilled a register every ``k`` pair, ~85 against
-~100–109 GF/s per core on a Zen 4 EPYC running the AVX2 code).  They
+halves — without it the 6 × 16 AVX2 tile spilled a register every ``k`` pair and ran slower;
+figures in bench/results/README.md, "Measurements behind the source's choices").  They
 check nothing: the Python wrapper (``_bf16dot.gemm_tile``) validates every argument with
 ``ValueError`` before the call.
 """
@@ -100,7 +100,7 @@ class KernelSpec:
     * ``flush_subnormals``: MXCSR DAZ and FTZ set for the call (vdpbf16ps's subnormal rules).
     * ``order``: the tile loops, ``"mn"`` (rows outer, the default: ``A``'s row tile stays in L1
       while ``B``'s column tiles pass) or ``"nm"`` (columns outer: ``B``'s strip stays while the
-      row tiles pass; measured no faster for the AVX2 variants on a Zen 4 EPYC).  The sums are
+      row tiles pass; no faster for the AVX2 variants: bench/results/README.md).  The sums are
       the same either way (``k`` innermost, in order).
     * ``a_forms``: the forms of ``A`` compiled, the first preferred: ``"pairs"`` (32-bit bf16
       pairs, ``k`` counted in pairs) or ``"f32"`` (fp32 values; with bf16 pairs as ``B``: values

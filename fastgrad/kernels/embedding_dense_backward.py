@@ -8,10 +8,11 @@ Plan (the op_host "tiling"), O(N + num_weights·D) work, no atomics:
    inside each bucket (``counts``, ``starts``, ``order``).  O(N + num_weights).
 3. The whole output is zero-filled by one ``memset`` call per thread on equal contiguous
    pieces: for a large table libc then takes its streaming-store path (no
-   read-for-ownership), measured 2.5-4x faster on this machine than zeroing the untouched
-   rows run by run (runs are short when indices are spread, below libc's threshold) or a
-   store loop.  The indexed rows are thus written twice, a small price (they are a fraction
-   of the table for real vocabularies).
+   read-for-ownership), several times faster than zeroing the untouched rows run by run
+   (runs are short when indices are spread, below libc's threshold) or a store loop (figures
+   in bench/results/README.md, "Measurements behind the source's choices").  The indexed rows
+   are thus written twice, a small price (they are a fraction of the table for real
+   vocabularies).
 4. A second parallel pass over fixed blocks of ``ROWS`` output rows writes each indexed row
    (other than ``padding_idx``) once: accumulated in fp32 over its bucket in index order (in the
    fp32 output row itself, or an fp32 scratch row for 16-bit whose last addition is fused

@@ -32,9 +32,10 @@ fp32 kernel of ``_bf16dot`` (one fused multiply-add per product, 6 × 64 accumul
 each vocabulary tile of ``W`` widened once into rows padded to 64 columns (the gradient GEMMs'
 ``B``), the tile also widened transposed (the logits' ``B``), ``gᵀ`` read in place as a strided
 ``A``.  ``g`` is rounded to fp16 by step 2, so every product of fp16 values is exact in fp32 and
-the result is the same fp32 GEMM summed in another fixed order — at ~1.8× OpenBLAS's sgemm on a
-Zen 5 EPYC, where OpenBLAS lacks a Zen 5 kernel (measured: FLCE grad at (1024, 896, 32000)
-0.71× its three sgemms, 1.12× on BLAS).  Filtered tiles keep BLAS for their kept blocks.
+the result is the same fp32 GEMM summed in another fixed order — faster than OpenBLAS's sgemm
+on a Zen 5 EPYC, where OpenBLAS lacks a Zen 5 kernel (the FLCE grad then beats its three sgemms;
+figures in bench/results/README.md, "Measurements behind the source's choices").  Filtered
+tiles keep BLAS for their kept blocks.
 
 Gradient filtering (``plan.filter_eps``, memory-saving mode; an extension, as Cut
 Cross-Entropy's ``filter_eps``): before the epilogue a read-only pass over the logits tile

@@ -11,8 +11,9 @@ logits GEMM runs on the exact-product bf16 kernel (``_bf16dot``): the same fp32 
 same bf16 values (products exact), summed in another fixed order, at about twice sgemm's rate;
 bf16 subnormals read as zero.  fp16 ``input`` and ``weight`` on ``"auto"``, on a CPU with
 AVX-512F: the logits GEMM runs on the fp32 kernel of the same module over the widened values
-(products of fp16 values exact in fp32; summed in another fixed order), ~1.8× OpenBLAS's sgemm
-on a Zen 5 EPYC.
+(products of fp16 values exact in fp32; summed in another fixed order), faster than OpenBLAS's
+sgemm where OpenBLAS lacks a kernel for the CPU (Zen 5 EPYC; figures in bench/results/README.md,
+"Measurements behind the source's choices").
 
 The tile loop and the logits GEMM are the LM-head loop's (``lm_head/loop.py``, shared with
 the FLCE grad); the op's epilogue is ``lm_head/epilogues/online_stats.OnlineStats``; this module holds the entry point.

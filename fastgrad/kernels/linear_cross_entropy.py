@@ -22,7 +22,7 @@ gradient sweep).  Three GEMMs per row block, run in stages where the plan says s
 chunk ``c`` beside the widening of chunk ``c + 1`` and the statistics of chunk ``c - 1``; then chunk
 ``c``'s two gradient GEMMs beside chunk ``c + 1``'s gradient pass and widening — the same calls on
 the same operands as chunk by chunk (the same bits), the element-wise passes and the widening
-hidden behind the GEMMs (Qwen2.5-0.5B head, bf16, Zen 3, 2 cores: 15.5 → 14.9 s).  Each step
+hidden behind the GEMMs (faster at the Qwen2.5-0.5B head: bench/results/README.md).  Each step
 declares what it reads and writes (``_stats_uses`` / ``_grad_uses``: a chunk's part of the
 logits, a widening buffer, the running statistics, ``grad_input``'s accumulator, a chunk's rows
 of ``grad_weight``), so the stages run as a dependency graph, not between barriers.  Where the

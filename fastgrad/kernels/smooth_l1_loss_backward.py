@@ -10,7 +10,8 @@ unit-stride ``input``/``target`` runs the first two loops with the conversions f
 in, a rounding add out); fp16 (whose conversions are branchy) and strided bf16 tasks stage
 sub-blocks of ``SUB`` elements through L1-resident fp32 scratch (widen, compute, round).
 The span loops live in small ``@njit`` functions called from the parallel loops: a parfor
-body compiles slowly, and this keeps the cold compile of both specializations ~10 s.
+body compiles slowly, and this keeps the cold compile of both specializations short (the
+figure: bench/results/README.md, "Measurements behind the source's choices").
 
 Per element, in fp32 (the device's ``SmoothL1LossGradV2`` DAG, ``PromteT = float``)::
 

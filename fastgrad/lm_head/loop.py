@@ -31,8 +31,8 @@ them chunk by chunk or in stages (software pipelining: chunk ``c``'s GEMM tiles 
 the same bits.  Where the steps say what they read and write (``Sweep.uses``) the stages are a
 priority, not barriers: the sweep runs as a dependency graph (``_gemm.run_graph``) whose edges
 are the conflicts of the chunk-by-chunk order, so a stage's last tiles no longer hold the next
-stage's back (the training step at the Qwen2.5-0.5B head, Zen 3, 2 cores: the pool's idle time
-0.5-0.6 → ~0.17 thread-seconds).  The epilogue (``linear_cross_entropy._RowStep``) says what each
+stage's back (the pool's idle time in the training step fell to about a third:
+bench/results/README.md).  The epilogue (``linear_cross_entropy._RowStep``) says what each
 step computes and uses; the loop, the stage schedule and the graph are here.
 
 Both orders take their buffers from the plan's list through :class:`Workspace`.

@@ -295,8 +295,9 @@ def _col_mean16(lo, hi, u, code, out):
 def col_means16(H: int, u: np.ndarray, code: int, out: np.ndarray) -> None:
     """``out[j]`` = the mean over rows of the 16-bit ``u[:, j]`` (fp32 sums, rows in order) on the
     GEMM pool, in column spans of at least 256 values: each task reads its rows' spans as whole
-    cache lines (16 spans of 56 values at H = 896 re-read every line of a 58 MB weight 16 times,
-    ~1 GB/s).  The sums do not depend on the split: the same bits at any thread count."""
+    cache lines (16 spans of 56 values at H = 896 re-read every line of a 58 MB weight 16 times:
+    slow; the figure in bench/results/README.md).  The sums do not depend on the split: the same
+    bits at any thread count."""
     run_rows(_col_mean16, H, u, code, out, parts=max(1, H // 256))
 
 

@@ -149,8 +149,9 @@ def npad(n: int) -> int:
 def b_cols(n: int) -> int:
     """The row length of the native kernel's packed ``B`` for ``n`` columns: :func:`npad` ``(n)``,
     plus 64 where that is a multiple of 256 — rows 1 KiB · 2ʲ apart share a few L1/L2 sets, and a
-    column tile of ``B`` is read down its rows (AVX2 at a 32 KiB row stride: fp32 ``B`` 59 → 82
-    GF/s per core on a Zen 4 EPYC).  Columns past ``n`` are zero and never read into an output."""
+    column tile of ``B`` is read down its rows (the AVX2 code at a 32 KiB row stride runs faster
+    with the padding: bench/results/README.md).  Columns past ``n`` are zero and never read into
+    an output."""
     w = npad(n)
     return w + NATIVE_COLS if w % 256 == 0 else w
 
@@ -174,19 +175,16 @@ def fp32_operands(grad: bool, kind: str | None) -> bool:
 #: ``Gᵀ·X[b]`` in blocks of ≤ 1024 vocabulary rows (all ``H`` columns), ``grad_input``'s
 #: ``G·W[v]`` in tiles of ≤ 1024 rows × ≤ 512 columns of ``H`` (below).  From the shapes only.
 #: The first two were 512 × 512 and 512 rows (the aclnn ops' grid, ``_gemm.ROW_BLOCK``/
-#: ``COL_BLOCK``, which their bit pins keep): at the Qwen2.5-0.5B head, bf16, a 2-core Zen 3, the
-#: fused step ~4 % faster (best of 5, two runs; new ÷ old per interleaved round: median 0.96 over
-#: 10; 0.98 at V = 32768, 12 rounds; ``bench/results/README.md``)
-#: — a chunk's 52 GEMM tasks become 16, each packing its operands once for 4x the work.
+#: ``COL_BLOCK``, which their bit pins keep): the larger tiles make the fused step faster at the
+#: Qwen2.5-0.5B head (figures in ``bench/results/README.md``, "Measurements behind the source's
+#: choices") — a chunk's 52 GEMM tasks become 16, each packing its operands once for 4x the work.
 TRAIN_LOGITS_TILE = (1024, 2048)
 TRAIN_GRAD_WEIGHT_ROWS = 1024
-#: ``grad_input``'s tiles were 512 × 512 until 2026-11-26: at a 683-row block that is 2 × 2 tiles of
-#: 342 × 448, each packing its ``G`` rows and ``W`` columns (``K`` = a whole vocabulary chunk).  Up to
-#: 1024 rows (1 × 2 tiles there) packs the weight chunk once instead of twice: in the step (Qwen2.5
-#: head, bf16, 2-core Zen 3) the ``G·W`` tiles ran at 0.93–1.05 of the logits tiles' GF/s in the
-#: same step (median ~1.01) against 0.94–0.99 (~0.95), and the step took 0.85–1.04 of the old
-#: grid's time per interleaved round (median 0.97 over 16 rounds in three runs, faster in 13;
-#: ``bench/results/README.md``)
+#: ``grad_input``'s tiles were 512 × 512: at a 683-row block that is 2 × 2 tiles of 342 × 448, each
+#: packing its ``G`` rows and ``W`` columns (``K`` = a whole vocabulary chunk).  Up to 1024 rows
+#: (1 × 2 tiles there) packs the weight chunk once instead of twice: the ``G·W`` tiles then run at
+#: about the logits tiles' rate and the step is faster (figures in ``bench/results/README.md``,
+#: "Measurements behind the source's choices")
 TRAIN_GRAD_INPUT_TILE = (1024, 512)
 
 

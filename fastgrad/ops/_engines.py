@@ -119,11 +119,10 @@ def bf16_kernel_in_use() -> bool:
     """GEMMs of bf16 values go to the exact-product bf16 kernel: the GEMM setting ``"auto"`` on a
     CPU where the kernel runs (:func:`bf16_kernel_available`) — except an AVX2-only CPU under
     the ISA setting ``"auto"``: there ``"auto"`` keeps BLAS, which was faster (the AVX2 code
-    on a Zen 4 EPYC, one thread, against OpenBLAS's Haswell sgemm path: FLCE grad 1.18x, online
-    max-sum 1.12x, training loss 0.97x its CPU time; on a Zen 3 EPYC, 2 threads, FLCE grad bf16
-    at (1024, 896, 32000): native 1.60x, BLAS 1.21x the three sgemms; ``_bf16dot.AUTO_AVX2``),
-    and a non-AMD CPU with AVX-512 (an Emerald Rapids Xeon: the BLAS path about twice as fast;
-    ``_bf16dot.AUTO_AVX512_VENDORS``).  An explicit ``set_native_isa("avx2")`` /
+    on a Zen 4 EPYC against OpenBLAS's Haswell sgemm path, and on a Zen 3 EPYC;
+    ``_bf16dot.AUTO_AVX2``), and a non-AMD CPU with AVX-512 (an Emerald Rapids Xeon: the BLAS
+    path faster; ``_bf16dot.AUTO_AVX512_VENDORS``; figures in bench/results/README.md,
+    "Measurements behind the source's choices").  An explicit ``set_native_isa("avx2")`` /
     ``FASTGRAD_NATIVE_ISA=avx2`` (or ``"avx512"``) runs the kernel anyway."""
     return gemm_choice(D.BFLOAT16).exact == "bf16"
 

@@ -77,7 +77,7 @@ def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flag
         for jb in range(nblk):
             j0 = jb * fb
             j1 = min(j0 + fb, nv)
-            hits = np.float32(0.0)  # a float count: the loop vectorizes (2.5x an int one)
+            hits = np.float32(0.0)  # a float count: the loop vectorizes (faster than an int one)
             for j in range(j0, j1):
                 hits += np.float32(not (L[i, j] < thr))  # or NaN
             flags[i, jb] = hits > 0
