@@ -7,6 +7,16 @@ import pytest
 
 os.environ.setdefault("FASTGRAD_BACKEND", "cpu")
 
+# pytest-xdist's workers share the cores: an OpenMP thread that spin-waits after its parallel
+# region (libgomp's default; Numba's threading layer and PyTorch share the runtime) holds the
+# core another worker's threads need.  Measured on 2 cores: two processes running
+# tests/test_ascend_plugins.py's ATK files at once took 45 s each, 23 s with PASSIVE (alone:
+# 7.5 s either way); tests/test_cann_cases.py with -n 2: 48 -> 30 s of CPU.  Set here, before
+# any test imports numba or torch (libgomp reads it when it loads); the tests' subprocesses
+# inherit it; an explicit setting is kept.  No result depends on it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 @pytest.fixture
 def rng():
@@ -103,7 +113,7 @@ def _is_slow(nodeid: str) -> bool:
 def _shares_module_state(item) -> bool:
     """A test that uses a module-, class- or session-scoped fixture of its module (computed once)."""
     info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+    for defs in info.name2fixturedefs.values() if info is not None else ():
         for d in defs:
             if d.scope in ("module", "class", "package") and d.baseid:
                 return True
@@ -132,3 +142,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _shares_module_state(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    _xdist_group_suffix(config, items)
+
+
+def _xdist_group_suffix(config, items) -> None:
+    """``--dist loadgroup`` schedules by a suffix ``@group`` that pytest-xdist appends to each
+    marked item's nodeid (xdist/remote.py: ``item._nodeid = ...``).  From pytest 9.2 the nodeid
+    is ``str(item._id)``, which that assignment no longer changes: every test was scheduled on
+    its own and a module-scoped fixture ran once per worker (tests/test_bench_smoke.py's bench
+    run twice, 14-27 s each).  Done here where that is so; where xdist's own assignment works
+    (``_nodeid`` an attribute of the item) this does nothing."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")
+        }
+        if not names or "_nodeid" in vars(item) or not hasattr(type(getattr(item, "_id", None)), "parse"):
+            continue
+        item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
