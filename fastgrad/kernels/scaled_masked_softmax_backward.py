@@ -178,7 +178,8 @@ def mask_plan(mask_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.n
     s2m = int(mask_shape[-1]) if mask_shape else 1
     nrows_m = int(np.prod(lead_m, dtype=np.int64)) if lead_m else 1
     ids = np.arange(nrows_m, dtype=np.int64).reshape(lead_m) * s2m
-    mask_row = np.ascontiguousarray(np.broadcast_to(ids, tuple(shape[:-1]))).reshape(-1)
+    # a copy (writeable): a read-only view would be a second Numba signature of the kernel
+    mask_row = np.broadcast_to(ids, tuple(shape[:-1])).copy().reshape(-1)
     step = 1 if (s2m == shape[-1] and s2m != 1) else 0
     return mask_row, step
 
