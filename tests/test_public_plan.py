@@ -44,7 +44,8 @@ def test_the_online_max_sum_plan_and_the_budget():
     small = fg.plan("fused_linear_online_max_sum", 4096, 151936, 896, budget_bytes=64 << 20)
     large = fg.plan("fused_linear_online_max_sum", 4096, 151936, 896, budget_bytes=1 << 30)
     assert small.mode == "forward" and small.n_tiles > large.n_tiles >= 1
-    assert small.workspace_bytes <= 64 << 20 < large.workspace_bytes
+    # the budget bounds the tile-sized buffers ([BT, H]-sized copies of X are the call's, outside it)
+    assert small.tile_bytes <= 64 << 20 < large.tile_bytes
     hp = fg.plan("fused_linear_cross_entropy_loss_grad", 64, 1000, 32, mode="high_performance")
     assert hp.mode == "high_performance"
 
