@@ -68,7 +68,12 @@ def test_an_interrupt_keeps_the_cases_that_finished(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_ctrl_c_on_a_real_run_leaves_a_partial_report(tmp_path):
     js = tmp_path / "r.json"
-    p = subprocess.Popen([sys.executable, "-m", "fastgrad", *ARGS, "--json", str(js)], stderr=subprocess.PIPE,
+    # seven cases of ~0.3 s a row (~17 s in all, the first done after ~2 s): the run must not end
+    # before the signal reaches it, however late this (busy) process reads the first case's line
+    # (with ARGS' 4 cases of ~0.3 s it sometimes had, under a loaded CI: exit status 0)
+    args = ["bench", "--quick", "--ops", "ce,smooth_l1,embedding,scaled", "--no-torch", "--repeat", "100000",
+            "--budget", "0.3", "--json", str(js)]
+    p = subprocess.Popen([sys.executable, "-m", "fastgrad", *args], stderr=subprocess.PIPE,
                          stdout=subprocess.DEVNULL, text=True)
     try:
         for line in p.stderr:

@@ -20,6 +20,7 @@ are the plan's (``tiling.lm_head_buffers``).  This module decides which of them 
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import _onednn
 from ..kernels import _bf16dot, _gemm
@@ -28,7 +29,7 @@ from .plan_types import GemmChoice, native_kind
 __all__ = ["engines", "choose", "resolve"]
 
 
-def engines(dtype, isa: str = "auto") -> list[str]:
+def engines(dtype: npt.DTypeLike, isa: str = "auto") -> list[str]:
     """The engines that can run operands of ``dtype`` on this CPU (the native kernel under the
     ISA setting ``isa``): ``"native"`` first where it runs, then ``"blas"``,
     ``"onednn"`` (the latter needs PyTorch; only listed, not probed)."""
@@ -36,7 +37,7 @@ def engines(dtype, isa: str = "auto") -> list[str]:
     return (["native"] if kind is not None and _bf16dot.available(kind, isa) else []) + ["blas", "onednn"]
 
 
-def choose(dtype, setting: str = "auto", isa: str = "auto") -> str:
+def choose(dtype: npt.DTypeLike, setting: str = "auto", isa: str = "auto") -> str:
     """The engine for ``dtype`` under a GEMM setting: ``"auto"`` → ``"native"`` where it runs
     and ``_bf16dot.auto_variant`` takes it (not on an AVX2-only CPU under the ISA setting
     ``"auto"``: BLAS is faster there), else ``"blas"``; ``"blas"`` / ``"onednn"`` as given.
@@ -57,7 +58,7 @@ def _auto_spec(dtype, isa: str):
     return kind, (None if kind is None else _bf16dot.auto_variant(kind, isa))
 
 
-def resolve(dtype, setting: str = "auto", isa: str = "auto", prefer_onednn: bool = False) -> GemmChoice:
+def resolve(dtype: npt.DTypeLike, setting: str = "auto", isa: str = "auto", prefer_onednn: bool = False) -> GemmChoice:
     """The GEMMs of one LM-head call of operands ``dtype`` under the settings ``setting`` (the
     GEMM setting), ``isa`` (the native ISA setting) and
     ``prefer_onednn`` (inside ``fastgrad.torch``'s training loss).

@@ -330,7 +330,9 @@ class ChunkOperands(Protocol):
     def chunk(self, v0: int, v1: int) -> None: ...
 
 
-def run(plan: TilePlan, operands: ChunkOperands, epilogue: Epilogue, progress=None) -> None:
+def run(
+    plan: TilePlan, operands: ChunkOperands, epilogue: Epilogue, progress: Callable[[int, int], object] | None = None
+) -> None:
     """The loop (module doc): the plan's tiles in its order, ``progress(done, total)`` after each."""
     done = 0
     for v0, v1 in plan.v_ranges():
@@ -455,7 +457,9 @@ class RowEpilogue(Protocol):
     def end_rows(self) -> None: ...
 
 
-def run_row_blocks(plan: RowPlan, epilogue: RowEpilogue, engine: str, progress=None) -> None:
+def run_row_blocks(
+    plan: RowPlan, epilogue: RowEpilogue, engine: str, progress: Callable[[int, int], object] | None = None
+) -> None:
     """The row-major loop (module doc): per row block of ``plan.row_blocks()``, ``begin_rows``,
     the statistics sweep, ``end_statistics`` (which returns the gradient sweep, or None), that
     sweep, ``end_rows``; ``progress(done, total)`` after each row block."""
