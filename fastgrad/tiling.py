@@ -23,6 +23,7 @@ from dataclasses import replace
 from . import _config
 from .lm_head.plan_types import (  # noqa: F401  (re-exported: the plans' types, the op_host → op_kernel contract)
     _NATIVE_KINDS,
+    ACLNN_GEMM_TILE,
     BLAS,
     FAST_E_GROUP,
     FILTER_COLS,
@@ -184,7 +185,7 @@ def plan_linear_cross_entropy(
         filter_cols=FILTER_COLS if filtered else 0,
         gemm=gemm,
         buffers=buffers,
-        grad_input_tile=grad_input_tile(bt, H, largest=(512, 512)),
+        grad_input_tile=grad_input_tile(bt, H, largest=ACLNN_GEMM_TILE),
     )
 
 
@@ -355,7 +356,6 @@ def plan_training_loss(
             itemsize=itemsize,
             widen=widen,
             grads=(g3[0], g3[1], g3[2]),
-            recompute=recompute,
             accum16=accum16,
             fast=fast,
             a_form=a_form,
@@ -369,7 +369,6 @@ def training_buffers(
     itemsize: int,
     widen: bool,
     grads: tuple[bool, bool, bool],
-    recompute: bool,
     accum16: bool = False,
     fast: bool = False,
     a_form: str | None = None,

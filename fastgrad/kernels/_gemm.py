@@ -49,12 +49,12 @@ import threadpoolctl
 
 from .. import _onednn
 from ..errors import InternalError
+from ..lm_head.plan_types import ACLNN_GEMM_TILE
 
 #: The most output rows (resp. columns) per BLAS call.  A dimension is cut into equal parts of
 #: at most this size (``_spans``), so the tasks are balanced over the pool; never derived from
 #: the thread count.
-ROW_BLOCK = 512
-COL_BLOCK = 512
+ROW_BLOCK, COL_BLOCK = ACLNN_GEMM_TILE
 
 _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}

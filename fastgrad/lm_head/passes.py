@@ -245,14 +245,9 @@ def _round_rows(lo, hi, dst, src, code):
             dst[q, j] = D.from_f32(src[q, j], code)
 
 
-#: rows per group of the rounding pass's partial column sums (fixed: bitwise at any thread count;
-#: the plan sizes its buffer from it)
-_E_GROUP = FAST_E_GROUP
-
-
 @tjit
 def _round_g_bf16(lo, hi, G, e_row, e_col):
-    """Row groups ``lo:hi`` of ``G`` (``_E_GROUP`` rows each) rounded to
+    """Row groups ``lo:hi`` of ``G`` (``FAST_E_GROUP`` rows each) rounded to
     bf16 in place (RNE; a bf16 subnormal to ±0, as the kernel reads it), with the rounding error
     ``e = g - round(g)`` (exact in fp32) summed per row into ``e_row[i]`` and per group and
     column into ``e_col[q, v]``.  A non-finite ``e`` (NaN/Inf ``g``) counts 0: the GEMM carries
@@ -264,7 +259,7 @@ def _round_g_bf16(lo, hi, G, e_row, e_col):
     for q in range(lo, hi):
         ec = e_col[q]
         ec[:] = zero
-        for i in range(q * _E_GROUP, min(nb, (q + 1) * _E_GROUP)):
+        for i in range(q * FAST_E_GROUP, min(nb, (q + 1) * FAST_E_GROUP)):
             r = G[i]
             for j in range(w):
                 g = r[j]

@@ -169,6 +169,10 @@ def fp32_operands(grad: bool, kind: str | None) -> bool:
     return (grad and kind != "bf16") or kind is None
 
 
+#: The aclnn LM-head ops' GEMM grid: the largest tile (rows × columns of the product) of their
+#: single-threaded BLAS calls (``kernels/_gemm.ROW_BLOCK`` / ``COL_BLOCK``; their bit pins keep it)
+ACLNN_GEMM_TILE = (512, 512)
+
 #: The training loss's row-block GEMM grids (``kernels/_gemm``'s tasks; each tile one
 #: single-threaded BLAS call, so the bits do not depend on the thread count): the logits
 #: ``X[b]·W[v]ᵀ`` in tiles of ≤ 1024 rows × ≤ 2048 vocabulary columns, ``grad_weight``'s
@@ -245,7 +249,7 @@ class LinearCETiling:
     blocks_skipped: int = 0
     gemm: GemmChoice = BLAS
     buffers: tuple[Buffer, ...] = ()
-    grad_input_tile: tuple[int, int] = (512, 512)
+    grad_input_tile: tuple[int, int] = ACLNN_GEMM_TILE
 
     @property
     def n_bt_tiles(self) -> int:
@@ -485,7 +489,7 @@ def fast_fused(
 
 
 #: rows per group of ``precision="fast"``'s partial column sums of the rounding error (fixed:
-#: bitwise at any thread count; ``kernels/linear_cross_entropy._round_g_bf16``)
+#: bitwise at any thread count; ``lm_head/passes._round_g_bf16``)
 FAST_E_GROUP = 32
 
 

@@ -21,7 +21,6 @@ from ..loop import Workspace, need
 from ..loop import run as run_tiles
 from ..params import GradOutputs, PassConstants, RowCoefficients
 from ..passes import (
-    _E_GROUP,
     _add_outer,
     _block,
     _colsum_into,
@@ -111,13 +110,13 @@ class _RecomputeGrad:
         self.b16 = b16 = bfl is not None and round_grad
         widen_x = input.dtype != cdt and not b16
         # the buffers of :func:`buffers` (the plan's list), by name
-        self.take, get = ws.take, ws.get
+        self.take, take, get = ws.take, ws.take, ws.get
         self.xall = None
         if nblocks == 1 and not b16:
-            self.xall = _block(input, 0, BT, cdt, ws.take("x_whole") if widen_x else None)
+            self.xall = _block(input, 0, BT, cdt, take("x_whole") if widen_x else None)
         self.xbuf = get("x_block")
-        self.wbuf = ws.take("w_chunk") if W.dtype != cdt and not b16 else None
-        self.Lt = ws.take("logits_block")
+        self.wbuf = take("w_chunk") if W.dtype != cdt and not b16 else None
+        self.Lt = take("logits_block")
         self.th = get("grad_input_product")
         # a 16-bit grad_weight: the chunk summed in fp32 here, then rounded once
         self.tw = get("grad_weight_chunk")
@@ -128,11 +127,11 @@ class _RecomputeGrad:
             nchunks = -(-K // vc)
 
             def zeros(name, shape):
-                a = ws.take(name)[: shape[0] * shape[1]].reshape(shape)
+                a = take(name)[: shape[0] * shape[1]].reshape(shape)
                 a[...] = 0
                 return a
 
-            self.e_col = ws.take("fast_e_col")  # the rounding error's partial column sums
+            self.e_col = take("fast_e_col")  # the rounding error's partial column sums
             self.e_row = zeros("fast_e_row", (BT, nchunks))  # its row sums, per chunk
             self.w_bar = zeros("fast_w_mean", (nchunks, H))  # the chunk's mean row of W
             self.x_bar = zeros("fast_x_mean", (nblocks, H))  # the block's mean row of X
@@ -211,7 +210,7 @@ class _RecomputeGrad:
             # g rounded to bf16 in place; gradient GEMMs of exact products on the kernel; the
             # rounding error's mean part restored: grad_input += (Σ_v e)·mean_v W (finish, one
             # GEMM over the chunks), grad_weight += (Σ_t e)·mean_t X
-            ng = -(-nb // _E_GROUP)
+            ng = -(-nb // FAST_E_GROUP)
             ec = self.e_col[: ng * w].reshape(ng, w)
             run_rows(_round_g_bf16, ng, G, self.e_row[b0:b1, v0 // self.vc], ec)
             if acc is not None:

@@ -26,7 +26,6 @@ from ...kernels._linear import fp32_block_tasks
 from ..loop import Sweep, Workspace, need, sweep
 from ..params import GradOutputs, PassConstants, RowCoefficients
 from ..passes import (
-    _E_GROUP,
     F_BIAS,
     F_SOFTCAP,
     P_INV_TEMPERATURE,
@@ -386,7 +385,7 @@ class _RowStep:
         """``precision="fast"``: chunk ``c``'s ``G`` rounded to bf16 in place, its rounding error
         summed per row (``e_row[:, c]``) and per row group and column (``e_col``)."""
         nb, w = self.nb, self.widths[c]
-        ng = -(-nb // _E_GROUP)
+        ng = -(-nb // FAST_E_GROUP)
         ec = self.e_col[: ng * w].reshape(ng, w)
         return row_tasks(_round_g_bf16, ng, self._chunk_block(c), self.e_row[:, c], ec)
 
@@ -404,7 +403,7 @@ class _RowStep:
             acc = self.gw[v0:v1]
             xi = need(self.xint, "X's pairs")
             _bf16dot.matmul_tn(G, xi, H, acc, acc=not self.first, form=self.form, spec=self.spec)
-            ng = -(-nb // _E_GROUP)
+            ng = -(-nb // FAST_E_GROUP)
             run_rows(_add_outer, w, acc, self.e_col[: ng * w].reshape(ng, w).sum(0), self.x_bar)
         if self.gi is not None:
             if self.wi_all is None:
