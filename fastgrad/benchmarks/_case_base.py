@@ -11,24 +11,19 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ..cli._common import SHORT_NAMES
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 _DT = {"bfloat16": BF16, "float16": F16, "float32": F32}
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
-#: Short names accepted by ``--ops`` besides the op names themselves.
+#: Short names accepted by ``--ops`` besides the op names themselves: the command's short op names
+#: (``cli/_common.SHORT_NAMES``, which every golden command takes too) and the bench's own
 ALIASES = {
-    "flce": "fused_linear_cross_entropy_loss_grad",
-    "flce_grad": "fused_linear_cross_entropy_loss_grad",
-    "floms": "fused_linear_online_max_sum",
+    **SHORT_NAMES,
     "forward": "fused_linear_online_max_sum",
-    "fce": "fused_cross_entropy_loss_with_max_sum",
-    "ce": "cross_entropy_loss_grad",
-    "ce_grad": "cross_entropy_loss_grad",
-    "softmax": "scaled_masked_softmax_backward",
-    "smooth_l1": "smooth_l1_loss_backward",
-    "embedding": "embedding_dense_backward",
     "lce": "linear_cross_entropy",
     "train": "linear_cross_entropy",
     "train_step": "linear_cross_entropy",
