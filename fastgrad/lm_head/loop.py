@@ -266,18 +266,23 @@ class Operands:
         the bf16 kernel ``G`` is overwritten by its pairs: call it after :meth:`grad_weight`."""
         H = self.H
         if self.b16:
-            if self.wt_inter is None:
-                raise ValueError("the bf16 kernel's W tile buffer is missing (weight_tiles='all')")
-            if self._bp_i is None:
-                v0, v1 = self._v
-                self._bp_i = _bf16dot.interleave(self.W[v0:v1], self.wt_inter)
-            _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), self._bp_i, H, out, acc=True, spec=self.spec)
+            _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), self.w_pairs(), H, out, acc=True, spec=self.spec)
         elif self.f16k:
             if self.W32p is None:
                 raise ValueError("the fp32 kernel's W tile is missing (no chunk yet)")
             _bf16dot.matmul(G, self.W32p, H, out, acc=True, spec=self.spec)
         else:
             run_tasks(self._grad_input_tasks(G, b0, b1, out), self.engine)
+
+    def w_pairs(self) -> np.ndarray:
+        """The current tile's ``W`` as the bf16 kernel's ``B`` of ``g·W`` (consecutive rows paired,
+        :func:`_bf16dot.interleave`), made on the first call of the tile."""
+        if self.wt_inter is None:
+            raise ValueError("the bf16 kernel's W tile buffer is missing (weight_tiles='all')")
+        if self._bp_i is None:
+            v0, v1 = self._v
+            self._bp_i = _bf16dot.interleave(self.W[v0:v1], self.wt_inter)
+        return self._bp_i
 
     def _grad_input_tasks(self, G: np.ndarray, b0: int, b1: int, out: np.ndarray) -> list:
         """The fp32 engines' tiles of :meth:`grad_input`, as tasks (``_gemm.nn_tasks``)."""

@@ -12,7 +12,7 @@ from ... import dtypes as D
 from ..._jit import tjit
 from ...kernels import _bf16dot
 from ...kernels._gemm import run_rows
-from ...kernels._linear import add_rows_at, kept_blocks, kept_products, narrow, take_cols, take_rows
+from ...kernels._linear import _add_rows_at, add_rows_at, kept_products, narrow, take_cols, take_rows
 from ...kernels._vmath import exp_f32
 from ..loop import Operands
 from ..plan_types import FILTER_COLS, FILTER_ROWS, Buffer, LinearCrossEntropyPlan
@@ -20,15 +20,19 @@ from ..plan_types import FILTER_COLS, FILTER_ROWS, Buffer, LinearCrossEntropyPla
 
 @tjit
 def _epilogue_span(L, i, j0, j1, m, se, g, s_over_k, code):
-    """L[i, j0:j1] <- round((exp(L - m) / se - s/K)·g) (the non-target columns of the epilogue)."""
+    """L[i, j0:j1] <- round((exp(L - m) / se - s/K)·g) (the non-target columns of the epilogue).
+    On a view of the span, indexed from 0: an index Numba cannot prove non-negative (``j0 + j``)
+    takes a wraparound select per element, and the loop ran 7× slower (a kept block of 64
+    columns: 36 ms against 4.9 ms per 1024 × 8000 tile, Zen 4)."""
+    row = L[i, j0:j1]
     if s_over_k != 0.0:
-        for j in range(j0, j1):
-            p = exp_f32(L[i, j] - m) / se - s_over_k
-            L[i, j] = D.round_f32(p * g, code)
+        for j in range(row.size):
+            p = exp_f32(row[j] - m) / se - s_over_k
+            row[j] = D.round_f32(p * g, code)
     else:
-        for j in range(j0, j1):
-            p = exp_f32(L[i, j] - m) / se
-            L[i, j] = D.round_f32(p * g, code)
+        for j in range(row.size):
+            p = exp_f32(row[j] - m) / se
+            row[j] = D.round_f32(p * g, code)
 
 
 @tjit
@@ -76,61 +80,112 @@ def _block_flags(lo, hi, L, row0, col0, logits_max, sum_exp, tcol, lim, fb, flag
         thr = np.float32(logits_max[r] + np.log(np.float64(lim) * np.float64(sum_exp[r])))
         for jb in range(nblk):
             j0 = jb * fb
-            j1 = min(j0 + fb, nv)
+            blk = L[i, j0 : min(j0 + fb, nv)]  # a view indexed from 0 (see _epilogue_span)
             hits = np.float32(0.0)  # a float count: the loop vectorizes (faster than an int one)
-            for j in range(j0, j1):
-                hits += np.float32(not (L[i, j] < thr))  # or NaN
+            for j in range(blk.size):
+                hits += np.float32(not (blk[j] < thr))  # or NaN
             flags[i, jb] = hits > 0
         t = tcol[r] - col0
         if t >= 0 and t < nv:
             flags[i, t // fb] = True  # the target column is never filtered
 
 
-def _filtered_products(
-    G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, b16=None, engine="blas", form=None, spec=None
-) -> None:
-    """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc): on
-    the fp32 engines ``_linear.kept_products`` (the rule the training loss's filter shares), the
-    tile's kept columns of ``G`` and rows of ``W32`` gathered.
-
-    ``b16``: None (fp32 operands ``Xb``, ``W32`` on BLAS) or ``(xinter, W16, w16_buf, wi_buf)``
-    for the exact-product bf16 kernel: the row tile interleaved as ``B``
-    (:func:`_bf16dot.interleave`; ``rb`` even, so a row block starts on a pair), the tile's bf16
-    weight rows (uint16 bits), and scratch for the gathered rows and their interleaving; ``form``:
-    the plan's A form of the bf16 kernel (``GemmChoice.a_form``), ``spec`` its variant.  ``g`` holds bf16 values
-    (the epilogue rounds it), so both ways compute every product exactly."""
+def _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, bufs, engine="blas") -> None:
+    """``gi_rows += g·W`` and ``gwt += gᵀ·X`` over the kept blocks only (see the module doc) on
+    the fp32 engines: ``_linear.kept_products`` (the rule the training loss's filter shares), the
+    tile's kept columns of ``G`` and rows of ``W32`` gathered (``bufs``)."""
     nb, nv = G.shape
     g_c, w_c, q_c, p_c = bufs
-    if b16 is None:
-        kept_products(
-            keep,
-            fb,
-            rb,
-            nb,
-            nv,
-            group=nv,
-            gather_g=lambda r0, r1, cols, out: take_cols(G[r0:r1], cols, out),
-            gather_w=lambda cols, out: take_rows(W32, cols, out),
-            X=Xb,
-            gi_rows=gi_rows,
-            add_gw=lambda cols, Q: add_rows_at(gwt, cols, Q),
-            bufs=(g_c, w_c, p_c, q_c),
-            engine=engine,
-        )
-        return
-    xinter, W16, w16_buf, wi_buf = b16
-    H = W16.shape[1]
-    for r0, r1, cols in kept_blocks(keep, fb, rb, nb, nv):
-        # the gathers and the scatter-add on the pool (NumPy's take / fancy += ran on one thread:
-        # at 2 nats of entropy, 2 threads, a third of the filtered grad's time)
-        nk, nr = cols.size, r1 - r0
-        Gc = take_cols(G[r0:r1], cols, g_c[: nr * nk].reshape(nr, nk))
-        Q = q_c[: nk * H].reshape(nk, H)
-        _bf16dot.matmul_tn(Gc, xinter[r0 // 2 : (r1 + 1) // 2], H, Q, form=form, spec=spec)
-        Wg = take_rows(W16, cols, w16_buf[: nk * H].reshape(nk, H))
-        wp = _bf16dot.interleave(Wg, wi_buf)
-        _bf16dot.matmul(_bf16dot.pairs_in_place(Gc, form), wp, H, gi_rows[r0:r1], acc=True, spec=spec)
-        add_rows_at(gwt, cols, Q)
+    kept_products(
+        keep,
+        fb,
+        rb,
+        nb,
+        nv,
+        group=nv,
+        gather_g=lambda r0, r1, cols, out: take_cols(G[r0:r1], cols, out),
+        gather_w=lambda cols, out: take_rows(W32, cols, out),
+        X=Xb,
+        gi_rows=gi_rows,
+        add_gw=lambda cols, Q: add_rows_at(gwt, cols, Q),
+        bufs=(g_c, w_c, p_c, q_c),
+        engine=engine,
+    )
+
+
+#: columns of ``G`` per ``gᵀ·X`` task of the kept blocks on the bf16 kernel (16 filter blocks)
+_GW_GROUP = 1024
+
+
+def _kept_runs(keep_row: np.ndarray, fb: int, ncols: int) -> list[tuple[int, int]]:
+    """The maximal runs ``[j0, j1)`` of kept column blocks of one row block (``j1`` ≤ ``ncols``)."""
+    kb = np.flatnonzero(keep_row)
+    if kb.size == 0:
+        return []
+    cut = np.flatnonzero(np.diff(kb) != 1) + 1
+    return [(int(a[0]) * fb, min(ncols, (int(a[-1]) + 1) * fb)) for a in np.split(kb, cut)]
+
+
+def _filtered_products_b16(G, keep, fb, rb, gi_rows, gwt, xinter, wi, form, spec) -> None:
+    """``gwt[kept cols] += gᵀ·X`` then ``gi_rows += g·W`` over the kept blocks of a tile on the
+    exact-product bf16 kernel, ``G`` fp32 ``[nb, nv]`` of bf16 values (the epilogue rounds it;
+    overwritten by its pairs), ``xinter`` the row tile's ``X`` and ``wi`` the tile's ``W`` as the
+    kernel's ``B`` (:func:`_bf16dot.interleave`; ``rb`` even, so a row block starts on a pair).
+
+    Three task lists on the pool, no gathered copy of ``G`` or ``W``: ``gᵀ·X`` in groups of
+    :data:`_GW_GROUP` columns, each task for its columns' kept blocks, row block after row block,
+    ``gᵀ``'s kept columns transposed into its thread's scratch (:func:`_bf16dot.kept_pairs_t` /
+    ``kept_t``), the product there and added onto ``gwt``'s rows; ``G`` paired in place; ``g·W``
+    per row block and 512-column span of ``H``, one call per run of adjacent kept blocks summed
+    onto ``gi_rows`` (A and B read in place).  The kernel sums each output over ``k`` in order
+    (``_native``), so every element gets the additions of the gathered form: the kept columns in
+    order, each row block's ``gᵀ·X`` summed apart and then added — the same bits as gathering
+    the kept blocks and multiplying once per row block."""
+    from ...kernels._gemm import _run
+
+    nb, nv = G.shape
+    H = gwt.shape[1]
+    nrb = keep.shape[0]
+    rows = [(k * rb, min(nb, (k + 1) * rb)) for k in range(nrb)]
+    runs = [_kept_runs(keep[k], fb, nv) for k in range(nrb)]
+    spans = _bf16dot._col_spans(H)
+    u = G.view(np.uint32)
+    f32a = form == "f32"
+    gsz = max(fb, (_GW_GROUP // fb) * fb)
+
+    def gw_task(c0: int, c1: int) -> None:
+        for k, (r0, r1) in enumerate(rows):
+            cl = [np.arange(max(a, c0), min(b, c1)) for a, b in runs[k] if a < c1 and b > c0]
+            if not cl:
+                continue
+            cols = np.concatenate(cl)
+            nk, nr = cols.size, r1 - r0
+            kw = _bf16dot._a_stride(nr) if f32a else (nr + 1) // 2
+            buf = _bf16dot._local(nk * kw + nk * H)
+            Q = buf[nk * kw : nk * kw + nk * H].view(np.float32).reshape(nk, H)
+            if f32a:
+                xp = buf[: nk * kw].view(np.float32).reshape(nk, kw)[:, :nr]
+                _bf16dot.kept_t(0, nk, G[r0:r1], cols, xp)
+            else:
+                xp = buf[: nk * kw].reshape(nk, kw)
+                _bf16dot.kept_pairs_t(0, nk, u[r0:r1], cols, xp)
+            xb = xinter[r0 // 2 : (r1 + 1) // 2]
+            for s0, s1 in spans:
+                _bf16dot.gemm_tile(xp, xb, s0, s1, Q[:, s0:s1], spec=spec)
+            _add_rows_at(0, nk, gwt, cols, Q)
+
+    _run([(lambda c0=c0: gw_task(c0, min(nv, c0 + gsz))) for c0 in range(0, nv, gsz)])
+    A = _bf16dot.pairs_in_place(G, form)
+    per = 1 if f32a else 2  # values of G per column of A
+
+    def gi_task(k: int, s0: int, s1: int) -> None:
+        r0, r1 = rows[k]
+        out = gi_rows[r0:r1, s0:s1]
+        for j0, j1 in runs[k]:
+            a = A[r0:r1, j0 // per : -(-j1 // per)]
+            _bf16dot.gemm_tile(a, wi[j0 // 2 :], s0, s1, out, True, spec=spec)
+
+    _run([(lambda k=k, s0=s0, s1=s1: gi_task(k, s0, s1)) for k in range(nrb) if runs[k] for s0, s1 in spans])
 
 
 @tjit
@@ -187,7 +242,6 @@ class FlceGrad:
         self.g_buf = take("g_tile")  # logits / g tile
         self.gw32 = take("grad_weight_tile")  # grad_weight tile accumulator
         b16 = ops.b16
-        self.fb16_bufs = None
         self.fb, self.rb = plan.filter_cols, plan.filter_rows
         self.no_keep = np.zeros((1, 0), np.bool_)  # the epilogue's "every block"
         if eps is not None:
@@ -195,11 +249,10 @@ class FlceGrad:
             # |p - s/K| < eps  <=>  p < eps + s/K (p >= 0; no block is negligible when s/K >= eps),
             # tested on the logits with a 1e-3 relative margin against the rounding of exp and log
             self.lim = (eps + s_over_k) * np.exp(-1e-3)
-            get = ops.ws.get
             self.flags = take("filter_flags")
-            self.fbufs = (take("kept_g"), get("kept_w"), take("kept_grad_weight"), get("kept_product"))
-            # the kept blocks on the bf16 kernel: the weight rows gathered as bits, then interleaved
-            self.fb16_bufs = (take("kept_w16"), take("kept_w_pairs")) if b16 else None
+            # the fp32 engines gather the kept blocks (the bf16 kernel reads them in place)
+            names = ("kept_g", "kept_w", "kept_grad_weight", "kept_product")
+            self.fbufs = None if b16 else tuple(take(n) for n in names)
             if b16 and rb % 2:  # the bf16 pair layout starts a row block on a pair
                 raise ValueError(f"plan row block must be even for bf16 operands, got {rb}")
 
@@ -207,9 +260,9 @@ class FlceGrad:
     def buffers(BT: int, H: int, bt: int, vt: int, *, b16: bool, filtered: bool) -> list[Buffer]:
         """The buffers a :class:`FlceGrad` takes for ``bt × vt`` tiles over ``[BT, H]``: the fp32
         ``grad_input`` accumulator, the logits/``g`` tile, the ``grad_weight`` tile's accumulator;
-        ``filtered`` (gradient filtering in memory-saving mode): the block flags and the kept blocks'
-        gathers and products — the weight rows as bits and their pairs on the bf16 kernel (``b16``),
-        fp32 rows and a product otherwise."""
+        ``filtered`` (gradient filtering in memory-saving mode): the block flags, and on the fp32
+        engines the kept blocks' gathers and products (the bf16 kernel, ``b16``, reads the kept
+        blocks in place: :func:`_filtered_products_b16`)."""
         out = [
             Buffer("grad_input_acc", (BT, H), "float32", "call"),
             Buffer("g_tile", (bt, vt), "float32", "tile"),
@@ -217,27 +270,17 @@ class FlceGrad:
         ]
         if filtered:
             fb, rb = FILTER_COLS, min(FILTER_ROWS, bt)
-            out += [
-                Buffer("filter_flags", (bt, -(-vt // fb)), "bool", "tile"),
-                Buffer("kept_g", (rb, vt), "float32", "tile"),
-            ]
-            if b16:
+            out.append(Buffer("filter_flags", (bt, -(-vt // fb)), "bool", "tile"))
+            if not b16:
                 out += [
-                    Buffer("kept_w16", (vt, H), "uint16", "tile"),
-                    Buffer("kept_w_pairs", (_bf16dot.b_size(vt, H),), "uint32", "tile"),
-                ]
-            else:
-                out += [
+                    Buffer("kept_g", (rb, vt), "float32", "tile"),
                     Buffer("kept_w", (vt, H), "float32", "tile"),
                     Buffer("kept_product", (rb, H), "float32", "tile"),
+                    Buffer("kept_grad_weight", (vt, H), "float32", "tile"),
                 ]
-            out.append(Buffer("kept_grad_weight", (vt, H), "float32", "tile"))
         return out
 
     def begin(self, v0: int, v1: int) -> None:
-        ops = self.ops
-        # the kept blocks on the bf16 kernel: the tile's weight rows as bits, the gather buffers
-        self.fb16 = None if self.fb16_bufs is None else (ops.W[v0:v1].view(np.uint16), *self.fb16_bufs)
         self.gwt = self.gw32[: (v1 - v0) * self.H].reshape(v1 - v0, self.H)
         self.first = True
 
@@ -275,8 +318,10 @@ class FlceGrad:
             if self.first:
                 gwt[...] = 0
                 self.first = False
-            b16_ops = None if self.fb16 is None else (ops.xinter[b0], *self.fb16)
-            _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, b16_ops, eng, ops.form, ops.spec)
+            if ops.b16:
+                _filtered_products_b16(G, keep, fb, rb, gi_rows, gwt, ops.xinter[b0], ops.w_pairs(), ops.form, ops.spec)
+            else:
+                _filtered_products(G, Xb, W32, keep, fb, rb, gi_rows, gwt, self.fbufs, eng)
         else:  # the dense tile: the plan's GEMMs (Operands: BLAS, oneDNN or the native kernel)
             ops.grad_products(G, b0, b1, gwt, not self.first, gi_rows)  # may overwrite G (bf16 pairs)
             self.first = False
