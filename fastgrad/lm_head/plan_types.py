@@ -489,7 +489,8 @@ def fast_fused(
 
 
 #: rows per group of ``precision="fast"``'s partial column sums of the rounding error (fixed:
-#: bitwise at any thread count; ``lm_head/passes._round_g_bf16``)
+#: bitwise at any thread count; ``lm_head/passes._round_g_bf16``); even: the fused pass pairs a
+#: group's rows among themselves (``passes._grad_round_bf16``)
 FAST_E_GROUP = 32
 
 

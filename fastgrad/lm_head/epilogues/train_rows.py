@@ -35,6 +35,7 @@ from ..passes import (
     _filter_flags,
     _filtered_products,
     _grad_pass,
+    _grad_round_bf16,
     _round_g_bf16,
     _scatter_add_rounded,
     _stats_chunk,
@@ -174,6 +175,9 @@ class _RowStep:
         self.xi_buf = get("x_pairs_block")
         self.wi_buf = get("w_pairs_chunk")
         self.prod = get("fast_product")
+        # vdpbf16ps's A operands made by the fused pass (_grad_round16): gᵀ's pairs, G's own rows paired
+        self.gt_buf = get("fast_gt_pairs")
+        self.prepaired = False  # the current chunk's A operands are made (by _grad_round16)
         self.xint: np.ndarray | None = None
         if self.plan.weight16_cached:  # the weight's two bf16 layouts, made in the first row block
             self.wpk_size = _bf16dot.b_size(H, vc)
@@ -347,6 +351,8 @@ class _RowStep:
         (``plan.grad16``, chunk by chunk): the pass, ``grad_bias``'s sums, ``g`` rounded to bf16,
         then the two GEMMs on the bf16 kernel (:meth:`_fast_products`)."""
         if self.b16:
+            if self.gb is None:  # no grad_bias sums of the unrounded G: the pass and the rounding fused
+                return Sweep(len(self.chunks), (self._grad_round16, self._fast_products))
             return Sweep(len(self.chunks), (self._grad, self._colsum, self._round16, self._fast_products))
         steps: list[Callable[[int], list]] = [
             functools.partial(self._pass_and_weight, with_pass),
@@ -389,6 +395,29 @@ class _RowStep:
         ec = self.e_col[: ng * w].reshape(ng, w)
         return row_tasks(_round_g_bf16, ng, self._chunk_block(c), self.e_row[:, c], ec)
 
+    def _grad_round16(self, c: int) -> list:
+        """:meth:`_grad` then :meth:`_round16` of chunk ``c`` as one pass, row group by row group
+        (``_grad_round_bf16``: the same bits; no ``grad_bias`` to sum in between), which on the
+        ``vdpbf16ps`` form (the plan declared ``fast_gt_pairs``) also makes both gradient GEMMs'
+        ``A``: ``gᵀ``'s pairs and ``G``'s rows paired in place (:meth:`_fast_products_run`)."""
+        b0, b1, nb, w = self.b0, self.b1, self.nb, int(self.widths[c])
+        rows = tuple(a[b0:b1] for a in self.rows)
+        args = (self.Lbuf, self.offs[c : c + 1], self.widths[c : c + 1], nb, self.cw_c, rows, self.par, self.flags)
+        ng = -(-nb // FAST_E_GROUP)
+        ec = self.e_col[: ng * w].reshape(ng, w)
+        G = self._chunk_block(c)
+        u = G.view(np.uint32)
+        no = np.empty((0, 0), np.uint32)
+        self.prepaired = self.gt_buf is not None
+        if self.prepaired:
+            kp = (nb + 1) // 2
+            gt = self.gt_buf[: w * kp].reshape(w, kp) if self.gw is not None else no
+            up = u[:, : (w + 1) // 2] if self.gi is not None else no
+            pairs = (u, up, gt)
+        else:
+            pairs = (u, no, no)
+        return row_tasks(_grad_round_bf16, ng, *args, self.recompute, self.bias_c, 0, G, self.e_row[:, c], ec, pairs)
+
     def _fast_products(self, c: int) -> list:
         """``precision="fast"``: chunk ``c``'s two gradient GEMMs on the bf16 kernel (one task:
         the kernel's own parallel calls, on this thread) — ``grad_weight[v] (+)= Gᵀ·X[b]`` and
@@ -399,10 +428,16 @@ class _RowStep:
     def _fast_products_run(self, c: int) -> None:
         v0, v1 = self.chunks[c]
         G, H, nb, w = self._chunk_block(c), self.H, self.nb, v1 - v0
+        pre = self.prepaired  # A made by the fused pass (_grad_round16)
+        self.prepaired = False
         if self.gw is not None:
             acc = self.gw[v0:v1]
             xi = need(self.xint, "X's pairs")
-            _bf16dot.matmul_tn(G, xi, H, acc, acc=not self.first, form=self.form, spec=self.spec)
+            if pre:  # gᵀ's pairs: the same sums as matmul_tn's
+                gt = need(self.gt_buf, "fast_gt_pairs")[: w * ((nb + 1) // 2)].reshape(w, (nb + 1) // 2)
+                _bf16dot.matmul(gt, xi, H, acc, acc=not self.first, spec=self.spec)
+            else:
+                _bf16dot.matmul_tn(G, xi, H, acc, acc=not self.first, form=self.form, spec=self.spec)
             ng = -(-nb // FAST_E_GROUP)
             run_rows(_add_outer, w, acc, self.e_col[: ng * w].reshape(ng, w).sum(0), self.x_bar)
         if self.gi is not None:
@@ -413,7 +448,8 @@ class _RowStep:
                 part = self.wi_all[c * self.wi_size : (c + 1) * self.wi_size]
                 wi = _bf16dot.interleave(self.W[v0:v1], part) if self.first else part_view(part, w, H)
             gi = self.gi[self.b0 : self.b1]
-            _bf16dot.matmul(_bf16dot.pairs_in_place(G, self.form), wi, H, gi, acc=v0 > 0, spec=self.spec)
+            A = G.view(np.uint32)[:, : (w + 1) // 2] if pre else _bf16dot.pairs_in_place(G, self.form)
+            _bf16dot.matmul(A, wi, H, gi, acc=v0 > 0, spec=self.spec)
 
     def _colsum(self, c: int) -> list:
         if self.gb is None:
@@ -571,6 +607,8 @@ def buffers(
         add("fast_x_mean", (1, H), cdt, "tile")
         if gw:
             add("x_pairs_block", (b_size(nb_rows, H),), "uint32", "tile")
+            if a_form == "pairs" and not gb:  # gᵀ's pairs, made by the fused pass (_grad_round16)
+                add("fast_gt_pairs", (vc, (nb_rows + 1) // 2), "uint32", "tile")
         if gi:
             add("w_pairs_chunk", (b_size(vc, H),), "uint32", "tile")
             add("fast_product", (nb_rows, H), cdt, "tile")

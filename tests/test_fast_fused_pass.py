@@ -1,0 +1,65 @@
+"""``precision="fast"``'s fused pass over a chunk (``lm_head/passes._grad_round_bf16``, taken by
+``train_rows._RowStep._grad_round16`` when there is no ``grad_bias``): the gradient pass, the
+rounding of ``g`` to bf16 with its error sums and — on the ``vdpbf16ps`` form — both gradient
+GEMMs' ``A`` operands (``gᵀ``'s pairs, ``G``'s rows paired in place) in one pass, row group by
+row group.  Pinned bitwise against the separate passes (``_grad``, ``_colsum``, ``_round16``,
+then ``matmul_tn`` / ``pairs_in_place`` inside the products), which a bias forces: a zero bias
+adds exactly 0 to every logit, so the loss and the hidden and weight gradients must be the same
+bits.  Odd row counts (a last pair with a zero half), several row blocks and chunks, ``H`` off
+the 64-column granule; every native ISA of the machine (the AVX2 variants take the fp32 ``A``
+form: the fused pass then makes no pairs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from common import native_isa, workspace_budget  # noqa: E402, F401
+
+import fastgrad as fg  # noqa: E402
+import fastgrad.torch as ft  # noqa: E402
+from fastgrad.lm_head.epilogues import train_rows as TR  # noqa: E402
+from fastgrad.ops._engines import bf16_kernel_available  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not bf16_kernel_available(), reason="no native bf16 kernel on this CPU")
+
+# (BT, H, V, workspace budget or None)
+SHAPES = [(37, 64, 700, None), (150, 96, 4500, 2 * 2048 * 4 * 40), (67, 130, 5000, None), (1, 8, 129, None)]
+
+
+def _run(h, w, t, bias, kw):
+    hh = h.detach().clone().requires_grad_()
+    ww = w.detach().clone().requires_grad_()
+    b = None if bias is None else bias.detach().clone().requires_grad_()
+    loss = ft.linear_cross_entropy(hh, ww, t, precision="fast", bias=b, **kw)
+    loss.backward()
+    return loss.detach(), hh.grad, ww.grad
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kw", [{}, {"label_smoothing": 0.1, "ignore_index": 3}, {"lse_square_scale": 1e-3}])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_pass_equals_separate_passes(shape, kw, threads, native_isa, monkeypatch):  # noqa: F811
+    BT, H, V, budget = shape
+    g = torch.Generator().manual_seed(BT * 31 + V)
+    h = torch.randn(BT, H, generator=g).bfloat16()
+    w = (torch.randn(V, H, generator=g) / H**0.5).bfloat16()
+    t = torch.randint(0, V, (BT,), generator=g)
+    t[::5] = 3
+    fused = []
+    real = TR._RowStep._grad_round16
+    monkeypatch.setattr(TR._RowStep, "_grad_round16", lambda self, c: (fused.append(c), real(self, c))[1])
+    old = fg.get_num_threads()
+    fg.set_num_threads(threads)
+    try:
+        with workspace_budget(budget):
+            a = _run(h, w, t, None, kw)
+            n_fused = len(fused)
+            b = _run(h, w, t, torch.zeros(V).bfloat16(), kw)
+    finally:
+        fg.set_num_threads(old)
+    assert n_fused > 0 and len(fused) == n_fused  # the first call fused, the biased one did not
+    for x, y in zip(a, b):
+        bits = [np.atleast_1d(v.float().numpy()).view(np.uint32) for v in (x, y)]
+        np.testing.assert_array_equal(*bits)
