@@ -7,7 +7,9 @@ then ``matmul_tn`` / ``pairs_in_place`` inside the products), which a bias force
 adds exactly 0 to every logit, so the loss and the hidden and weight gradients must be the same
 bits.  Odd row counts (a last pair with a zero half), several row blocks and chunks, ``H`` off
 the 64-column granule; every native ISA of the machine (the AVX2 variants take the fp32 ``A``
-form: the fused pass then makes no pairs)."""
+form: the fused pass then makes no pairs).  Likewise the FLCE grad's dense memory-saving tile,
+whose epilogue makes both ``A`` operands (``flce_grad._epilogue_pairs``), against the epilogue
+alone and the products' own pairing."""
 
 from __future__ import annotations
 
@@ -63,3 +65,56 @@ def test_fused_pass_equals_separate_passes(shape, kw, threads, native_isa, monke
     for x, y in zip(a, b):
         bits = [np.atleast_1d(v.float().numpy()).view(np.uint32) for v in (x, y)]
         np.testing.assert_array_equal(*bits)
+
+
+# (BT, H, V, workspace budget or None): one tile, several row tiles (odd last), V off the 64 granule
+FLCE_SHAPES = [(37, 70, 1001, None), (517, 130, 9999, 4 << 20), (300, 64, 20001, 2 << 20), (1, 8, 129, None)]
+
+
+@pytest.mark.parametrize("shape", FLCE_SHAPES)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_flce_epilogue_pairs_equal_separate_passes(shape, label_smoothing, threads, native_isa, monkeypatch):  # noqa: F811
+    """The FLCE grad's dense memory-saving tile on ``vdpbf16ps``: the epilogue that also makes
+    ``gᵀ``'s pairs and the paired rows (``flce_grad._epilogue_pairs``) against the epilogue alone
+    followed by ``matmul_tn`` / ``pairs_in_place`` (the plan's ``g_pairs_t`` withheld): the same
+    bits of both gradients."""
+    import ml_dtypes
+
+    from fastgrad.lm_head.epilogues import flce_grad as FG
+
+    BT, H, V, budget = shape
+    rng = np.random.default_rng(BT + V)
+    bf = ml_dtypes.bfloat16
+    x = rng.standard_normal((BT, H)).astype(bf)
+    w = (rng.standard_normal((V, H)) / H**0.5).astype(bf)
+    t = rng.integers(0, V, BT)
+    mask = np.zeros((BT + 7) // 8, np.uint8)
+    mask[0] = 5
+    grad = rng.random(BT).astype(np.float32)
+    m, e = (np.asarray(a, np.float32) for a in fg.fused_linear_online_max_sum(x, w, t, 0, V)[:2])
+    paired = []
+    real = FG.FlceGrad.__init__
+
+    def init(self, *a, **k):
+        real(self, *a, **k)
+        paired.append(self.gt_buf is not None)
+        if withhold:
+            self.gt_buf = None
+
+    monkeypatch.setattr(FG.FlceGrad, "__init__", init)
+    old = fg.get_num_threads()
+    fg.set_num_threads(threads)
+    try:
+        with workspace_budget(budget):
+            res = []
+            for withhold in (False, True):
+                r = fg.fused_linear_cross_entropy_loss_grad(
+                    grad, x, w, mask, t, label_smoothing, logits_max=m, sum_exp_logits=e
+                )
+                res.append([np.asarray(a).view(np.uint16) for a in r[:2]])
+    finally:
+        fg.set_num_threads(old)
+    assert paired[0] == (native_isa == "avx512" and fg.gemm_choice("bfloat16").a_form == "pairs")
+    for a, b in zip(*res):
+        np.testing.assert_array_equal(a, b)

@@ -344,6 +344,52 @@ def kept_t(lo, hi, g, cols, dst):
                 dst[v, j] = tmp[j - j0, v - lo]
 
 
+@tjit
+def gt_pairs_rows(u, i0, i1, gt, p0):
+    """``gt[v, p0 + p] = top16(u[i0 + 2p, v]) | top16(u[i0 + 2p + 1, v]) << 16`` for the pairs of
+    rows ``i0:i1`` (zero past ``i1``): :func:`_top_pairs_t` of a row group (``u``: the
+    uint32 bits of fp32 values that are bf16 values), in column blocks of 256 — the group's pairs
+    along its rows into a small buffer, then ``gt``'s rows written ``(i1 - i0 + 1) // 2``
+    contiguous pairs each."""
+    w = u.shape[1]
+    npair = (i1 - i0 + 1) // 2
+    hm = np.uint32(0xFFFF0000)
+    tmp = np.empty((npair, 256), np.uint32)
+    for v0 in range(0, w, 256):
+        v1 = min(w, v0 + 256)
+        for p in range(npair):
+            r = i0 + 2 * p
+            t = tmp[p]
+            a = u[r, v0:v1]
+            if r + 1 < i1:
+                b = u[r + 1, v0:v1]
+                for v in range(a.size):
+                    t[v] = (a[v] >> np.uint32(16)) | (b[v] & hm)
+            else:
+                for v in range(a.size):
+                    t[v] = a[v] >> np.uint32(16)
+        for v in range(v1 - v0):
+            g = gt[v0 + v, p0 : p0 + npair]
+            for p in range(npair):
+                g[p] = tmp[p, v]
+
+
+@tjit
+def pairs_rows(u, i0, i1, up):
+    """``up[i, p] = top16(u[i, 2p]) | top16(u[i, 2p+1]) << 16`` for the rows ``i0:i1`` (zero past
+    the row), written over the row's own first half (``up``: ``u[:, :ceil(w/2)]``, the same
+    memory; pair ``p`` lands at or before the values it reads): :func:`pairs_in_place`."""
+    w = u.shape[1]
+    hm = np.uint32(0xFFFF0000)
+    for i in range(i0, i1):
+        a = u[i]
+        d = up[i]
+        for p in range(w // 2):
+            d[p] = (a[2 * p] >> np.uint32(16)) | (a[2 * p + 1] & hm)
+        if w % 2:
+            d[w // 2] = a[w - 1] >> np.uint32(16)
+
+
 def pairs_of_f32(g: np.ndarray, transpose: bool = False) -> np.ndarray:
     """An fp32 ``[M, K]`` array whose values are bf16 values (its low 16 bits zero, e.g. rounded
     to bf16 by the epilogue) as the kernel's ``A``: ``[M, ceil(K/2)]`` pairs along its rows, or

@@ -307,6 +307,17 @@ class Operands:
         tasks = self._grad_weight_tasks(G, b0, b1, gw_out, gw_acc) + self._grad_input_tasks(G, b0, b1, gi_out)
         run_tasks(tasks, self.engine)
 
+    def grad_products_paired(
+        self, gt: np.ndarray, gp: np.ndarray, b0: int, gw_out: np.ndarray, gw_acc: bool, gi_out: np.ndarray
+    ) -> None:
+        """:meth:`grad_products` on the bf16 kernel from ``A`` operands already made: ``gt`` (``gᵀ``'s
+        pairs ``[nv, ceil(nb/2)]``) and ``gp`` (``G``'s rows paired, ``[nb, ceil(nv/2)]``) — the same
+        sums as :meth:`grad_weight` (``matmul_tn``) and :meth:`grad_input` (``pairs_in_place``)."""
+        if not self.b16 or self.form != "pairs":
+            raise ValueError(f"paired operands are the bf16 kernel's vdpbf16ps form, not {self.kind} / {self.form}")
+        _bf16dot.matmul(gt, self.xinter[b0], self.H, gw_out, acc=gw_acc, spec=self.spec)
+        _bf16dot.matmul(gp, self.w_pairs(), self.H, gi_out, acc=True, spec=self.spec)
+
     def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
         """``out[b1-b0, v1-v0] = X[b0:b1] · W[v0:v1]ᵀ`` in fp32 for the current tile."""
         if self.lg is not None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
+from ..kernels._bf16dot import gt_pairs_rows, pairs_rows
 from ..kernels._gemm import (
     run_rows,
 )
@@ -276,52 +277,6 @@ def _round_g_bf16(lo, hi, G, e_row, e_col):
 
 
 @tjit
-def _gt_pairs_rows(u, i0, i1, gt, p0):
-    """``gt[v, p0 + p] = top16(u[i0 + 2p, v]) | top16(u[i0 + 2p + 1, v]) << 16`` for the pairs of
-    rows ``i0:i1`` (zero past ``i1``): :func:`_bf16dot._top_pairs_t` of a row group (``u``: the
-    uint32 bits of fp32 values that are bf16 values), in column blocks of 256 — the group's pairs
-    along its rows into a small buffer, then ``gt``'s rows written ``(i1 - i0 + 1) // 2``
-    contiguous pairs each."""
-    w = u.shape[1]
-    npair = (i1 - i0 + 1) // 2
-    hm = np.uint32(0xFFFF0000)
-    tmp = np.empty((npair, 256), np.uint32)
-    for v0 in range(0, w, 256):
-        v1 = min(w, v0 + 256)
-        for p in range(npair):
-            r = i0 + 2 * p
-            t = tmp[p]
-            a = u[r, v0:v1]
-            if r + 1 < i1:
-                b = u[r + 1, v0:v1]
-                for v in range(a.size):
-                    t[v] = (a[v] >> np.uint32(16)) | (b[v] & hm)
-            else:
-                for v in range(a.size):
-                    t[v] = a[v] >> np.uint32(16)
-        for v in range(v1 - v0):
-            g = gt[v0 + v, p0 : p0 + npair]
-            for p in range(npair):
-                g[p] = tmp[p, v]
-
-
-@tjit
-def _pairs_rows(u, i0, i1, up):
-    """``up[i, p] = top16(u[i, 2p]) | top16(u[i, 2p+1]) << 16`` for the rows ``i0:i1`` (zero past
-    the row), written over the row's own first half (``up``: ``u[:, :ceil(w/2)]``, the same
-    memory; pair ``p`` lands at or before the values it reads): ``_bf16dot.pairs_in_place``."""
-    w = u.shape[1]
-    hm = np.uint32(0xFFFF0000)
-    for i in range(i0, i1):
-        a = u[i]
-        d = up[i]
-        for p in range(w // 2):
-            d[p] = (a[2 * p] >> np.uint32(16)) | (a[2 * p + 1] & hm)
-        if w % 2:
-            d[w // 2] = a[w - 1] >> np.uint32(16)
-
-
-@tjit
 def _grad_round_bf16(
     lo, hi, L, offs, widths, nb, cw, rows, par, flags, recompute, bias, vshift, G, e_row, e_col, pairs
 ):
@@ -363,9 +318,9 @@ def _grad_round_bf16(
         )
         _round_g_bf16(q, q + 1, G, e_row, e_col)
         if gt.shape[0] > 0:
-            _gt_pairs_rows(u, i0, i1, gt, i0 // 2)
+            gt_pairs_rows(u, i0, i1, gt, i0 // 2)
         if up.shape[0] > 0:
-            _pairs_rows(u, i0, i1, up)
+            pairs_rows(u, i0, i1, up)
 
 
 @tjit

@@ -11,7 +11,8 @@ import numpy as np
 from ... import dtypes as D
 from ..._jit import tjit
 from ...kernels import _bf16dot
-from ...kernels._gemm import run_rows
+from ...kernels._bf16dot import gt_pairs_rows, pairs_rows
+from ...kernels._gemm import row_tasks, run_rows, run_tasks
 from ...kernels._linear import _add_rows_at, add_rows_at, kept_products, narrow, take_cols, take_rows
 from ...kernels._vmath import exp_f32
 from ..loop import Operands
@@ -64,6 +65,32 @@ def _epilogue_memory_saving(lo, hi, L, row0, col0, logits_max, sum_exp, grad, tc
                     _epilogue_span(L, i, jb * fb, min(nv, jb * fb + fb), m, se, g, s_over_k, code)
         if t >= 0 and t < nv:
             L[i, t] = D.round_f32((pt - s_over_k) * g, code)
+
+
+#: rows per task group of the epilogue that also makes the bf16 kernel's ``A`` operands (even: a
+#: group's rows pair among themselves)
+_PAIR_ROWS = 32
+
+
+@tjit
+def _epilogue_pairs(
+    lo, hi, L, row0, col0, logits_max, sum_exp, grad, tcol, code, smooth, inv_k, keep, fb, rb, u, up, gt
+):
+    """:func:`_epilogue_memory_saving` over the row groups ``lo:hi`` (``_PAIR_ROWS`` rows each),
+    each group then, while in cache, made into both gradient GEMMs' ``A`` on ``vdpbf16ps``:
+    ``gᵀ``'s pairs into ``gt`` ``[nv, ceil(nb/2)]`` (``_bf16dot.gt_pairs_rows``) and the rows
+    paired in place (``up`` = ``u[:, :ceil(nv/2)]``, ``u`` the tile's uint32 view;
+    ``_bf16dot.pairs_rows``) — what ``matmul_tn`` and ``pairs_in_place`` make from the finished
+    tile, one pass over it instead of three: the same bits."""
+    nb = L.shape[0]
+    for q in range(lo, hi):
+        i0 = q * _PAIR_ROWS
+        i1 = min(nb, i0 + _PAIR_ROWS)
+        _epilogue_memory_saving(
+            i0, i1, L, row0, col0, logits_max, sum_exp, grad, tcol, code, smooth, inv_k, keep, fb, rb
+        )
+        gt_pairs_rows(u, i0, i1, gt, i0 // 2)
+        pairs_rows(u, i0, i1, up)
 
 
 @tjit
@@ -241,6 +268,7 @@ class FlceGrad:
         self.gi32[...] = 0  # grad_input accumulator
         self.g_buf = take("g_tile")  # logits / g tile
         self.gw32 = take("grad_weight_tile")  # grad_weight tile accumulator
+        self.gt_buf = ops.ws.get("g_pairs_t")  # gᵀ's pairs (vdpbf16ps), made by the epilogue
         b16 = ops.b16
         self.fb, self.rb = plan.filter_cols, plan.filter_rows
         self.no_keep = np.zeros((1, 0), np.bool_)  # the epilogue's "every block"
@@ -257,17 +285,21 @@ class FlceGrad:
                 raise ValueError(f"plan row block must be even for bf16 operands, got {rb}")
 
     @staticmethod
-    def buffers(BT: int, H: int, bt: int, vt: int, *, b16: bool, filtered: bool) -> list[Buffer]:
+    def buffers(BT: int, H: int, bt: int, vt: int, *, b16: bool, filtered: bool, paired: bool = False) -> list[Buffer]:
         """The buffers a :class:`FlceGrad` takes for ``bt × vt`` tiles over ``[BT, H]``: the fp32
         ``grad_input`` accumulator, the logits/``g`` tile, the ``grad_weight`` tile's accumulator;
         ``filtered`` (gradient filtering in memory-saving mode): the block flags, and on the fp32
         engines the kept blocks' gathers and products (the bf16 kernel, ``b16``, reads the kept
-        blocks in place: :func:`_filtered_products_b16`)."""
+        blocks in place: :func:`_filtered_products_b16`); ``paired`` (the bf16 kernel's
+        ``vdpbf16ps`` form): ``gᵀ``'s pairs, made by the epilogue of a dense memory-saving tile
+        (:func:`_epilogue_pairs`)."""
         out = [
             Buffer("grad_input_acc", (BT, H), "float32", "call"),
             Buffer("g_tile", (bt, vt), "float32", "tile"),
             Buffer("grad_weight_tile", (vt, H), "float32", "tile"),
         ]
+        if paired:
+            out.append(Buffer("g_pairs_t", (vt, (bt + 1) // 2), "uint32", "tile"))
         if filtered:
             fb, rb = FILTER_COLS, min(FILTER_ROWS, bt)
             out.append(Buffer("filter_flags", (bt, -(-vt // fb)), "bool", "tile"))
@@ -309,6 +341,14 @@ class FlceGrad:
             # g of the kept blocks only (every block on the dense path)
             kp = self.no_keep if keep is None else keep
             epi = (lmax, sexp, grad32, tcol, code, smooth, inv_k, kp, fb, rb)
+            if keep is None and self.gt_buf is not None:  # dense on vdpbf16ps: A made by the epilogue
+                u = G.view(np.uint32)
+                gt = self.gt_buf[: nv * ((nb + 1) // 2)].reshape(nv, (nb + 1) // 2)
+                ng = -(-nb // _PAIR_ROWS)
+                run_tasks(row_tasks(_epilogue_pairs, ng, G, b0, v0, *epi, u, u[:, : (nv + 1) // 2], gt))
+                ops.grad_products_paired(gt, u[:, : (nv + 1) // 2], b0, self.gwt, not self.first, self.gi32[b0:b1])
+                self.first = False
+                return
             run_rows(_epilogue_memory_saving, nb, G, b0, v0, *epi)
         else:
             # the tile's rows (S.shape[0] ran past G and S beyond the first row tile)
