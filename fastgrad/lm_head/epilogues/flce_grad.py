@@ -23,8 +23,8 @@ from ..plan_types import FILTER_COLS, FILTER_ROWS, Buffer, LinearCrossEntropyPla
 def _epilogue_span(L, i, j0, j1, m, se, g, s_over_k, code):
     """L[i, j0:j1] <- round((exp(L - m) / se - s/K)·g) (the non-target columns of the epilogue).
     On a view of the span, indexed from 0: an index Numba cannot prove non-negative (``j0 + j``)
-    takes a wraparound select per element, and the loop ran 7× slower (a kept block of 64
-    columns: 36 ms against 4.9 ms per 1024 × 8000 tile, Zen 4)."""
+    takes a wraparound select per element, and the loop did not vectorize (several times slower:
+    bench/results/README.md, "Measurements behind the source's choices")."""
     row = L[i, j0:j1]
     if s_over_k != 0.0:
         for j in range(row.size):
