@@ -619,6 +619,42 @@ def test_fused_cross_entropy_label_smoothing_is_applied_by_the_op_layer(fake, rn
     assert_close(res[0], want, F32, atol=1e-5)
 
 
+def test_fused_cross_entropy_label_smoothing_refuses_device_outputs(fake, rng):
+    """Label smoothing is applied on the host from the device's softmax: with a device-resident
+    ``loss`` (a torch_npu tensor's memory) it would come back unsmoothed, so the backend refuses it
+    (161002) before anything runs — no device call, the output memory untouched; smoothing 0 runs."""
+    from ctypes import byref, c_void_p
+
+    rt = acl_runtime.runtime()
+    rt.ensure_device()
+    BT, V = 4, 6
+    logits = rand(rng, (BT, V), F32)
+    m = logits.max(1)
+    s = np.exp(logits.astype(F64) - m[:, None]).sum(1).astype(F32)
+    p = rand(rng, (BT,), F32, -1, 0)
+    sentinel = np.full(BT, 7.0, F32)
+    ptr = c_void_p()
+    rt.check(rt.fn("aclrtMalloc")(byref(ptr), sentinel.nbytes, 0), "aclrtMalloc")
+    rt.check(rt.fn("aclrtMemcpy")(ptr.value, sentinel.nbytes, sentinel.ctypes.data, sentinel.nbytes, 1), "aclrtMemcpy")
+    dev_loss = acl.DeviceArray(ptr.value, (BT,), (1,), 0, F32, BT)
+    try:
+        fake.clear_log()
+        with pytest.raises(fg.AclnnError) as e:
+            dispatch("fused_cross_entropy_loss_with_max_sum", "acl")(
+                logits_max=m, sum_exp_logits=s, predicted_logits=p, label_smoothing=0.3,
+                vocab_parallel_logits=logits, out=(dev_loss, np.zeros((BT, V), F32)))
+        assert e.value.status == 161002 and "label_smoothing=0.3" in str(e.value) and "loss" in str(e.value)
+        assert not [r for r in fake.log() if r["fn"].startswith("aclnnFusedCrossEntropyLossWithMaxSum")]
+        back = np.zeros(BT, F32)
+        rt.check(rt.fn("aclrtMemcpy")(back.ctypes.data, back.nbytes, ptr.value, back.nbytes, 2), "aclrtMemcpy")
+        np.testing.assert_array_equal(back, sentinel)
+        dispatch("fused_cross_entropy_loss_with_max_sum", "acl")(  # no smoothing: device outputs are fine
+            logits_max=m, sum_exp_logits=s, predicted_logits=p, label_smoothing=0.0,
+            vocab_parallel_logits=logits, out=(dev_loss, np.zeros((BT, V), F32)))
+    finally:
+        rt.check(rt.fn("aclrtFree")(ptr.value), "aclrtFree")
+
+
 def flce_expected(grad, x, w, tmask_bits, mt, lmax=None, sumexp=None, softmax=None):
     x64, w64 = x.astype(F64), w.astype(F64)
     if softmax is None:

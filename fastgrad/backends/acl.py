@@ -449,9 +449,20 @@ def fused_cross_entropy_loss_with_max_sum(
     The device accepts only ``labelSmoothing = 0`` (its first stage rejects anything else), so
     it always receives 0.0; label smoothing (a fastgrad extension, rejected in strict mode by the
     op layer as the device would) is applied afterwards on the host from the device's softmax,
-    with the same formula as the "cpu" backend (``fastgrad.vocab_parallel.smoothed_loss``).
+    with the same formula as the "cpu" backend (``fastgrad.vocab_parallel.smoothed_loss``) —
+    so a non-zero ``label_smoothing`` needs host outputs: with a device-resident ``loss`` or
+    ``softmax`` (:class:`DeviceArray`, a torch_npu tensor) it raises ``AclnnError`` 161002
+    (``ACLNN_ERR_PARAM_INVALID``) before anything runs, instead of returning the unsmoothed loss.
     """
     loss, softmax = out
+    if label_smoothing != 0.0 and not (isinstance(loss, np.ndarray) and isinstance(softmax, np.ndarray)):
+        where = "loss" if not isinstance(loss, np.ndarray) else "softmax"
+        raise AclnnError(
+            ACLNN_ERR_PARAM_INVALID,
+            f"label_smoothing={label_smoothing}: the ascend backend smooths the loss on the host from the "
+            f"device's softmax, so out must be host (NumPy) arrays; got {where} as "
+            f"{'no output' if (where == 'softmax' and softmax is None) else 'device memory'}",
+        )
     with op_call("aclnnFusedCrossEntropyLossWithMaxSum") as c:
         c.run(
             c.input(logits_max),
@@ -464,11 +475,11 @@ def fused_cross_entropy_loss_with_max_sum(
             c.output(loss),
             c.output(softmax),
         )
-    if label_smoothing != 0.0 and softmax is not None and isinstance(loss, np.ndarray):
+    if label_smoothing != 0.0:
         from ..vocab_parallel import smoothed_loss
 
-        # a host loss comes with a host softmax (outputs are host buffers or the caller's NPU tensors)
-        loss[...] = smoothed_loss(loss, cast("np.ndarray", softmax), label_smoothing)
+        host_loss = cast("np.ndarray", loss)  # both host arrays (device outputs refused above)
+        host_loss[...] = smoothed_loss(host_loss, cast("np.ndarray", softmax), label_smoothing)
 
 
 def fused_linear_cross_entropy_loss_grad(
