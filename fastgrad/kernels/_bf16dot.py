@@ -299,52 +299,6 @@ def _top_pairs_t(lo, hi, g, dst):
 
 
 @tjit
-def kept_pairs_t(lo, hi, g, cols, dst):
-    """dst[v, p] = top16(g[2p, cols[v]]) | top16(g[2p+1, cols[v]]) << 16 (zero past g's rows) for
-    the rows ``lo:hi`` of ``dst``: the columns ``cols`` of ``g`` (the uint32 bits of fp32 values
-    that are bf16 values) as ``gᵀ``'s pairs, the kernel's ``A`` — :func:`_top_pairs_t` of a
-    column gather (gradient filtering's kept columns), one thread.  In strips of 16 pairs (the strip's rows read along
-    the gathered columns, then written 16 contiguous pairs per row of ``dst``)."""
-    k = g.shape[0]
-    kp = dst.shape[1]
-    hm = np.uint32(0xFFFF0000)
-    tmp = np.empty((16, hi - lo), np.uint32)
-    for p0 in range(0, kp, 16):
-        p1 = min(kp, p0 + 16)
-        for p in range(p0, p1):
-            r = 2 * p
-            t = tmp[p - p0]
-            if r + 1 < k:
-                for v in range(lo, hi):
-                    c = cols[v]
-                    t[v - lo] = (g[r, c] >> np.uint32(16)) | (g[r + 1, c] & hm)
-            else:
-                for v in range(lo, hi):
-                    t[v - lo] = g[r, cols[v]] >> np.uint32(16)
-        for v in range(lo, hi):
-            for p in range(p0, p1):
-                dst[v, p] = tmp[p - p0, v - lo]
-
-
-@tjit
-def kept_t(lo, hi, g, cols, dst):
-    """dst[v, j] = g[j, cols[v]] for every row ``j`` of ``g`` (fp32) and the rows ``lo:hi`` of
-    ``dst``: the columns ``cols`` of ``g`` transposed, the FMA variants' ``A`` of ``gᵀ``
-    (:func:`_transpose_rows` of a column gather), one thread.  In strips of 16 rows of ``g``."""
-    k = g.shape[0]
-    tmp = np.empty((16, hi - lo), np.float32)
-    for j0 in range(0, k, 16):
-        j1 = min(k, j0 + 16)
-        for j in range(j0, j1):
-            t = tmp[j - j0]
-            for v in range(lo, hi):
-                t[v - lo] = g[j, cols[v]]
-        for v in range(lo, hi):
-            for j in range(j0, j1):
-                dst[v, j] = tmp[j - j0, v - lo]
-
-
-@tjit
 def gt_pairs_rows(u, i0, i1, gt, p0):
     """``gt[v, p0 + p] = top16(u[i0 + 2p, v]) | top16(u[i0 + 2p + 1, v]) << 16`` for the pairs of
     rows ``i0:i1`` (zero past ``i1``): :func:`_top_pairs_t` of a row group (``u``: the

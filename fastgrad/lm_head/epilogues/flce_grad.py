@@ -161,10 +161,11 @@ def _filtered_products_b16(G, keep, fb, rb, gi_rows, gwt, xinter, wi, form, spec
 
     Three task lists on the pool, no gathered copy of ``G`` or ``W``: ``gᵀ·X`` in groups of
     :data:`_GW_GROUP` columns, each task for its columns' kept blocks, row block after row block,
-    ``gᵀ``'s kept columns transposed into its thread's scratch (:func:`_bf16dot.kept_pairs_t` /
-    ``kept_t``), the product there and added onto ``gwt``'s rows; ``G`` paired in place; ``g·W``
-    per row block and 512-column span of ``H``, one call per run of adjacent kept blocks summed
-    onto ``gi_rows`` (A and B read in place).  The kernel sums each output over ``k`` in order
+    ``gᵀ``'s kept columns transposed into its thread's scratch run by run
+    (``_bf16dot._top_pairs_t`` / ``_transpose_rows``, as ``matmul_tn`` makes them), the product
+    there and added onto ``gwt``'s rows; ``G`` paired in place; ``g·W`` per row block and
+    512-column span of ``H``, one call per run of adjacent kept blocks summed onto ``gi_rows``
+    (A and B read in place).  The kernel sums each output over ``k`` in order
     (``_native``), so every element gets the additions of the gathered form: the kept columns in
     order, each row block's ``gᵀ·X`` summed apart and then added — the same bits as gathering
     the kept blocks and multiplying once per row block."""
@@ -182,20 +183,23 @@ def _filtered_products_b16(G, keep, fb, rb, gi_rows, gwt, xinter, wi, form, spec
 
     def gw_task(c0: int, c1: int) -> None:
         for k, (r0, r1) in enumerate(rows):
-            cl = [np.arange(max(a, c0), min(b, c1)) for a, b in runs[k] if a < c1 and b > c0]
-            if not cl:
+            cut = [(max(a, c0), min(b, c1)) for a, b in runs[k] if a < c1 and b > c0]
+            if not cut:
                 continue
-            cols = np.concatenate(cl)
+            cols = np.concatenate([np.arange(a, b) for a, b in cut])
             nk, nr = cols.size, r1 - r0
             kw = _bf16dot._a_stride(nr) if f32a else (nr + 1) // 2
             buf = _bf16dot._local(nk * kw + nk * H)
             Q = buf[nk * kw : nk * kw + nk * H].view(np.float32).reshape(nk, H)
-            if f32a:
-                xp = buf[: nk * kw].view(np.float32).reshape(nk, kw)[:, :nr]
-                _bf16dot.kept_t(0, nk, G[r0:r1], cols, xp)
-            else:
-                xp = buf[: nk * kw].reshape(nk, kw)
-                _bf16dot.kept_pairs_t(0, nk, u[r0:r1], cols, xp)
+            # gᵀ's kept columns, run by run, as the A matmul_tn makes of a whole tile (exact)
+            xp = buf[: nk * kw].view(np.float32).reshape(nk, kw)[:, :nr] if f32a else buf[: nk * kw].reshape(nk, kw)
+            o = 0
+            for a, b in cut:
+                if f32a:
+                    _bf16dot._transpose_rows(0, b - a, G[r0:r1, a:b], xp[o : o + b - a])
+                else:
+                    _bf16dot._top_pairs_t(0, b - a, u[r0:r1, a:b], xp[o : o + b - a])
+                o += b - a
             xb = xinter[r0 // 2 : (r1 + 1) // 2]
             for s0, s1 in spans:
                 _bf16dot.gemm_tile(xp, xb, s0, s1, Q[:, s0:s1], spec=spec)
