@@ -169,8 +169,6 @@ def _filtered_products_b16(G, keep, fb, rb, gi_rows, gwt, xinter, wi, form, spec
     (``_native``), so every element gets the additions of the gathered form: the kept columns in
     order, each row block's ``gᵀ·X`` summed apart and then added — the same bits as gathering
     the kept blocks and multiplying once per row block."""
-    from ...kernels._gemm import _run
-
     nb, nv = G.shape
     H = gwt.shape[1]
     nrb = keep.shape[0]
@@ -205,7 +203,7 @@ def _filtered_products_b16(G, keep, fb, rb, gi_rows, gwt, xinter, wi, form, spec
                 _bf16dot.gemm_tile(xp, xb, s0, s1, Q[:, s0:s1], spec=spec)
             _add_rows_at(0, nk, gwt, cols, Q)
 
-    _run([(lambda c0=c0: gw_task(c0, min(nv, c0 + gsz))) for c0 in range(0, nv, gsz)])
+    run_tasks([(lambda c0=c0: gw_task(c0, min(nv, c0 + gsz))) for c0 in range(0, nv, gsz)])
     A = _bf16dot.pairs_in_place(G, form)
     per = 1 if f32a else 2  # values of G per column of A
 
@@ -216,7 +214,7 @@ def _filtered_products_b16(G, keep, fb, rb, gi_rows, gwt, xinter, wi, form, spec
             a = A[r0:r1, j0 // per : -(-j1 // per)]
             _bf16dot.gemm_tile(a, wi[j0 // 2 :], s0, s1, out, True, spec=spec)
 
-    _run([(lambda k=k, s0=s0, s1=s1: gi_task(k, s0, s1)) for k in range(nrb) if runs[k] for s0, s1 in spans])
+    run_tasks([(lambda k=k, s0=s0, s1=s1: gi_task(k, s0, s1)) for k in range(nrb) if runs[k] for s0, s1 in spans])
 
 
 @tjit
