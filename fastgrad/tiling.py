@@ -93,7 +93,7 @@ def lm_head_buffers(
     if not grad:  # the online max-sum's epilogue
         return tuple(out + OnlineStats.buffers(bt, vt))
     b16 = gemm.exact_for_dtype(dtype) == "bf16"
-    paired = b16 and logits and gemm.a_form == "pairs"  # the epilogue makes gᵀ's pairs (memory-saving)
+    paired = b16 and gemm.a_form == "pairs"  # the epilogue makes gᵀ's pairs
     return tuple(out + FlceGrad.buffers(BT, H, bt, vt, b16=b16, filtered=filtered and logits, paired=paired))
 
 

@@ -7,9 +7,9 @@ then ``matmul_tn`` / ``pairs_in_place`` inside the products), which a bias force
 adds exactly 0 to every logit, so the loss and the hidden and weight gradients must be the same
 bits.  Odd row counts (a last pair with a zero half), several row blocks and chunks, ``H`` off
 the 64-column granule; every native ISA of the machine (the AVX2 variants take the fp32 ``A``
-form: the fused pass then makes no pairs).  Likewise the FLCE grad's dense memory-saving tile,
-whose epilogue makes both ``A`` operands (``flce_grad._epilogue_pairs``), against the epilogue
-alone and the products' own pairing."""
+form: the fused pass then makes no pairs).  Likewise the FLCE grad's dense tile in both
+modes, whose epilogue makes both ``A`` operands (``flce_grad._epilogue_pairs``,
+``_epilogue_hp_pairs``), against the epilogue alone and the products' own pairing."""
 
 from __future__ import annotations
 
@@ -74,9 +74,11 @@ FLCE_SHAPES = [(37, 70, 1001, None), (517, 130, 9999, 4 << 20), (300, 64, 20001,
 @pytest.mark.parametrize("shape", FLCE_SHAPES)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_flce_epilogue_pairs_equal_separate_passes(shape, label_smoothing, threads, native_isa, monkeypatch):  # noqa: F811
-    """The FLCE grad's dense memory-saving tile on ``vdpbf16ps``: the epilogue that also makes
-    ``gᵀ``'s pairs and the paired rows (``flce_grad._epilogue_pairs``) against the epilogue alone
+@pytest.mark.parametrize("mode", ["memory-saving", "high-performance"])
+def test_flce_epilogue_pairs_equal_separate_passes(shape, label_smoothing, threads, mode, native_isa, monkeypatch):  # noqa: F811
+    """The FLCE grad's dense tile on ``vdpbf16ps``, both modes: the epilogue that also makes
+    ``gᵀ``'s pairs and the paired rows (``flce_grad._epilogue_pairs`` / ``_epilogue_hp_pairs``)
+    against the epilogue alone
     followed by ``matmul_tn`` / ``pairs_in_place`` (the plan's ``g_pairs_t`` withheld): the same
     bits of both gradients."""
     import ml_dtypes
@@ -93,6 +95,11 @@ def test_flce_epilogue_pairs_equal_separate_passes(shape, label_smoothing, threa
     mask[0] = 5
     grad = rng.random(BT).astype(np.float32)
     m, e = (np.asarray(a, np.float32) for a in fg.fused_linear_online_max_sum(x, w, t, 0, V)[:2])
+    stats: dict = {"logits_max": m, "sum_exp_logits": e}
+    if mode == "high-performance":  # the softmax given: the device's other epilogue
+        lg = x.astype(np.float64) @ w.astype(np.float64).T
+        sm = np.exp(lg - lg.max(1, keepdims=True))
+        stats = {"softmax": (sm / sm.sum(1, keepdims=True)).astype(np.float32)}
     paired = []
     real = FG.FlceGrad.__init__
 
@@ -109,9 +116,7 @@ def test_flce_epilogue_pairs_equal_separate_passes(shape, label_smoothing, threa
         with workspace_budget(budget):
             res = []
             for withhold in (False, True):
-                r = fg.fused_linear_cross_entropy_loss_grad(
-                    grad, x, w, mask, t, label_smoothing, logits_max=m, sum_exp_logits=e
-                )
+                r = fg.fused_linear_cross_entropy_loss_grad(grad, x, w, mask, t, label_smoothing, **stats)
                 res.append([np.asarray(a).view(np.uint16) for a in r[:2]])
     finally:
         fg.set_num_threads(old)

@@ -10,6 +10,7 @@ import numpy as np
 
 from ... import dtypes as D
 from ..._jit import tjit
+from ...errors import InternalError
 from ...kernels import _bf16dot
 from ...kernels._bf16dot import gt_pairs_rows, pairs_rows
 from ...kernels._gemm import row_tasks, run_rows, run_tasks
@@ -233,6 +234,19 @@ def _epilogue_high_performance(lo, hi, S, G, row0, col0, grad, tcol, code, smoot
             G[i, t] = D.round_f32((S[r, col0 + t] - one_minus_s - s_over_k) * g, code)
 
 
+@tjit
+def _epilogue_hp_pairs(lo, hi, S, G, row0, col0, grad, tcol, code, smooth, inv_k, u, up, gt):
+    """:func:`_epilogue_high_performance` over the row groups ``lo:hi`` (``_PAIR_ROWS`` rows
+    each), each group then made into both gradient GEMMs' ``A`` as :func:`_epilogue_pairs` does."""
+    nb = G.shape[0]
+    for q in range(lo, hi):
+        i0 = q * _PAIR_ROWS
+        i1 = min(nb, i0 + _PAIR_ROWS)
+        _epilogue_high_performance(i0, i1, S, G, row0, col0, grad, tcol, code, smooth, inv_k)
+        gt_pairs_rows(u, i0, i1, gt, i0 // 2)
+        pairs_rows(u, i0, i1, up)
+
+
 class FlceGrad:
     """The FLCE grad's epilogue of the LM-head loop (``lm_head/loop.py``), per tile: the
     device's vector epilogue with its rounding (memory-saving: from the logits and the saved
@@ -293,8 +307,8 @@ class FlceGrad:
         ``filtered`` (gradient filtering in memory-saving mode): the block flags, and on the fp32
         engines the kept blocks' gathers and products (the bf16 kernel, ``b16``, reads the kept
         blocks in place: :func:`_filtered_products_b16`); ``paired`` (the bf16 kernel's
-        ``vdpbf16ps`` form): ``gᵀ``'s pairs, made by the epilogue of a dense memory-saving tile
-        (:func:`_epilogue_pairs`)."""
+        ``vdpbf16ps`` form): ``gᵀ``'s pairs, made by the epilogue of a dense tile
+        (:func:`_epilogue_pairs`, :func:`_epilogue_hp_pairs`)."""
         out = [
             Buffer("grad_input_acc", (BT, H), "float32", "call"),
             Buffer("g_tile", (bt, vt), "float32", "tile"),
@@ -344,17 +358,16 @@ class FlceGrad:
             kp = self.no_keep if keep is None else keep
             epi = (lmax, sexp, grad32, tcol, code, smooth, inv_k, kp, fb, rb)
             if keep is None and self.gt_buf is not None:  # dense on vdpbf16ps: A made by the epilogue
-                u = G.view(np.uint32)
-                gt = self.gt_buf[: nv * ((nb + 1) // 2)].reshape(nv, (nb + 1) // 2)
-                ng = -(-nb // _PAIR_ROWS)
-                run_tasks(row_tasks(_epilogue_pairs, ng, G, b0, v0, *epi, u, u[:, : (nv + 1) // 2], gt))
-                ops.grad_products_paired(gt, u[:, : (nv + 1) // 2], b0, self.gwt, not self.first, self.gi32[b0:b1])
-                self.first = False
+                self._paired(_epilogue_pairs, G, (G, b0, v0, *epi), b0, b1)
                 return
             run_rows(_epilogue_memory_saving, nb, G, b0, v0, *epi)
         else:
             # the tile's rows (S.shape[0] ran past G and S beyond the first row tile)
-            run_rows(_epilogue_high_performance, nb, self.stat, G, b0, v0, grad32, tcol, code, smooth, inv_k)
+            hp = (self.stat, G, b0, v0, grad32, tcol, code, smooth, inv_k)
+            if self.gt_buf is not None:
+                self._paired(_epilogue_hp_pairs, G, hp, b0, b1)
+                return
+            run_rows(_epilogue_high_performance, nb, *hp)
         gwt, gi_rows = self.gwt, self.gi32[b0:b1]
         if keep is not None:
             if self.first:
@@ -367,6 +380,20 @@ class FlceGrad:
         else:  # the dense tile: the plan's GEMMs (Operands: BLAS, oneDNN or the native kernel)
             ops.grad_products(G, b0, b1, gwt, not self.first, gi_rows)  # may overwrite G (bf16 pairs)
             self.first = False
+
+    def _paired(self, epilogue, G: np.ndarray, args: tuple, b0: int, b1: int) -> None:
+        """A dense tile on ``vdpbf16ps``: ``epilogue(lo, hi, *args, u, gp, gt)`` over row groups
+        of ``_PAIR_ROWS`` (the device epilogue, then both GEMMs' ``A``: ``gᵀ``'s pairs into the
+        plan's ``g_pairs_t``, the rows paired in place), then the two products on them."""
+        nb, nv = G.shape
+        u = G.view(np.uint32)
+        gp = u[:, : (nv + 1) // 2]
+        if self.gt_buf is None:
+            raise InternalError("a paired tile without the plan's g_pairs_t buffer")
+        gt = self.gt_buf[: nv * ((nb + 1) // 2)].reshape(nv, (nb + 1) // 2)
+        run_tasks(row_tasks(epilogue, -(-nb // _PAIR_ROWS), *args, u, gp, gt))
+        self.ops.grad_products_paired(gt, gp, b0, self.gwt, not self.first, self.gi32[b0:b1])
+        self.first = False
 
     def end(self, v0: int, v1: int) -> None:
         narrow(self.gwt, self.gw_out[v0:v1])  # on the pool: no OpenMP region (fork-safe)
