@@ -30,19 +30,20 @@ pytestmark = pytest.mark.skipif(not bf16_kernel_available(), reason="no native b
 SHAPES = [(37, 64, 700, None), (150, 96, 4500, 2 * 2048 * 4 * 40), (67, 130, 5000, None), (1, 8, 129, None)]
 
 
-def _run(h, w, t, bias, kw):
-    hh = h.detach().clone().requires_grad_()
-    ww = w.detach().clone().requires_grad_()
+def _run(h, w, t, bias, kw, grads=(True, True)):
+    hh = h.detach().clone().requires_grad_(grads[0])
+    ww = w.detach().clone().requires_grad_(grads[1])
     b = None if bias is None else bias.detach().clone().requires_grad_()
     loss = ft.linear_cross_entropy(hh, ww, t, precision="fast", bias=b, **kw)
     loss.backward()
-    return loss.detach(), hh.grad, ww.grad
+    return [v for v in (loss.detach(), hh.grad, ww.grad) if v is not None]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kw", [{}, {"label_smoothing": 0.1, "ignore_index": 3}, {"lse_square_scale": 1e-3}])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_pass_equals_separate_passes(shape, kw, threads, native_isa, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)], ids=["both", "input", "weight"])
+def test_fused_pass_equals_separate_passes(shape, kw, threads, grads, native_isa, monkeypatch):  # noqa: F811
     BT, H, V, budget = shape
     g = torch.Generator().manual_seed(BT * 31 + V)
     h = torch.randn(BT, H, generator=g).bfloat16()
@@ -56,12 +57,13 @@ def test_fused_pass_equals_separate_passes(shape, kw, threads, native_isa, monke
     fg.set_num_threads(threads)
     try:
         with workspace_budget(budget):
-            a = _run(h, w, t, None, kw)
+            a = _run(h, w, t, None, kw, grads)
             n_fused = len(fused)
-            b = _run(h, w, t, torch.zeros(V).bfloat16(), kw)
+            b = _run(h, w, t, torch.zeros(V).bfloat16(), kw, grads)
     finally:
         fg.set_num_threads(old)
     assert n_fused > 0 and len(fused) == n_fused  # the first call fused, the biased one did not
+    assert len(a) == len(b) == 1 + sum(grads)
     for x, y in zip(a, b):
         bits = [np.atleast_1d(v.float().numpy()).view(np.uint32) for v in (x, y)]
         np.testing.assert_array_equal(*bits)
