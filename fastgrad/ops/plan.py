@@ -10,14 +10,13 @@ from .. import _config
 from ..errors import ACLNN_ERR_PARAM_INVALID, AclnnError
 from ..tiling import GemmChoice, LinearCETiling
 from . import _engines
+from .fused_linear_cross_entropy_loss_grad import DECL as _FLCE
+from .fused_linear_online_max_sum import DECL as _FLOMS
 
-#: the LM-head ops a plan is made for, by their snake_case and aclnn names, with the modes each runs
-_OPS = {
-    "fused_linear_online_max_sum": ("forward",),
-    "aclnnFusedLinearOnlineMaxSum": ("forward",),
-    "fused_linear_cross_entropy_loss_grad": ("memory_saving", "high_performance"),
-    "aclnnFusedLinearCrossEntropyLossGrad": ("memory_saving", "high_performance"),
-}
+#: the LM-head ops a plan is made for, by their snake_case and aclnn names (their declarations'),
+#: with the modes each runs
+_MODES = {_FLOMS.name: ("forward",), _FLCE.name: ("memory_saving", "high_performance")}
+_OPS = {**_MODES, _FLOMS.aclnn: _MODES[_FLOMS.name], _FLCE.aclnn: _MODES[_FLCE.name]}
 
 
 def plan(

@@ -175,9 +175,9 @@ class _RowStep:
         self.xi_buf = get("x_pairs_block")
         self.wi_buf = get("w_pairs_chunk")
         self.prod = get("fast_product")
-        # vdpbf16ps's A operands made by the fused pass (_grad_round16): gᵀ's pairs, G's own rows paired
+        # vdpbf16ps's A operands made by the fused pass (_grad_round16): gᵀ's pairs, G's own rows
+        # paired — declared where that pass runs (grad_weight computed, no grad_bias) on that form
         self.gt_buf = get("fast_gt_pairs")
-        self.prepaired = False  # the current chunk's A operands are made (by _grad_round16)
         self.xint: np.ndarray | None = None
         if self.plan.weight16_cached:  # the weight's two bf16 layouts, made in the first row block
             self.wpk_size = _bf16dot.b_size(H, vc)
@@ -408,15 +408,16 @@ class _RowStep:
         G = self._chunk_block(c)
         u = G.view(np.uint32)
         no = np.empty((0, 0), np.uint32)
-        self.prepaired = self.gt_buf is not None
-        if self.prepaired:
-            kp = (nb + 1) // 2
-            gt = self.gt_buf[: w * kp].reshape(w, kp) if self.gw is not None else no
-            up = u[:, : (w + 1) // 2] if self.gi is not None else no
-            pairs = (u, up, gt)
+        if self.gt_buf is not None:
+            pairs = (u, u[:, : (w + 1) // 2] if self.gi is not None else no, self._gt_pairs(w, nb))
         else:
             pairs = (u, no, no)
         return row_tasks(_grad_round_bf16, ng, *args, self.recompute, self.bias_c, 0, G, self.e_row[:, c], ec, pairs)
+
+    def _gt_pairs(self, w: int, nb: int) -> np.ndarray:
+        """``gᵀ``'s pairs ``[w, ceil(nb/2)]`` of the current chunk in ``fast_gt_pairs``."""
+        kp = (nb + 1) // 2
+        return need(self.gt_buf, "fast_gt_pairs")[: w * kp].reshape(w, kp)
 
     def _fast_products(self, c: int) -> list:
         """``precision="fast"``: chunk ``c``'s two gradient GEMMs on the bf16 kernel (one task:
@@ -428,14 +429,12 @@ class _RowStep:
     def _fast_products_run(self, c: int) -> None:
         v0, v1 = self.chunks[c]
         G, H, nb, w = self._chunk_block(c), self.H, self.nb, v1 - v0
-        pre = self.prepaired  # A made by the fused pass (_grad_round16)
-        self.prepaired = False
+        pre = self.gt_buf is not None  # A made by the fused pass (_grad_round16)
         if self.gw is not None:
             acc = self.gw[v0:v1]
             xi = need(self.xint, "X's pairs")
             if pre:  # gᵀ's pairs: the same sums as matmul_tn's
-                gt = need(self.gt_buf, "fast_gt_pairs")[: w * ((nb + 1) // 2)].reshape(w, (nb + 1) // 2)
-                _bf16dot.matmul(gt, xi, H, acc, acc=not self.first, spec=self.spec)
+                _bf16dot.matmul(self._gt_pairs(w, nb), xi, H, acc, acc=not self.first, spec=self.spec)
             else:
                 _bf16dot.matmul_tn(G, xi, H, acc, acc=not self.first, form=self.form, spec=self.spec)
             ng = -(-nb // FAST_E_GROUP)
