@@ -208,11 +208,26 @@ def _transpose_widen_rows(lo, hi, src, code, dst):
             dst[k, j] = 0
 
 
-def _col_spans(n: int) -> list[tuple[int, int]]:
-    """``[0, n)`` in spans of ≤ 512 columns on 64-column boundaries, from ``n`` only."""
-    from ._gemm import _spans
+def _col_spans(n: int, k: int | None = None) -> list[tuple[int, int]]:
+    """``[0, n)`` in spans of ≤ 512 columns on 64-column boundaries, from ``n`` only (or in ``k``
+    spans on those boundaries)."""
+    from ._gemm import _spans, parts
 
-    return [(a * _COLS, min(n, b * _COLS)) for a, b in _spans(-(-n // _COLS), 512 // _COLS)] if n else []
+    g = -(-n // _COLS)
+    cut = _spans(g, 512 // _COLS) if k is None else parts(g, k)
+    return [(a * _COLS, min(n, b * _COLS)) for a, b in cut] if n else []
+
+
+def _pool_tiles(m: int, n: int, row_step: int, split_cols: bool) -> tuple[list, list]:
+    """(row spans, column spans) of a native GEMM ``[m, n]``'s tasks: ≤ ``row_step`` rows ×
+    :func:`_col_spans`, cut finer where the pool would idle (``_gemm.pool_grid``: columns first
+    where the tasks are tiles, ``split_cols``; rows of ≥ 64)."""
+    from ._gemm import POOL_MIN_SIDE, _spans, parts, pool_grid
+
+    rows, cols = _spans(m, row_step), _col_spans(n)
+    c_max = -(-n // _COLS) if split_cols else len(cols)
+    r, c = pool_grid(len(rows), len(cols), m // POOL_MIN_SIDE, c_max)
+    return (rows if r == len(rows) else parts(m, r)), (cols if c == len(cols) else _col_spans(n, c))
 
 
 def _b_operand(kernel, src: np.ndarray, kp: int, n: int, out: np.ndarray | None, *args) -> np.ndarray:
@@ -557,12 +572,22 @@ def matmul(
 ) -> None:
     """``out[M, n] (+)= A · B`` over the GEMM pool from the pairs ``xp`` [M, KP] and the packed
     ``bp`` [KP, ≥ n]: tiles of ≤ 512 rows × ≤ 512 columns (column spans on 64-column
-    boundaries), from the shapes only (bitwise the same at any thread count, and any tiling:
-    each output is one fixed sequence of additions, onto ``out``'s value with ``acc``), on the
-    variant ``spec`` (:func:`gemm_tile`)."""
-    from ._gemm import ROW_BLOCK, _run, _spans
+    boundaries), from the shapes — cut finer where a pool would idle with so few tiles
+    (:func:`_pool_tiles`: e.g. ``grad_input``'s 683 × 896 block, 4 tiles, is 16 on 16 threads) —
+    bitwise the same at any thread count, and any tiling: each output is one fixed sequence of
+    additions, onto ``out``'s value with ``acc``; on the variant ``spec`` (:func:`gemm_tile`)."""
+    from ._gemm import _run
 
-    cols = _col_spans(n)
+    _run(matmul_tasks(xp, bp, n, out, acc, spec=spec))
+
+
+def matmul_tasks(
+    xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, acc: bool = False, *, spec: _native.KernelSpec | None
+) -> list:
+    """:func:`matmul`'s tasks (callables of no argument), to run with another GEMM's on the pool
+    at once (``_gemm.run_tasks``: one barrier for both)."""
+    from ._gemm import ROW_BLOCK
+
     if (
         xp.dtype == np.float32
         and spec is not None
@@ -580,6 +605,7 @@ def matmul(
         # blocks of ≤ _AK values of k (the scratch ≤ 512 × _AK values): a block after the first
         # sums onto the stored values, the same additions in the same order (gemm_tile's passes)
         k = xp.shape[1]
+        rows, cols = _pool_tiles(xp.shape[0], n, ROW_BLOCK, False)
         per = 2 if bp.dtype == np.uint32 else 1  # values of k per row of B (bf16 pairs: 2)
         kb = max(per, (_AK // per) * per)
         ka = _a_stride(kb)
@@ -593,15 +619,13 @@ def matmul(
                 for c0, c1 in cols:
                     gemm_tile(a, bp[k0 // per :], c0, c1, out[r0:r1, c0:c1], acc or k0 > 0, spec=spec)
 
-        _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(xp.shape[0], ROW_BLOCK)])
-        return
-    _run(
-        [
-            (lambda r0=r0, r1=r1, c0=c0, c1=c1: gemm_tile(xp[r0:r1], bp, c0, c1, out[r0:r1, c0:c1], acc, spec=spec))
-            for r0, r1 in _spans(xp.shape[0], ROW_BLOCK)
-            for c0, c1 in cols
-        ]
-    )
+        return [(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in rows]
+    rows, cols = _pool_tiles(xp.shape[0], n, ROW_BLOCK, True)
+    return [
+        (lambda r0=r0, r1=r1, c0=c0, c1=c1: gemm_tile(xp[r0:r1], bp, c0, c1, out[r0:r1, c0:c1], acc, spec=spec))
+        for r0, r1 in rows
+        for c0, c1 in cols
+    ]
 
 
 def matmul_nt(xp: np.ndarray, bp: np.ndarray, n: int, out: np.ndarray, *, spec: _native.KernelSpec | None) -> None:
@@ -626,12 +650,15 @@ def matmul_tn(
     ``g``'s rows, a power of two apart, would share one L1 set), no ``[M, K]`` copy held, then its
     column spans; the same sums as :func:`matmul` on ``pairs_of_f32(g, transpose=True)``.
     ``form``: the plan's ``GemmChoice.a_form``."""
-    from ._gemm import ROW_BLOCK, _run, _spans
+    from ._gemm import ROW_BLOCK, _run
 
     _check_form(form)
     k, m = g.shape
     kp = (k + 1) // 2
-    cols = _col_spans(n)
+    # ≤ 512 rows per task, and at least two tasks from 128 rows on (a filtered tile's few kept
+    # columns would otherwise run on one thread), more where the pool would idle (_pool_tiles);
+    # the sums do not depend on the split
+    rows, cols = _pool_tiles(m, n, min(ROW_BLOCK, max(64, -(-m // 2))), False)
     u = g.view(np.uint32)
     f32a = form == "f32"
     ka = _a_stride(k)
@@ -646,9 +673,7 @@ def matmul_tn(
         for c0, c1 in cols:
             gemm_tile(xp, bp, c0, c1, out[r0:r1, c0:c1], acc, spec=spec)
 
-    # ≤ 512 rows per task, and at least two tasks from 128 rows on (a filtered tile's few kept
-    # columns would otherwise run on one thread); the sums do not depend on the split
-    _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in _spans(m, min(ROW_BLOCK, max(64, -(-m // 2))))])
+    _run([(lambda r0=r0, r1=r1: task(r0, r1)) for r0, r1 in rows])
 
 
 class Logits:

@@ -289,7 +289,7 @@ def blas_for(engine_of):
 
 def _run(tasks, engine: str = "blas"):
     """Run ``tasks`` (callables of no argument) on the pool (inline for one thread or task)."""
-    n = numba.get_num_threads()
+    n = pool_threads()
     if n <= 1 or len(tasks) <= 1:
         # the calling thread's OpenMP (PyTorch's): one thread, as on the pool
         with _onednn.one_omp_thread() if engine == "onednn" else contextlib.nullcontext():
@@ -315,7 +315,7 @@ def run_graph(groups: list[list], preds: list[set[int]], engine: str = "blas") -
     for g, p in enumerate(preds):
         if any(not 0 <= q < g for q in p):
             raise ValueError(f"run_graph: group {g}'s predecessors must be earlier groups, got {sorted(p)}")
-    n = numba.get_num_threads()
+    n = pool_threads()
     if n <= 1 or sum(len(t) for t in groups) <= 1:  # _run's inline path, the groups in order
         _run([t for tasks in groups for t in tasks], engine)
         return
@@ -387,7 +387,48 @@ def run_graph(groups: list[list], preds: list[set[int]], engine: str = "blas") -
 
 def _spans(M: int, step: int) -> list[tuple[int, int]]:
     """``[0, M)`` cut into ``ceil(M / step)`` parts of equal size (±1): from the shape only."""
-    k = -(-M // step)
+    return parts(M, -(-M // step))
+
+
+def pool_threads() -> int:
+    """The pool's width: the calling thread's Numba thread count (``fastgrad.set_num_threads``)."""
+    return numba.get_num_threads()
+
+
+#: the fewest rows (and columns) a native GEMM task is cut to where the pool has more threads than tiles
+POOL_MIN_SIDE = 64
+#: the least share of the pool's thread-time that :func:`pool_grid` keeps busy in the last round
+POOL_BALANCE = 0.9
+
+
+def pool_grid(rows: int, cols: int, r_max: int, c_max: int) -> tuple[int, int]:
+    """(row parts, column parts) of a GEMM's tasks: the shapes' ``rows × cols`` — or, where their
+    count leaves less than :data:`POOL_BALANCE` of ``T · rounds`` busy (``T``: :func:`pool_threads`;
+    e.g. 4 tiles on 16 threads), the first count that reaches it (or the best balance there is),
+    more column parts first (up to ``c_max``), then more row parts (up to ``r_max``): a row part
+    re-reads all of ``B`` and reuses each of its blocks over fewer rows (bench/results/README.md).
+    Only for kernels whose bits do not depend on the split (the native GEMMs: each output one fixed
+    sequence of additions); one thread, or a pool the tiles fill, runs the shapes' grid."""
+    T = pool_threads()
+
+    def balance(n: int) -> float:
+        return n / (T * -(-n // T))
+
+    if T <= 1 or rows * cols == 0 or balance(rows * cols) >= POOL_BALANCE:
+        return rows, cols
+    best = (balance(rows * cols), rows, cols)
+    for r in range(rows, max(rows, r_max) + 1):
+        for c in range(cols, max(cols, c_max) + 1):
+            b = balance(r * c)
+            if b >= POOL_BALANCE:
+                return r, c
+            if b > best[0] + 1e-12:
+                best = (b, r, c)
+    return best[1], best[2]
+
+
+def parts(M: int, k: int) -> list[tuple[int, int]]:
+    """``[0, M)`` cut into ``k`` parts of equal size (±1)."""
     return [((i * M) // k, ((i + 1) * M) // k) for i in range(k)]
 
 
