@@ -315,8 +315,9 @@ class Operands:
         sums as :meth:`grad_weight` (``matmul_tn``) and :meth:`grad_input` (``pairs_in_place``)."""
         if not self.b16 or self.form != "pairs":
             raise ValueError(f"paired operands are the bf16 kernel's vdpbf16ps form, not {self.kind} / {self.form}")
-        _bf16dot.matmul(gt, self.xinter[b0], self.H, gw_out, acc=gw_acc, spec=self.spec)
-        _bf16dot.matmul(gp, self.w_pairs(), self.H, gi_out, acc=True, spec=self.spec)
+        gi = _bf16dot.matmul_tasks(gp, self.w_pairs(), self.H, gi_out, acc=True, spec=self.spec)
+        gw = _bf16dot.matmul_tasks(gt, self.xinter[b0], self.H, gw_out, acc=gw_acc, spec=self.spec)
+        run_tasks(gi + gw)  # both read only the operands: one barrier, grad_input's longer tasks first
 
     def logits(self, b0: int, b1: int, out: np.ndarray) -> None:
         """``out[b1-b0, v1-v0] = X[b0:b1] · W[v0:v1]ᵀ`` in fp32 for the current tile."""

@@ -9,9 +9,7 @@ import numpy as np
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
 from ..kernels._bf16dot import gt_pairs_rows, pairs_rows
-from ..kernels._gemm import (
-    run_rows,
-)
+from ..kernels._gemm import row_tasks, run_rows, run_tasks
 from ..kernels._linear import _add_rows_at, _take_rows, fp32_block, kept_products
 from ..kernels._vmath import exp_c, row_max_nan, row_sum_exp
 from .params import (  # noqa: F401  (the passes' indices: compile-time constants of the Numba passes)
@@ -341,7 +339,13 @@ def col_means16(H: int, u: np.ndarray, code: int, out: np.ndarray) -> None:
     cache lines (16 spans of 56 values at H = 896 re-read every line of a 58 MB weight 16 times:
     slow; the figure in bench/results/README.md).  The sums do not depend on the split: the same
     bits at any thread count."""
-    run_rows(_col_mean16, H, u, code, out, parts=max(1, H // 256))
+    run_tasks(col_means16_tasks(H, u, code, out))
+
+
+def col_means16_tasks(H: int, u: np.ndarray, code: int, out: np.ndarray) -> list:
+    """:func:`col_means16`'s tasks, to run with other independent ones (one barrier for all: the
+    weight's chunks at once, ``H // 256`` tasks each)."""
+    return row_tasks(_col_mean16, H, u, code, out, parts=max(1, H // 256))
 
 
 @tjit

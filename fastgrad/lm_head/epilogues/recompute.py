@@ -16,6 +16,7 @@ from ...kernels._gemm import (
     matmul_nt,
     matmul_tn,
     run_rows,
+    run_tasks,
 )
 from ..loop import Workspace, need
 from ..loop import run as run_tiles
@@ -28,6 +29,7 @@ from ..passes import (
     _round_g_bf16,
     _round_rows,
     col_means16,
+    col_means16_tasks,
 )
 from ..plan_types import BLAS, FAST_E_GROUP, Buffer, GemmChoice, TrainingPlan, b_size
 
@@ -136,8 +138,8 @@ class _RecomputeGrad:
             self.w_bar = zeros("fast_w_mean", (nchunks, H))  # the chunk's mean row of W
             self.x_bar = zeros("fast_x_mean", (nblocks, H))  # the block's mean row of X
             xu = input.view(np.uint16)
-            for k, (b0, b1) in enumerate(grid.bt_ranges()):
-                col_means16(H, xu[b0:b1], D.BF16, self.x_bar[k])
+            blocks = enumerate(grid.bt_ranges())
+            run_tasks([t for k, (b0, b1) in blocks for t in col_means16_tasks(H, xu[b0:b1], D.BF16, self.x_bar[k])])
             # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
             self.xi_buf = get("x_pairs_block")
             self.xint = _bf16dot.interleave(input, self.xi_buf) if (gw is not None and nblocks == 1) else None

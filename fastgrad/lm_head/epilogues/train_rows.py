@@ -20,6 +20,7 @@ from ...kernels._gemm import (
     nt_tasks,
     row_tasks,
     run_rows,
+    run_tasks,
     tn_tasks,
 )
 from ...kernels._linear import fp32_block_tasks
@@ -40,6 +41,7 @@ from ..passes import (
     _scatter_add_rounded,
     _stats_chunk,
     col_means16,
+    col_means16_tasks,
 )
 from ..plan_types import FAST_E_GROUP, Buffer, GemmChoice, LossParams, TrainingPlan, b_size, fast_fused
 from .recompute import _bf16_logits
@@ -170,8 +172,8 @@ class _RowStep:
         self.w_bar = take("fast_w_mean")[: nch * H].reshape(nch, H)
         self.x_bar = take("fast_x_mean")[:H]
         wu = self.W.view(np.uint16)
-        for c, (v0, v1) in enumerate(self.chunks):
-            col_means16(H, wu[v0:v1], D.BF16, self.w_bar[c])
+        chunks = enumerate(self.chunks)
+        run_tasks([t for c, (v0, v1) in chunks for t in col_means16_tasks(H, wu[v0:v1], D.BF16, self.w_bar[c])])
         self.xi_buf = get("x_pairs_block")
         self.wi_buf = get("w_pairs_chunk")
         self.prod = get("fast_product")
@@ -423,32 +425,46 @@ class _RowStep:
         """``precision="fast"``: chunk ``c``'s two gradient GEMMs on the bf16 kernel (one task:
         the kernel's own parallel calls, on this thread) — ``grad_weight[v] (+)= Gᵀ·X[b]`` and
         the mean part of the rounding error ``(Σ_t e)·mean_t X[b]``, then ``grad_input[b] (+)=
-        G·W[v]`` (``G`` overwritten by its pairs)."""
+        G·W[v]`` (``G`` overwritten by its pairs); where the fused pass made both ``A`` operands,
+        the two GEMMs' tiles as one task list (one barrier, ``grad_input``'s tiles first)."""
         return [functools.partial(self._fast_products_run, c)]
 
     def _fast_products_run(self, c: int) -> None:
         v0, v1 = self.chunks[c]
         G, H, nb, w = self._chunk_block(c), self.H, self.nb, v1 - v0
         pre = self.gt_buf is not None  # A made by the fused pass (_grad_round16)
+        tasks: list = []
+        if self.gi is not None and pre:
+            tasks = self._grad_input_tasks(G, c, pre)
         if self.gw is not None:
             acc = self.gw[v0:v1]
             xi = need(self.xint, "X's pairs")
             if pre:  # gᵀ's pairs: the same sums as matmul_tn's
-                _bf16dot.matmul(self._gt_pairs(w, nb), xi, H, acc, acc=not self.first, spec=self.spec)
+                gt = self._gt_pairs(w, nb)
+                run_tasks(tasks + _bf16dot.matmul_tasks(gt, xi, H, acc, not self.first, spec=self.spec))
+                tasks = []
             else:
                 _bf16dot.matmul_tn(G, xi, H, acc, acc=not self.first, form=self.form, spec=self.spec)
             ng = -(-nb // FAST_E_GROUP)
             run_rows(_add_outer, w, acc, self.e_col[: ng * w].reshape(ng, w).sum(0), self.x_bar)
-        if self.gi is not None:
-            if self.wi_all is None:
-                wi = _bf16dot.interleave(self.W[v0:v1], self.wi_buf)
-            else:  # plan.weight16_cached: paired once, in the first row block
-                c = v0 // self.plan.v_chunk
-                part = self.wi_all[c * self.wi_size : (c + 1) * self.wi_size]
-                wi = _bf16dot.interleave(self.W[v0:v1], part) if self.first else part_view(part, w, H)
-            gi = self.gi[self.b0 : self.b1]
-            A = G.view(np.uint32)[:, : (w + 1) // 2] if pre else _bf16dot.pairs_in_place(G, self.form)
-            _bf16dot.matmul(A, wi, H, gi, acc=v0 > 0, spec=self.spec)
+        if self.gi is not None and not pre:
+            tasks = self._grad_input_tasks(G, c, pre)
+        run_tasks(tasks)
+
+    def _grad_input_tasks(self, G: np.ndarray, c: int, pre: bool) -> list:
+        """``grad_input[b] (+)= G·W[v]`` of chunk ``c`` on the bf16 kernel, as tasks (``W``'s chunk
+        paired first, unless cached; ``G``'s rows paired in place unless ``pre``)."""
+        v0, v1 = self.chunks[c]
+        w, H = v1 - v0, self.H
+        if self.wi_all is None:
+            wi = _bf16dot.interleave(self.W[v0:v1], self.wi_buf)
+        else:  # plan.weight16_cached: paired once, in the first row block
+            k = v0 // self.plan.v_chunk
+            part = self.wi_all[k * self.wi_size : (k + 1) * self.wi_size]
+            wi = _bf16dot.interleave(self.W[v0:v1], part) if self.first else part_view(part, w, H)
+        gi = need(self.gi, "grad_input")[self.b0 : self.b1]
+        A = G.view(np.uint32)[:, : (w + 1) // 2] if pre else _bf16dot.pairs_in_place(G, self.form)
+        return _bf16dot.matmul_tasks(A, wi, H, gi, v0 > 0, spec=self.spec)
 
     def _colsum(self, c: int) -> list:
         if self.gb is None:
