@@ -310,9 +310,9 @@ def plan_training_loss(
     g3 = (want_grad,) * 3 if grads is None else tuple(bool(g) for g in grads)
     vocab_major, filtering = training_modes(want_grad=want_grad, recompute=recompute, filtered=filtered, K=K, BT=BT)
     # the row blocks' stages: the statistics where the logits run on the fp32 engines with a
-    # gradient to follow; the gradient where it is dense and grad_weight summed in the compute dtype
+    # gradient to follow; the gradient where it is dense, grad_weight summed in the compute dtype
+    # and its GEMMs on the fp32 engines (not precision="fast"'s fused pass and bf16 kernel)
     staged_stats = bool(staged) and not logits16 and want_grad and not recompute
-    staged_grad = staged_stats and not filtering and not (accum16 and g3[1]) and K > 0
     grad16 = fast_fused(
         logits16=logits16,
         fast=fast,
@@ -323,6 +323,8 @@ def plan_training_loss(
         K=K,
         BT=BT,
     )
+    staged_grad = bool(staged) and want_grad and not recompute and not filtering and not (accum16 and g3[1])
+    staged_grad = staged_grad and K > 0 and not grad16
     plan = TrainingPlan(
         BT=BT,
         K=K,

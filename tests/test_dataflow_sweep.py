@@ -237,6 +237,63 @@ def test_any_schedule_the_graph_allows_gives_the_chunk_order_bits(feat, dtype, g
             np.testing.assert_allclose(np.asarray(got, np.float64), want.numpy(), atol=2e-6 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1, "softcap": 25.0}, {"bias": True}])
+@pytest.mark.parametrize("sums", ["in_blas", "scratch"])
+@pytest.mark.parametrize("budget", [20 * 900 * 4, 1 << 20], ids=["row_blocks", "whole_weight"])
+def test_the_bf16_logits_kernels_staged_gradient_under_random_schedules(opts, sums, budget, monkeypatch):
+    """fastgrad.torch's training loss on bf16 with the logits on the exact-product bf16 kernel
+    (its statistics unstaged) stages its gradient sweep: any schedule its graph allows gives the
+    chunk-by-chunk bits (several chunks; several row blocks with a chunk's widened weight, or
+    one with the whole weight widened), and float64 autograd's loss."""
+    from fastgrad.kernels import _bf16dot
+
+    if not _bf16dot.available():
+        pytest.skip("no native bf16 kernel on this CPU: the logits run on BLAS (the cases above)")
+    import fastgrad.torch  # noqa: F401
+
+    if sums == "scratch":  # the chunks share the tiles' scratch products (declared)
+        monkeypatch.setattr(_gemm, "blas_accumulates", lambda dtype: False)
+    elif not _gemm.blas_accumulates(np.float32):
+        pytest.skip("NumPy's BLAS is not OpenBLAS: no in-call sums to schedule")
+
+    g = torch.Generator().manual_seed(3)
+    BT, H, V = 45, 40, 900
+    h = torch.randn(BT, H, generator=g).bfloat16()
+    w = (torch.randn(V, H, generator=g) / H**0.5).bfloat16()
+    t = torch.randint(0, V, (BT,), generator=g)
+    b = (torch.randn(V, generator=g) * 0.1).bfloat16() if opts.get("bias") else None
+    kw = {k: v for k, v in opts.items() if k != "bias"}
+    calls = []
+    real_nt = _bf16dot.matmul_nt
+    monkeypatch.setattr(_bf16dot, "matmul_nt", lambda *a, **k: (calls.append(1), real_nt(*a, **k))[1])
+
+    def run():
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        bb = None if b is None else b.detach().requires_grad_()
+        loss = fg.torch.linear_cross_entropy(hh, ww, t, bias=bb, **kw)
+        loss.backward()
+        grads = [hh.grad, ww.grad] + ([] if bb is None else [bb.grad])
+        return [loss.detach().float().numpy().reshape(1)] + [x.float().numpy() for x in grads]
+
+    monkeypatch.setattr(op, "V_CHUNK", 128)
+    with workspace_budget(budget):
+        monkeypatch.setattr(op, "STAGED", False)
+        ref = run()
+        assert calls  # the logits ran on the bf16 kernel
+        monkeypatch.setattr(op, "STAGED", True)
+        for seed in range(3):
+            rg, seen = _random_graph(seed)
+            monkeypatch.setattr(_lm_head, "run_graph", rg)
+            got = run()
+            assert seen and max(seen) > 10  # the gradient sweeps ran as graphs
+            for u, v in zip(got, ref):
+                assert np.array_equal(u.view(np.uint32), v.view(np.uint32)), seed
+    if not opts:
+        z = h.double() @ w.double().T
+        want = torch.nn.functional.cross_entropy(z, t).item()
+        assert abs(float(ref[0][0]) - want) <= 1e-6 * abs(want)
+
+
 def test_a_missing_declaration_is_caught_by_the_random_schedules(monkeypatch):
     """The check above can fail: with the statistics' step declared as touching nothing, some
     schedule runs a chunk's statistics before its logits, and the bits differ."""

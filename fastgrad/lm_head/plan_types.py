@@ -371,10 +371,11 @@ class TrainingPlan:
         (``lm_head/loop.Sweep``): chunk ``c``'s GEMM tiles beside chunk ``c + 1``'s widening
         and chunk ``c - 1``'s (resp. ``c + 1``'s) element-wise pass, as a dependency graph of what
         each step reads and writes (no barrier between stages) — the same calls on the same
-        operands as chunk by chunk, so the same bits.  Staged where the
-        logits run on the fp32 engines (not the bf16 kernel) and the gradient follows in the same
-        call (the statistics), and then where nothing is filtered and ``grad_weight`` is summed in
-        the compute dtype (the gradient).
+        operands as chunk by chunk, so the same bits.  The statistics staged where the logits
+        run on the fp32 engines (not the bf16 kernel) and the gradient follows in the same call;
+        the gradient where it follows the statistics in the same call, nothing is filtered,
+        ``grad_weight`` is summed in the compute dtype and its GEMMs run on the fp32 engines (not
+        :attr:`grad16`) — with the logits on either.
     grad16 : bool
         ``precision="fast"`` in the fused row blocks (the gradient in the same call as the
         statistics, on the bf16 logits kernel, dense, ``grad_weight`` summed in fp32): ``g``
