@@ -207,6 +207,24 @@ GRAD_INPUT_TASKS = 16
 GRAD_INPUT_MIN_TILE = 128
 
 
+#: The staged statistics sweep widens weight chunk ``c + n`` into the buffer chunk ``c``'s logits
+#: read (``n``: :attr:`TrainingPlan.weight_buffers`), so at most ``n`` chunks' logits tiles run at
+#: once: at the Qwen2.5 head (683-row blocks, 4 tiles of ≤ 1024 × 2048 per 8192-column chunk) two
+#: buffers kept 8 of 16 threads busy (bench/schedule_model.py: the BLAS path's train step 70 % →
+#: 94 % of 16 threads with four; bench/results/README.md).  :func:`weight_buffers` keeps at least
+#: this many tiles in flight, from the shapes only, with at most :data:`MAX_WEIGHT_BUFFERS` buffers.
+STAGED_LOGITS_TASKS = 16
+MAX_WEIGHT_BUFFERS = 4
+
+
+def weight_buffers(rows: int, chunk: int, tile: tuple[int, int] = TRAIN_LOGITS_TILE) -> int:
+    """The staged statistics sweep's widened weight chunks (:attr:`TrainingPlan.weight_buffers`)
+    for a block of ``rows`` rows and chunks of ``chunk`` columns on logits tiles of ``tile``: two,
+    or more until they hold :data:`STAGED_LOGITS_TASKS` tiles, at most :data:`MAX_WEIGHT_BUFFERS`."""
+    per = -(-max(int(rows), 1) // tile[0]) * -(-max(int(chunk), 1) // tile[1])
+    return max(2, min(MAX_WEIGHT_BUFFERS, -(-STAGED_LOGITS_TASKS // per)))
+
+
 def grad_input_tile(rows: int, H: int, largest: tuple[int, int] = TRAIN_GRAD_INPUT_TILE) -> tuple[int, int]:
     """``grad_input``'s GEMM tile (rows × columns of ``H``) for a block of ``rows`` rows: ``largest``,
     halved (columns first, then rows, each down to :data:`GRAD_INPUT_MIN_TILE`) until the block has
@@ -345,6 +363,7 @@ def plan_training_loss(
         accumulate_in_gemm=bool(beta1) and want_grad and not vocab_major,
         staged_statistics=staged_stats,
         staged_gradient=staged_grad,
+        weight_buffers=weight_buffers(block, vc) if staged_stats else 1,
         grad16=grad16,
         weight16_cached=grad16 and -(-BT // block) > 1 and 2 * b_size(H, max(K, 1)) * 4 <= 4 * budget,
         gemm=gemm,

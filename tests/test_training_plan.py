@@ -173,3 +173,21 @@ def test_the_row_blocks_gemm_grids_are_the_plans(monkeypatch):
     for name in ("loss", "grad_input", "grad_weight"):
         v, want = getattr(o, name), getattr(ref, name)
         np.testing.assert_allclose(v, want, rtol=2e-5, atol=2e-6 * np.abs(want).max())
+
+
+def test_the_staged_statistics_keep_enough_logits_tiles_in_flight():
+    """Widening chunk c + n waits for chunk c's logits (n: weight_buffers), so the buffers are what
+    bounds the staged statistics sweep's parallelism: enough for 16 tiles of ≤ 1024 × 2048, 2 to 4,
+    from the shapes only; declared as w_chunk + w_chunk_next's n - 1 chunks."""
+    p = _plan()  # 409-row blocks, 8192-column chunks: 4 tiles per chunk
+    assert p.staged_statistics and p.weight_buffers == 4
+    bufs = {b.name: b for b in p.buffers}
+    assert bufs["w_chunk"].shape == (8192, 896) and bufs["w_chunk_next"].shape == (3, 8192, 896)
+    assert tiling.weight_buffers(409, 8192) == 4 and tiling.weight_buffers(2048, 8192) == 2
+    assert tiling.weight_buffers(1, 1) == tiling.MAX_WEIGHT_BUFFERS and tiling.weight_buffers(3000, 8192) == 2
+    assert tiling.weight_buffers(1500, 8192) == 2  # 2 x 4 tiles: two chunks hold 16
+    assert tiling.weight_buffers(900, 4096) == 4  # 1 x 2 tiles: 8 chunks would; at most 4
+    # unstaged (the forward alone, the bf16 logits kernel): one buffer, no w_chunk_next
+    for q in (_plan(want_grad=False), _plan(logits16=True)):
+        assert not q.staged_statistics and q.weight_buffers == 1
+        assert "w_chunk_next" not in {b.name for b in q.buffers}

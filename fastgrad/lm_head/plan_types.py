@@ -376,6 +376,13 @@ class TrainingPlan:
         the gradient where it follows the statistics in the same call, nothing is filtered,
         ``grad_weight`` is summed in the compute dtype and its GEMMs run on the fp32 engines (not
         :attr:`grad16`) — with the logits on either.
+    weight_buffers : int
+        The weight chunks widened to the compute dtype that a row block keeps at once (``w_chunk``
+        and ``w_chunk_next``'s ``weight_buffers - 1``): 1, or where the statistics are staged
+        enough that the chunks in flight hold :data:`tiling.STAGED_LOGITS_TASKS` logits tiles
+        (2 to :data:`tiling.MAX_WEIGHT_BUFFERS`; widening chunk ``c + n`` waits for chunk ``c``'s
+        logits, so with two a 683-row block's 4 tiles per chunk kept 8 of 16 threads busy).
+        From the shapes only.
     grad16 : bool
         ``precision="fast"`` in the fused row blocks (the gradient in the same call as the
         statistics, on the bf16 logits kernel, dense, ``grad_weight`` summed in fp32): ``g``
@@ -405,6 +412,7 @@ class TrainingPlan:
     accumulate_in_gemm: bool = False
     staged_statistics: bool = False
     staged_gradient: bool = False
+    weight_buffers: int = 1
     grad16: bool = False
     weight16_cached: bool = False
     fallback: str | None = None

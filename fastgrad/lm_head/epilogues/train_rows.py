@@ -124,8 +124,9 @@ class _RowStep:
             BT=input.shape[0],
         ):
             raise InternalError(f"plan.grad16 is {b16}, the call's arguments say otherwise")
-        # the whole weight in the compute dtype when it is small, else widened per chunk (double
-        # buffered where a sweep runs in stages: chunk c + 1 widened while chunk c is read); the
+        # the whole weight in the compute dtype when it is small, else widened per chunk (in
+        # plan.weight_buffers buffers where a sweep runs in stages: chunk c + 1 widened while chunk
+        # c is read); the
         # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
         # fresh pages
         # (the buffers of :func:`buffers`, the plan's list, by name)
@@ -135,8 +136,10 @@ class _RowStep:
         wbuf = get("w_chunk")
         self.wbufs: tuple = ()
         if wbuf is not None:
-            nxt = get("w_chunk_next")  # the staged sweeps' second chunk
-            self.wbufs = (wbuf,) if nxt is None else (wbuf, nxt)
+            nxt = get("w_chunk_next")  # the staged sweeps' next chunks
+            n = wbuf.size
+            more = () if nxt is None else tuple(nxt[i * n : (i + 1) * n] for i in range(nxt.size // n))
+            self.wbufs = (wbuf, *more)
         # the row block's X in the compute dtype: for the BLAS logits and the gradient GEMMs (the
         # forward alone on the bf16 logits kernel reads none)
         self.need_x = bfl is None or (self.want_grad and not b16)
@@ -586,13 +589,14 @@ def buffers(
     a_form: str | None,
 ) -> list[Buffer]:
     """The buffers the row blocks (:class:`_RowStep`) take for ``plan`` in the compute dtype
-    ``cdt``: the bf16 logits' (``plan.logits16``), the weight whole or by chunk (double buffered
-    where the sweeps run in stages) and the row block's ``X`` for 16-bit operands (``widen``), the
-    row block's logits (a chunk of them for the forward alone), ``precision="fast"``'s
-    (``plan.grad16``: the rounding error's sums, the mean rows, the bf16 pairs, the weight's
-    layouts kept across the row blocks), the accumulating GEMMs' scratch products (unless they add
-    in the BLAS call), a 16-bit ``grad_weight``'s rows (``accum16``), and gradient filtering's
-    (``plan.filter_rows``).  ``grads``: which of (grad_input, grad_weight, grad_bias) are computed."""
+    ``cdt``: the bf16 logits' (``plan.logits16``), the weight whole or by chunk
+    (``plan.weight_buffers`` chunks where the statistics run in stages) and the row block's
+    ``X`` for 16-bit operands (``widen``), the row block's logits (a chunk of them for the
+    forward alone), ``precision="fast"``'s (``plan.grad16``: the rounding error's sums, the mean
+    rows, the bf16 pairs, the weight's layouts kept across the row blocks), the accumulating
+    GEMMs' scratch products (unless they add in the BLAS call), a 16-bit ``grad_weight``'s rows
+    (``accum16``), and gradient filtering's (``plan.filter_rows``).  ``grads``: which of
+    (grad_input, grad_weight, grad_bias) are computed."""
     BT, K, H, logits16 = plan.BT, plan.K, plan.H, plan.logits16
     gi, gw, gb = grads
     want_grad = gi or gw or gb
@@ -609,8 +613,8 @@ def buffers(
         add("w_whole", (K, H), cdt, "call")
     elif widen and (not logits16 or (gi and not g16)):  # with the bf16 logits kernel: grad_input's operand only
         add("w_chunk", (vc, H), cdt, "tile")
-        if plan.staged_statistics:  # the staged sweeps' second chunk
-            add("w_chunk_next", (vc, H), cdt, "tile")
+        if plan.weight_buffers > 1:  # the staged sweeps' next chunks
+            add("w_chunk_next", (plan.weight_buffers - 1, vc, H), cdt, "tile")
     if widen and (not logits16 or (want_grad and not g16)):  # the forward alone on the bf16 kernel reads no X
         add("x_block", (nb_rows, H), cdt, "tile")
     add("logits_block", (nb_rows, max(K, 1) if want_grad else vc), cdt, "tile")
