@@ -73,8 +73,12 @@ def test_ctrl_c_on_a_real_run_leaves_a_partial_report(tmp_path):
     # (with ARGS' 4 cases of ~0.3 s it sometimes had, under a loaded CI: exit status 0)
     args = ["bench", "--quick", "--ops", "ce,smooth_l1,embedding,scaled", "--no-torch", "--repeat", "100000",
             "--budget", "0.3", "--json", str(js)]
+    # the child takes SIGINT as a terminal's process does, whatever this process inherited: a test
+    # run started in the background (`nohup ... &`: SIGINT ignored) made a child that ignored it —
+    # Python installs its KeyboardInterrupt handler only where SIGINT is not ignored at startup
     p = subprocess.Popen([sys.executable, "-m", "fastgrad", *args], stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True)
+                         stdout=subprocess.DEVNULL, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in p.stderr:
             if "[1/" in line and "cases done" in line:   # the first case finished and was written
