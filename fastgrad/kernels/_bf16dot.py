@@ -359,6 +359,18 @@ def pairs_rows(u, i0, i1, up):
             d[w // 2] = a[w - 1] >> np.uint32(16)
 
 
+@tjit
+def group_pairs(u, i0, i1, gt, up):
+    """Both gradient GEMMs' ``A`` on ``vdpbf16ps`` from the row group ``i0:i1`` of ``u`` (the
+    uint32 bits of fp32 values that are bf16 values; ``i0`` even): ``gᵀ``'s pairs into ``gt``
+    (:func:`gt_pairs_rows`, skipped when ``gt`` has no rows), then the rows paired in place
+    (:func:`pairs_rows` into ``up`` = ``u[:, :ceil(w/2)]``, skipped when ``up`` has no rows)."""
+    if gt.shape[0] > 0:
+        gt_pairs_rows(u, i0, i1, gt, i0 // 2)
+    if up.shape[0] > 0:
+        pairs_rows(u, i0, i1, up)
+
+
 def pairs_of_f32(g: np.ndarray, transpose: bool = False) -> np.ndarray:
     """An fp32 ``[M, K]`` array whose values are bf16 values (its low 16 bits zero, e.g. rounded
     to bf16 by the epilogue) as the kernel's ``A``: ``[M, ceil(K/2)]`` pairs along its rows, or

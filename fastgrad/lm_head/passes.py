@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import dtypes as D
 from .._jit import FASTMATH_SAFE, njit, tjit
-from ..kernels._bf16dot import gt_pairs_rows, pairs_rows
+from ..kernels._bf16dot import group_pairs
 from ..kernels._gemm import row_tasks, run_rows, run_tasks
 from ..kernels._linear import _add_rows_at, _take_rows, fp32_block, kept_products
 from ..kernels._vmath import exp_c, row_max_nan, row_sum_exp
@@ -315,10 +315,7 @@ def _grad_round_bf16(
             vshift,
         )
         _round_g_bf16(q, q + 1, G, e_row, e_col)
-        if gt.shape[0] > 0:
-            gt_pairs_rows(u, i0, i1, gt, i0 // 2)
-        if up.shape[0] > 0:
-            pairs_rows(u, i0, i1, up)
+        group_pairs(u, i0, i1, gt, up)
 
 
 @tjit

@@ -12,7 +12,7 @@ from ... import dtypes as D
 from ..._jit import tjit
 from ...errors import InternalError
 from ...kernels import _bf16dot
-from ...kernels._bf16dot import gt_pairs_rows, pairs_rows
+from ...kernels._bf16dot import group_pairs
 from ...kernels._gemm import row_tasks, run_rows, run_tasks
 from ...kernels._linear import _add_rows_at, add_rows_at, kept_products, narrow, take_cols, take_rows
 from ...kernels._vmath import exp_f32
@@ -79,10 +79,10 @@ def _epilogue_pairs(
 ):
     """:func:`_epilogue_memory_saving` over the row groups ``lo:hi`` (``_PAIR_ROWS`` rows each),
     each group then, while in cache, made into both gradient GEMMs' ``A`` on ``vdpbf16ps``:
-    ``gᵀ``'s pairs into ``gt`` ``[nv, ceil(nb/2)]`` (``_bf16dot.gt_pairs_rows``) and the rows
-    paired in place (``up`` = ``u[:, :ceil(nv/2)]``, ``u`` the tile's uint32 view;
-    ``_bf16dot.pairs_rows``) — what ``matmul_tn`` and ``pairs_in_place`` make from the finished
-    tile, one pass over it instead of three: the same bits."""
+    ``gᵀ``'s pairs into ``gt`` ``[nv, ceil(nb/2)]`` and the rows paired in place (``up`` =
+    ``u[:, :ceil(nv/2)]``, ``u`` the tile's uint32 view; ``_bf16dot.group_pairs``) — what
+    ``matmul_tn`` and ``pairs_in_place`` make from the finished tile, one pass over it instead of
+    three: the same bits."""
     nb = L.shape[0]
     for q in range(lo, hi):
         i0 = q * _PAIR_ROWS
@@ -90,8 +90,7 @@ def _epilogue_pairs(
         _epilogue_memory_saving(
             i0, i1, L, row0, col0, logits_max, sum_exp, grad, tcol, code, smooth, inv_k, keep, fb, rb
         )
-        gt_pairs_rows(u, i0, i1, gt, i0 // 2)
-        pairs_rows(u, i0, i1, up)
+        group_pairs(u, i0, i1, gt, up)
 
 
 @tjit
@@ -243,8 +242,7 @@ def _epilogue_hp_pairs(lo, hi, S, G, row0, col0, grad, tcol, code, smooth, inv_k
         i0 = q * _PAIR_ROWS
         i1 = min(nb, i0 + _PAIR_ROWS)
         _epilogue_high_performance(i0, i1, S, G, row0, col0, grad, tcol, code, smooth, inv_k)
-        gt_pairs_rows(u, i0, i1, gt, i0 // 2)
-        pairs_rows(u, i0, i1, up)
+        group_pairs(u, i0, i1, gt, up)
 
 
 class FlceGrad:
