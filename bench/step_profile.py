@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--shape", default="2048,896,151936")
     ap.add_argument("--budget-mb", default="256", help="workspace budgets to run, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--gi-tasks", default="", help="tiling.GRAD_INPUT_TASKS values to run (default: the plan's)")
+    ap.add_argument("--gi-tasks", default="", help="tiling.TRAIN_GRAD_INPUT_TASKS values to run (default: the plan's)")
     a = ap.parse_args()
     import torch
 
@@ -87,7 +87,7 @@ def main() -> None:
     variants = [(int(mb), gi) for mb in a.budget_mb.split(",") for gi in gis]
     for mb, gi in variants:
         if gi:
-            tiling.GRAD_INPUT_TASKS = int(gi)
+            tiling.TRAIN_GRAD_INPUT_TASKS = int(gi)
         fg.tiling.set_workspace_budget(mb << 20)
         plan = fg.plan("fused_linear_online_max_sum", BT, V, H)  # (the budget's effect, for the record)
         step()
@@ -103,7 +103,7 @@ def main() -> None:
         wall, b, c = best
         other = b["tasks"] - b["gemm"]  # every pool task, less the GEMM tiles inside them
         print(
-            f"budget {mb} MiB, GRAD_INPUT_TASKS {tiling.GRAD_INPUT_TASKS} "
+            f"budget {mb} MiB, TRAIN_GRAD_INPUT_TASKS {tiling.TRAIN_GRAD_INPUT_TASKS} "
             f"(online max-sum tiles {plan.bt_tile}x{plan.v_tile}): wall {wall:.3f} s; "
             f"GEMM tiles {b['gemm']:.2f} thread-s ({c['gemm']} calls), other pool work {other:.2f} thread-s; "
             f"pool utilization {b['tasks'] / (wall * n):.0%}, GEMM share of wall x threads {b['gemm'] / (wall * n):.0%}"

@@ -195,15 +195,21 @@ def plan_linear_cross_entropy(
 TRAIN_VM_CHUNK = 2048
 
 #: ``grad_input``'s ``G·W`` is an accumulator summed over the vocabulary (chunk after chunk, tile
-#: after tile): its tiles are the only independent tasks of that step, and the chain of steps over
-#: the vocabulary is the loop's critical path on many cores.  At the Qwen2.5 head (683-row blocks,
-#: H 896) the (1024, 512) grid gave 2 tasks per step: on a 16-core Xeon the train step took
-#: several times the 16-thread sgemm bound (bench/results/xeon_emr.md; the figure in
-#: bench/results/README.md).  :func:`grad_input_tile` cuts it to at
-#: least this many tiles (from the shapes only, never the thread count), down to
-#: :data:`GRAD_INPUT_MIN_TILE` a side; each output element is still one BLAS call over the same
-#: ``K`` (the chunk), so the bits do not depend on the grid (tests/test_grad_input_grid.py).
+#: after tile): its tiles are the only independent tasks of a vocabulary step, and the chain of
+#: steps is a critical path on many cores.  At the Qwen2.5 head (683-row blocks, H 896) the
+#: (1024, 512) grid gave 2 tasks per step: on a 16-core Xeon the train step took several times the
+#: 16-thread sgemm bound (bench/results/xeon_emr.md).  :func:`grad_input_tile` cuts the grid to at
+#: least this many tiles for the FLCE grad (:data:`GRAD_INPUT_TASKS`) and the training loss
+#: (:data:`TRAIN_GRAD_INPUT_TASKS`: fewer, its staged sweep runs the next chunks' logits and
+#: ``Gᵀ·X`` beside the chain), from the shapes only, never the thread count — the grid decides
+#: bits on OpenBLAS's AVX2 kernels (Haswell / Zen: an output element's sum depends on the call's
+#: rows and columns there, not on its AVX-512 kernels; tests/test_grad_input_grid.py), so a grid
+#: that followed the thread count would make the results follow it too.  Each tile is a BLAS
+#: call that packs its operands again: 28 tiles of 171 × 128 ran the 683 × 8192 × 896 product at
+#: 84 GF/s against 103 GF/s for one call and 96 GF/s for 8 tiles of 342 × 224 (OpenBLAS's Haswell
+#: kernel, one thread, Zen 4; bench/results/README.md).
 GRAD_INPUT_TASKS = 16
+TRAIN_GRAD_INPUT_TASKS = 8
 GRAD_INPUT_MIN_TILE = 128
 
 
@@ -225,22 +231,26 @@ def weight_buffers(rows: int, chunk: int, tile: tuple[int, int] = TRAIN_LOGITS_T
     return max(2, min(MAX_WEIGHT_BUFFERS, -(-STAGED_LOGITS_TASKS // per)))
 
 
-def grad_input_tile(rows: int, H: int, largest: tuple[int, int] = TRAIN_GRAD_INPUT_TILE) -> tuple[int, int]:
+def grad_input_tile(
+    rows: int, H: int, largest: tuple[int, int] = TRAIN_GRAD_INPUT_TILE, tasks: int = GRAD_INPUT_TASKS
+) -> tuple[int, int]:
     """``grad_input``'s GEMM tile (rows × columns of ``H``) for a block of ``rows`` rows: ``largest``,
-    halved (columns first, then rows, each down to :data:`GRAD_INPUT_MIN_TILE`) until the block has
-    :data:`GRAD_INPUT_TASKS` tiles.  From the shapes only."""
+    its longer side halved (columns on a tie; each side down to :data:`GRAD_INPUT_MIN_TILE`, then
+    the other) until the block has ``tasks`` tiles — the squarest tiles of that count, which a BLAS
+    call runs fastest (:data:`GRAD_INPUT_TASKS`).  From the shapes only."""
     r, c = (max(int(x), 1) for x in largest)
     rows, H = max(int(rows), 1), max(int(H), 1)
     r, c = min(r, rows), min(c, H)
+    m = GRAD_INPUT_MIN_TILE
 
     def tiles(r: int, c: int) -> int:
         return -(-rows // r) * -(-H // c)
 
-    while tiles(r, c) < GRAD_INPUT_TASKS:
-        if c > GRAD_INPUT_MIN_TILE:
-            c = max(GRAD_INPUT_MIN_TILE, -(-c // 2))
-        elif r > GRAD_INPUT_MIN_TILE:
-            r = max(GRAD_INPUT_MIN_TILE, -(-r // 2))
+    while tiles(r, c) < tasks:
+        if c > m and (c >= r or r <= m):
+            c = max(m, -(-c // 2))
+        elif r > m:
+            r = max(m, -(-r // 2))
         else:
             break
     return r, c
@@ -350,7 +360,7 @@ def plan_training_loss(
         H=H,
         budget_rows=rows,
         block_rows=block,
-        grad_input_tile=grad_input_tile(block, H),
+        grad_input_tile=grad_input_tile(block, H, tasks=TRAIN_GRAD_INPUT_TASKS),
         v_chunk=vc,
         vocab_major=vocab_major,
         recompute_chunk=rc,

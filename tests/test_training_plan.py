@@ -133,12 +133,13 @@ def _shapes(calls) -> list:
 def test_the_row_blocks_gemm_grids_are_the_plans(monkeypatch):
     # 600 rows x 3000 columns: the logits in 1 x 2 tiles of 600 x 1500 (a 512 x 512 grid would
     # give 2 x 6), grad_weight in 3 blocks of 1000 vocabulary rows, grad_input (an accumulator over
-    # the chunks: its tiles are the step's only parallel tasks) cut towards 16 tiles per vocabulary
+    # the chunks: its tiles are the step's only parallel tasks) cut towards 8 tiles per vocabulary
     # chunk, rows down to 128 here (H = 40 is one column tile): 5 tiles of 120 x 40
     assert _plan().logits_tile == tiling.TRAIN_LOGITS_TILE == (1024, 2048)
-    # the Qwen2.5 head's 409-row blocks: 1024 x 512 halved to 4 x 7 tiles of <= 128 x 128
-    assert (_plan().grad_weight_rows, _plan().grad_input_tile) == (1024, (128, 128))
-    assert tiling.grad_input_tile(683, 896) == (171, 128)  # 4 x 7 at the 2-core default budget's blocks
+    # the Qwen2.5 head's 440-row blocks: 1024 x 512, the longer side halved, to 2 x 4 tiles of <= 220 x 256
+    assert (_plan().grad_weight_rows, _plan().grad_input_tile) == (1024, (220, 256))
+    # 2 x 4 at the 2-core default budget's blocks
+    assert tiling.grad_input_tile(683, 896, tasks=tiling.TRAIN_GRAD_INPUT_TASKS) == (342, 256)
     assert tiling.grad_input_tile(4096, 8192) == tiling.TRAIN_GRAD_INPUT_TILE  # 4 x 16 already
     rng = np.random.default_rng(2)
     x = rng.standard_normal((600, 40)).astype(np.float32)

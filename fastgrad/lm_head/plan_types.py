@@ -188,7 +188,8 @@ TRAIN_GRAD_WEIGHT_ROWS = 1024
 #: packing its ``G`` rows and ``W`` columns (``K`` = a whole vocabulary chunk).  Up to 1024 rows
 #: (1 × 2 tiles there) packs the weight chunk once instead of twice: the ``G·W`` tiles then run at
 #: about the logits tiles' rate and the step is faster (figures in ``bench/results/README.md``,
-#: "Measurements behind the source's choices")
+#: "Measurements behind the source's choices"); cut further into squarer tiles by
+#: ``tiling.grad_input_tile`` until a block has ``tiling.TRAIN_GRAD_INPUT_TASKS``
 TRAIN_GRAD_INPUT_TILE = (1024, 512)
 
 
