@@ -10,8 +10,10 @@ The native kernels' keys hold on every CPU of the host class with the ISA; the B
 OpenBLAS runs the same kernel, so on a machine whose OpenBLAS kernel has no pin those cases are
 reported as skipped with the kernel's name.  Each key's source commit is in the file
 (``sources``): 6464144, except the AVX2 hosts' native keys (6464144 had no AVX2 native kernel) and
-the AVX2 host's BLAS key's training-loss cases (re-pinned when the training loss took its own GEMM
-grid, ``tiling.TRAIN_LOGITS_TILE``).
+the BLAS keys of OpenBLAS's Haswell kernel (the AVX2 CPUs' BLAS), whose bits follow the GEMM grid
+(an output element's sum depends on the call's rows and columns there): their FLCE-grad and
+training-loss cases were re-pinned when ``grad_input``'s grid changed (aef0135), the AVX2 host's
+as a Zen 3 computes, on a Zen 4 (the key's ``sources`` entry says how).
 A refactor of the LM-head engine must keep every pin (a deliberate change of results re-pins with
 the commit named in the file).  A deliberate change that a machine here could not re-pin for every
 host class lists those keys' cases under ``stale`` with the reason and the command that re-pins
