@@ -54,6 +54,7 @@ except ImportError:  # pragma: no cover
 # file keeps its own content; `pyproject.toml`'s addopts deselects them by default.  Nothing is
 # skipped: CI runs them all.
 SLOW_TESTS = (
+    "tests/test_bitwise_pins.py::test_the_avx2_hosts_pins_under_their_codegen",
     "tests/test_torch_hf.py::test_trainer_patched_equals_unpatched",
     "tests/test_torch_hf.py::test_patched_step_peak_rss_smaller_by_logits",
     "tests/test_torch_hf.py::test_torch_compile",

@@ -13,7 +13,8 @@ reported as skipped with the kernel's name.  Each key's source commit is in the 
 the BLAS keys of OpenBLAS's Haswell kernel (the AVX2 CPUs' BLAS), whose bits follow the GEMM grid
 (an output element's sum depends on the call's rows and columns there): their FLCE-grad and
 training-loss cases were re-pinned when ``grad_input``'s grid changed (aef0135), the AVX2 host's
-as a Zen 3 computes, on a Zen 4 (the key's ``sources`` entry says how).
+as a Zen 3 computes, on a Zen 4 (the key's ``sources`` entry says how).  An AVX-512 machine also
+checks the AVX2 hosts' keys that way, in a child process (the last test here).
 A refactor of the LM-head engine must keep every pin (a deliberate change of results re-pins with
 the commit named in the file).  A deliberate change that a machine here could not re-pin for every
 host class lists those keys' cases under ``stale`` with the reason and the command that re-pins
@@ -21,7 +22,11 @@ them; they are reported as skipped with that reason (never compared with the old
 """
 
 import json
+import os
 import pathlib
+import platform
+import re
+import subprocess
 import sys
 
 import pytest
@@ -71,3 +76,23 @@ def test_pinned_bits(key, name, isa):
         assert pin_cases.digest(name, key) == PINS[key][name]
     finally:
         _config.set_native_isa(None)
+
+
+def test_the_avx2_hosts_pins_under_their_codegen():
+    """An AVX-512 x86-64 machine checks the AVX2 hosts' pins too, computing as a Zen 3
+    (``pin_cases.avx2_host_env``: Numba's code for ``znver3`` without AVX-512, OpenBLAS's Haswell
+    kernel, the native AVX2 variants), in a child process: a change of their bits shows on the
+    machines CI runs on, not only on an AVX2-only one (ddc6586 changed 12 of them unseen)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not pin_cases._has("avx512f"):
+        pytest.skip("not an AVX-512 x86-64 machine: an AVX2 host checks its own pins in test_pinned_bits")
+    env = pin_cases.avx2_host_env(os.environ)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k", "test_pinned_bits"],
+        env=env, cwd=HERE.parent.parent, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    passed = re.search(r"(\d+) passed", out)
+    # the native AVX2 keys at least (12 cases under each ISA setting); the BLAS key where NumPy's
+    # OpenBLAS is the pinned build
+    assert passed is not None and int(passed.group(1)) >= 12, out[-2000:]

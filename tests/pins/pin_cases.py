@@ -53,7 +53,10 @@ def host_class() -> str:
       Skylake-SP to Emerald Rapids: ``prefer-vector-width=256``); with 32 vector registers its
       sums are interleaved otherwise than AVX2's (seen on an Emerald Rapids Xeon: its bits match
       neither other class, and under ``NUMBA_CPU_NAME=znver4`` they match ``"avx512"``'s);
-    * ``"avx2"``: AVX2 + FMA, 256-bit vectors, 16 registers (Zen 3, Intel client CPUs)."""
+    * ``"avx2"``: AVX2 + FMA, 256-bit vectors, 16 registers (Zen 3, Intel client CPUs).
+
+    Under ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` the class is the one Numba compiles for
+    (:func:`avx2_host_env`: an AVX-512 machine computing as a Zen 3)."""
     import numba
     from llvmlite import binding as llvm
 
@@ -68,7 +71,9 @@ def host_class() -> str:
     asm = "".join(_row_sum.inspect_asm().values())
     if "zmm" in asm:
         return "avx512"
-    return "avx512-ymm" if llvm.get_host_cpu_features().get("avx512f", False) else "avx2"
+    feats = numba.config.CPU_FEATURES  # NUMBA_CPU_FEATURES: the code is made for these, not the host's
+    avx512 = "+avx512f" in feats.split(",") if feats else llvm.get_host_cpu_features().get("avx512f", False)
+    return "avx512-ymm" if avx512 else "avx2"
 
 
 def _has(*flags: str) -> bool:
@@ -84,6 +89,28 @@ def _has(*flags: str) -> bool:
             have = set(line.split(":", 1)[1].split())
             break
     return all(f in have for f in flags)
+
+
+def avx2_host_env(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` with the settings under which this x86-64 machine computes as a Zen 3 (AVX2 +
+    FMA; the ``@host-avx2`` keys): Numba's code for ``znver3`` with every AVX-512 / AMX feature
+    off, OpenBLAS's Haswell kernel (its DYNAMIC_ARCH builds: NumPy's wheels), the native kernels'
+    AVX2 variants.  Checked on a Zen 4 against pins a Zen 3 made (tests/pins/lm_head_pins.json,
+    ``sources``)."""
+    from llvmlite import binding as llvm
+
+    feats = llvm.get_host_cpu_features()
+    for k in list(feats):
+        if k.startswith(("avx512", "amx", "avx10", "evex512")):
+            feats[k] = False
+    env = dict(environ)
+    env.update(
+        NUMBA_CPU_NAME="znver3",
+        NUMBA_CPU_FEATURES=feats.flatten(),
+        OPENBLAS_CORETYPE="Haswell",
+        FASTGRAD_NATIVE_ISA="avx2",
+    )
+    return env
 
 
 def machine_keys() -> dict[str, list[str]]:
