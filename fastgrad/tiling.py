@@ -199,9 +199,12 @@ TRAIN_VM_CHUNK = 2048
 #: steps is a critical path on many cores.  At the Qwen2.5 head (683-row blocks, H 896) the
 #: (1024, 512) grid gave 2 tasks per step: on a 16-core Xeon the train step took several times the
 #: 16-thread sgemm bound (bench/results/xeon_emr.md).  :func:`grad_input_tile` cuts the grid to at
-#: least this many tiles for the FLCE grad (:data:`GRAD_INPUT_TASKS`) and the training loss
-#: (:data:`TRAIN_GRAD_INPUT_TASKS`: fewer, its staged sweep runs the next chunks' logits and
-#: ``Gᵀ·X`` beside the chain), from the shapes only, never the thread count — the grid decides
+#: least this many tiles for the FLCE grad and the training loss with its logits on the bf16
+#: kernel (:data:`GRAD_INPUT_TASKS`), and for the training loss on BLAS tiles
+#: (:data:`TRAIN_GRAD_INPUT_TASKS`: fewer — its staged sweep runs the next chunks' slower logits
+#: tiles and ``Gᵀ·X`` beside the chain: on 16 threads 8 tiles model as fast as 16 there, and 5 %
+#: slower with the bf16 logits kernel; bench/results/README.md), from the shapes and the GEMM
+#: choice only, never the thread count — the grid decides
 #: bits on OpenBLAS's AVX2 kernels (Haswell / Zen: an output element's sum depends on the call's
 #: rows and columns there, not on its AVX-512 kernels; tests/test_grad_input_grid.py), so a grid
 #: that followed the thread count would make the results follow it too.  Each tile is a BLAS
@@ -360,7 +363,7 @@ def plan_training_loss(
         H=H,
         budget_rows=rows,
         block_rows=block,
-        grad_input_tile=grad_input_tile(block, H, tasks=TRAIN_GRAD_INPUT_TASKS),
+        grad_input_tile=grad_input_tile(block, H, tasks=GRAD_INPUT_TASKS if logits16 else TRAIN_GRAD_INPUT_TASKS),
         v_chunk=vc,
         vocab_major=vocab_major,
         recompute_chunk=rc,

@@ -138,6 +138,8 @@ def test_the_row_blocks_gemm_grids_are_the_plans(monkeypatch):
     assert _plan().logits_tile == tiling.TRAIN_LOGITS_TILE == (1024, 2048)
     # the Qwen2.5 head's 440-row blocks: 1024 x 512, the longer side halved, to 2 x 4 tiles of <= 220 x 256
     assert (_plan().grad_weight_rows, _plan().grad_input_tile) == (1024, (220, 256))
+    # with the logits on the bf16 kernel the chain has less beside it: towards 16 tiles (4 x 7 here)
+    assert _plan(logits16=True).grad_input_tile == tiling.grad_input_tile(440, 896) == (128, 128)
     # 2 x 4 at the 2-core default budget's blocks
     assert tiling.grad_input_tile(683, 896, tasks=tiling.TRAIN_GRAD_INPUT_TASKS) == (342, 256)
     assert tiling.grad_input_tile(4096, 8192) == tiling.TRAIN_GRAD_INPUT_TILE  # 4 x 16 already
