@@ -199,18 +199,17 @@ TRAIN_VM_CHUNK = 2048
 #: steps is a critical path on many cores.  At the Qwen2.5 head (683-row blocks, H 896) the
 #: (1024, 512) grid gave 2 tasks per step: on a 16-core Xeon the train step took several times the
 #: 16-thread sgemm bound (bench/results/xeon_emr.md).  :func:`grad_input_tile` cuts the grid to at
-#: least this many tiles for the FLCE grad and the training loss with its logits on the bf16
-#: kernel (:data:`GRAD_INPUT_TASKS`), and for the training loss on BLAS tiles
-#: (:data:`TRAIN_GRAD_INPUT_TASKS`: fewer — its staged sweep runs the next chunks' slower logits
-#: tiles and ``Gᵀ·X`` beside the chain: on 16 threads 8 tiles model as fast as 16 there, and 5 %
-#: slower with the bf16 logits kernel; bench/results/README.md), from the shapes and the GEMM
-#: choice only, never the thread count — the grid decides
-#: bits on OpenBLAS's AVX2 kernels (Haswell / Zen: an output element's sum depends on the call's
-#: rows and columns there, not on its AVX-512 kernels; tests/test_grad_input_grid.py), so a grid
-#: that followed the thread count would make the results follow it too.  Each tile is a BLAS
-#: call that packs its operands again: 28 tiles of 171 × 128 ran the 683 × 8192 × 896 product at
-#: 84 GF/s against 103 GF/s for one call and 96 GF/s for 8 tiles of 342 × 224 (OpenBLAS's Haswell
-#: kernel, one thread, Zen 4; bench/results/README.md).
+#: least :data:`GRAD_INPUT_TASKS` tiles for the FLCE grad and for the training loss with its
+#: logits on the bf16 kernel, and to :data:`TRAIN_GRAD_INPUT_TASKS` for the training loss on BLAS
+#: logits tiles (its staged sweep runs those slower tiles and ``Gᵀ·X`` beside the chain: on 16
+#: threads 8 tiles model as fast as 16 there, and 5 % slower with the bf16 logits kernel).
+#: From the shapes and the GEMM choice only, never the thread count: the grid decides bits on
+#: OpenBLAS's AVX2 kernels (Haswell / Zen: an output element's sum depends on the call's rows and
+#: columns there; not on its AVX-512 kernels — tests/test_grad_input_grid.py), so a grid that
+#: followed the thread count would make the results follow it too.  Each tile is a BLAS call that
+#: packs its operands again: 28 tiles of 171 × 128 ran the 683 × 8192 × 896 product at 84 GF/s
+#: against 103 GF/s for one call and 96 GF/s for 8 tiles of 342 × 224 (OpenBLAS's Haswell kernel,
+#: one thread, Zen 4).  Figures: bench/results/README.md.
 GRAD_INPUT_TASKS = 16
 TRAIN_GRAD_INPUT_TASKS = 8
 GRAD_INPUT_MIN_TILE = 128
