@@ -18,6 +18,24 @@ def torch_dt(dtype):
     return {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[np.dtype(dtype)]
 
 
+def mean_ce_oracle64(x, w, t, ignore_index=-100):
+    """float64 from the contract: the mean cross-entropy of ``x·wᵀ`` over the rows whose target is
+    not ``ignore_index``, its gradients ``grad_input``, ``grad_weight``, and the same products of
+    ``|G|`` and the operands' magnitudes (error scales): ``(loss, gi, gw, |G|·|W|, |G|ᵀ·|X|)``."""
+    X, W = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    z = X @ W.T
+    m = z.max(1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(1, keepdims=True)))[:, 0]
+    valid = t != ignore_index
+    n = valid.sum()
+    rows = np.flatnonzero(valid)
+    loss = (lse[rows] - z[rows, t[rows]]).sum() / n
+    G = np.exp(z - lse[:, None])
+    G[rows, t[rows]] -= 1
+    G = np.where(valid[:, None], G, 0) / n
+    return loss, G @ W, G.T @ X, np.abs(G) @ np.abs(W), np.abs(G).T @ np.abs(X)
+
+
 def lm_head_problem(BT, H, V, seed, dtype=np.float32, ignore_index=-100):
     """``(hidden [BT, H], weight [V, H], bias [V], class weights [V] (float64), target [BT])``:
     logits of a few units, every fourth target (from the second) ignored; 16-bit ``dtype``

@@ -182,7 +182,7 @@ def test_the_staged_statistics_keep_enough_logits_tiles_in_flight():
     """Widening chunk c + n waits for chunk c's logits (n: weight_buffers), so the buffers are what
     bounds the staged statistics sweep's parallelism: enough for 16 tiles of ≤ 1024 × 2048, 2 to 4,
     from the shapes only; declared as w_chunk + w_chunk_next's n - 1 chunks."""
-    p = _plan()  # 409-row blocks, 8192-column chunks: 4 tiles per chunk
+    p = _plan()  # 440-row blocks, 8192-column chunks: 4 tiles per chunk
     assert p.staged_statistics and p.weight_buffers == 4
     bufs = {b.name: b for b in p.buffers}
     assert bufs["w_chunk"].shape == (8192, 896) and bufs["w_chunk_next"].shape == (3, 8192, 896)

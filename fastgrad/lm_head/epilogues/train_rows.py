@@ -125,11 +125,9 @@ class _RowStep:
         ):
             raise InternalError(f"plan.grad16 is {b16}, the call's arguments say otherwise")
         # the whole weight in the compute dtype when it is small, else widened per chunk (in
-        # plan.weight_buffers buffers where a sweep runs in stages: chunk c + 1 widened while chunk
-        # c is read); the
-        # buffers on recycled memory (fastgrad._outcache): a training loop's next step takes no
-        # fresh pages
-        # (the buffers of :func:`buffers`, the plan's list, by name)
+        # plan.weight_buffers buffers where a sweep runs in stages: the next chunks widened while
+        # chunk c is read); the buffers on recycled memory (fastgrad._outcache): a training loop's
+        # next step takes no fresh pages (the buffers of :func:`buffers`, the plan's list, by name)
         get = ws.get
         self.wfull = _block(W, 0, K, cdt, take("w_whole")) if (widen and plan.whole_weight) else None
         # (with the logits on the bf16 kernel the chunk is read by grad_input's GEMM alone)
