@@ -44,6 +44,13 @@ def _errors(h, w, t, **kw):
         ((188, 31, 4099), "offset", None),  # three vocabulary chunks, odd H
         ((67, 64, 2500), "randn-big", None),
         ((150, 96, 4500), "rand", 2 * 2048 * 4 * 40),  # row blocks of 38 rows
+        # 1/BT just above a power of two: the target's g = -(1 - p)/BT rounds with bf16's largest
+        # relative error, the same in every row (2.3-2.6x the fp32 error while the target's
+        # rounding error was corrected with the mean row of W / X; found by fuzzing)
+        ((240, 64, 2049), "offset", None),
+        ((240, 64, 2049), "randn", None),
+        ((120, 64, 2049), "rand-small", None),
+        ((240, 31, 4099), "randn-big", None),
     ],
 )
 def test_fast_accuracy_target(shape, gen, budget, fused, monkeypatch):

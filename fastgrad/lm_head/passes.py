@@ -245,12 +245,15 @@ def _round_rows(lo, hi, dst, src, code):
 
 
 @tjit
-def _round_g_bf16(lo, hi, G, e_row, e_col):
-    """Row groups ``lo:hi`` of ``G`` (``FAST_E_GROUP`` rows each) rounded to
-    bf16 in place (RNE; a bf16 subnormal to ±0, as the kernel reads it), with the rounding error
-    ``e = g - round(g)`` (exact in fp32) summed per row into ``e_row[i]`` and per group and
-    column into ``e_col[q, v]``.  A non-finite ``e`` (NaN/Inf ``g``) counts 0: the GEMM carries
-    it."""
+def _round_g_bf16(lo, hi, G, e_row, e_col, tcol, v0, e_t):
+    """Row groups ``lo:hi`` of ``G`` (``FAST_E_GROUP`` rows each; columns from vocabulary column
+    ``v0``) rounded to bf16 in place (RNE; a bf16 subnormal to ±0, as the kernel reads it), with
+    the rounding error ``e = g - round(g)`` (exact in fp32) summed per row into ``e_row[i]`` and
+    per group and column into ``e_col[q, v]`` — except at the row's target column ``tcol[i]``
+    (this shard's, -1 for none), whose error goes to ``e_t[i]`` alone: the target's ``g`` is the
+    row's one large value (``≈ -c_r``), its error ``W[t]``'s or ``X[i]``'s own, not the mean
+    row's (:func:`add_target_rows`, :func:`add_target_weight`).  A non-finite ``e`` (NaN/Inf
+    ``g``) counts 0: the GEMM carries it."""
     nb, w = G.shape
     zero = G.dtype.type(0)
     inf = G.dtype.type(np.inf)
@@ -260,6 +263,9 @@ def _round_g_bf16(lo, hi, G, e_row, e_col):
         ec[:] = zero
         for i in range(q * FAST_E_GROUP, min(nb, (q + 1) * FAST_E_GROUP)):
             r = G[i]
+            tj = tcol[i] - v0
+            own = tj >= 0 and tj < w
+            before = ec[tj] if own else zero
             for j in range(w):
                 g = r[j]
                 b = np.uint32(D.f32_to_bf16(g))
@@ -271,17 +277,22 @@ def _round_g_bf16(lo, hi, G, e_row, e_col):
                 d = d if abs(d) < inf else zero
                 e[j] = d
                 ec[j] += d
+            if own:  # the target's error apart: out of the sums (the column's sum as before the row)
+                e_t[i] = e[tj]
+                e[tj] = zero
+                ec[tj] = before
             e_row[i] = _row_sum(e, zero)
 
 
 @tjit
 def _grad_round_bf16(
-    lo, hi, L, offs, widths, nb, cw, rows, par, flags, recompute, bias, vshift, G, e_row, e_col, pairs
+    lo, hi, L, offs, widths, nb, cw, rows, par, flags, recompute, bias, vshift, G, e_row, e_col, e_t, pairs
 ):
     """``precision="fast"``'s passes over one chunk fused, row group by row group (``lo:hi``,
     ``FAST_E_GROUP`` rows each, while the group is in cache): :func:`_grad_pass` over the group's
     rows (``L``, ``offs``, ``widths``: one chunk; its arguments as there), :func:`_round_g_bf16`
-    of the group (``G``: the chunk's ``[nb, w]`` view of the same memory), then, with ``pairs``
+    of the group (``G``: the chunk's ``[nb, w]`` view of the same memory; the target's errors into
+    ``e_t``), then, with ``pairs``
     = ``(u, up, gt)`` (the kernel's ``vdpbf16ps`` form; empty arrays skip it), the gradient GEMMs'
     ``A`` operands: ``gᵀ``'s pairs into ``gt`` ``[w, ceil(nb/2)]`` (grad_weight's, where ``gt``
     has rows) and the group's rows paired in place (grad_input's; ``u``: ``G``'s uint32 view,
@@ -314,7 +325,7 @@ def _grad_round_bf16(
             bias,
             vshift,
         )
-        _round_g_bf16(q, q + 1, G, e_row, e_col)
+        _round_g_bf16(q, q + 1, G, e_row, e_col, tcol, offs[0] // nb + vshift, e_t)
         group_pairs(u, i0, i1, gt, up)
 
 
@@ -349,6 +360,47 @@ def col_means16_tasks(H: int, u: np.ndarray, code: int, out: np.ndarray) -> list
     """:func:`col_means16`'s tasks, to run with other independent ones (one barrier for all: the
     weight's chunks at once, ``H // 256`` tasks each)."""
     return row_tasks(_col_mean16, H, u, code, out, parts=max(1, H // 256))
+
+
+@tjit
+def _add_target_rows(lo, hi, dst, tcol, v0, e_t, xu, code):
+    """``precision="fast"``'s target correction of a chunk's ``grad_weight`` (``dst``: its rows
+    from vocabulary column ``v0``), columns ``lo:hi``: ``dst[t_i - v0] += e_t[i]·X[i]`` for the
+    rows ``i`` of ``xu`` (16-bit ``X``, dtype ``code``) whose target ``t_i = tcol[i]`` is in the
+    chunk, rows in order (rows sharing a target add in one fixed order)."""
+    n = dst.shape[0]
+    for i in range(tcol.shape[0]):
+        t = tcol[i] - v0
+        if t >= 0 and t < n:
+            a = e_t[i]
+            row, x = dst[t], xu[i]
+            for j in range(lo, hi):
+                row[j] += a * D.to_f32(x[j], code)
+
+
+def add_target_rows(dst: np.ndarray, tcol: np.ndarray, v0: int, e_t: np.ndarray, xu: np.ndarray, code: int) -> None:
+    """:func:`_add_target_rows` on the pool, in column spans of at least 256 (the bits do not
+    depend on the split)."""
+    run_rows(_add_target_rows, dst.shape[1], dst, tcol, v0, e_t, xu, code, parts=max(1, dst.shape[1] // 256))
+
+
+@tjit
+def _add_target_weight(lo, hi, dst, tcol, e_t, wu, code):
+    """``precision="fast"``'s target correction of ``grad_input`` (``dst``: the row block's rows),
+    rows ``lo:hi``: ``dst[i] += e_t[i]·W[tcol[i]]`` (``wu``: this shard's 16-bit weight, dtype
+    ``code``) where the row's target is on this shard (``tcol[i] >= 0``)."""
+    for i in range(lo, hi):
+        t = tcol[i]
+        if t >= 0:
+            a = e_t[i]
+            row, wt = dst[i], wu[t]
+            for j in range(row.shape[0]):
+                row[j] += a * D.to_f32(wt[j], code)
+
+
+def add_target_weight(dst: np.ndarray, tcol: np.ndarray, e_t: np.ndarray, wu: np.ndarray, code: int) -> None:
+    """:func:`_add_target_weight` over the rows of ``dst`` on the pool."""
+    run_rows(_add_target_weight, dst.shape[0], dst, tcol, e_t, wu, code)
 
 
 @tjit

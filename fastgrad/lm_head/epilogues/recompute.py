@@ -28,6 +28,8 @@ from ..passes import (
     _grad_pass,
     _round_g_bf16,
     _round_rows,
+    add_target_rows,
+    add_target_weight,
     col_means16,
     col_means16_tasks,
 )
@@ -135,6 +137,8 @@ class _RecomputeGrad:
 
             self.e_col = take("fast_e_col")  # the rounding error's partial column sums
             self.e_row = zeros("fast_e_row", (BT, nchunks))  # its row sums, per chunk
+            self.e_t = take("fast_e_target")[:BT]  # the target column's, apart
+            self.e_t[...] = 0
             self.w_bar = zeros("fast_w_mean", (nchunks, H))  # the chunk's mean row of W
             self.x_bar = zeros("fast_x_mean", (nblocks, H))  # the block's mean row of X
             xu = input.view(np.uint16)
@@ -211,13 +215,16 @@ class _RecomputeGrad:
         if self.b16:
             # g rounded to bf16 in place; gradient GEMMs of exact products on the kernel; the
             # rounding error's mean part restored: grad_input += (Σ_v e)·mean_v W (finish, one
-            # GEMM over the chunks), grad_weight += (Σ_t e)·mean_t X
+            # GEMM over the chunks), grad_weight += (Σ_t e)·mean_t X; the target column's error
+            # apart, with its own rows: grad_weight[t] += e_t·X, grad_input += e_t·W[t] (finish)
             ng = -(-nb // FAST_E_GROUP)
             ec = self.e_col[: ng * w].reshape(ng, w)
-            run_rows(_round_g_bf16, ng, G, self.e_row[b0:b1, v0 // self.vc], ec)
+            e_t = self.e_t[b0:b1]
+            run_rows(_round_g_bf16, ng, G, self.e_row[b0:b1, v0 // self.vc], ec, tcol[b0:b1], v0, e_t)
             if acc is not None:
                 _bf16dot.matmul_tn(G, need(X, "X's pairs"), H, acc, acc=k > 0, form=self.gemm.a_form, spec=self.spec)
                 run_rows(_add_outer, w, acc, ec.sum(0), self.x_bar[k])
+                add_target_rows(acc, tcol[b0:b1], v0, e_t, self.input[b0:b1].view(np.uint16), D.BF16)
             if gi is not None:
                 _bf16dot.matmul(
                     _bf16dot.pairs_in_place(G, self.gemm.a_form),
@@ -241,11 +248,13 @@ class _RecomputeGrad:
             run_rows(_round_rows, w, self.gw_acc[v0:v1], self.tw[: w * self.H].reshape(w, self.H), self.gw_code)
 
     def finish(self) -> None:
-        """``precision="fast"``: ``grad_input += e_row · w_bar`` (the rounding error's mean part)."""
+        """``precision="fast"``: ``grad_input += e_row · w_bar`` (the rounding error's mean part),
+        then the targets' ``e_t[i]·W[t_i]``."""
         if self.b16 and self.gi is not None:
             BT, H = self.BT, self.H
             tmp = self.take("fast_product")[: BT * H].reshape(BT, H)
             matmul_nn(self.e_row, self.w_bar, self.gi, tmp=tmp, engine=self.eng)
+            add_target_weight(self.gi, self.rows.target_cols, self.e_t, self.W.view(np.uint16), D.BF16)
 
 
 def buffers(
@@ -292,6 +301,7 @@ def buffers(
         out += [
             Buffer("fast_e_col", (-(-nr // FAST_E_GROUP), vc), cdt, "tile"),
             Buffer("fast_e_row", (BT, nchunks), cdt, "call"),
+            Buffer("fast_e_target", (BT,), cdt, "call"),
             Buffer("fast_w_mean", (nchunks, H), cdt, "call"),
             Buffer("fast_x_mean", (nblocks, H), cdt, "call"),
         ]

@@ -40,6 +40,8 @@ from ..passes import (
     _round_g_bf16,
     _scatter_add_rounded,
     _stats_chunk,
+    add_target_rows,
+    add_target_weight,
     col_means16,
     col_means16_tasks,
 )
@@ -170,6 +172,7 @@ class _RowStep:
         self.form = gemm.a_form
         self.e_col = take("fast_e_col")
         self.e_row_buf = take("fast_e_row")
+        self.e_t_buf = take("fast_e_target")
         self.w_bar = take("fast_w_mean")[: nch * H].reshape(nch, H)
         self.x_bar = take("fast_x_mean")[:H]
         wu = self.W.view(np.uint16)
@@ -229,6 +232,8 @@ class _RowStep:
             nch = len(self.chunks)
             self.e_row = self.e_row_buf[: nb * nch].reshape(nb, nch)
             self.e_row[...] = 0
+            self.e_t = self.e_t_buf[:nb]
+            self.e_t[...] = 0
             col_means16(self.H, self.input[b0:b1].view(np.uint16), D.BF16, self.x_bar)
             self.xint = None if self.xi_buf is None else _bf16dot.interleave(self.input[b0:b1], self.xi_buf)
         if not self.recompute:
@@ -392,11 +397,13 @@ class _RowStep:
 
     def _round16(self, c: int) -> list:
         """``precision="fast"``: chunk ``c``'s ``G`` rounded to bf16 in place, its rounding error
-        summed per row (``e_row[:, c]``) and per row group and column (``e_col``)."""
+        summed per row (``e_row[:, c]``) and per row group and column (``e_col``), the target
+        column's apart (``e_t``)."""
         nb, w = self.nb, self.widths[c]
         ng = -(-nb // FAST_E_GROUP)
         ec = self.e_col[: ng * w].reshape(ng, w)
-        return row_tasks(_round_g_bf16, ng, self._chunk_block(c), self.e_row[:, c], ec)
+        tc = self.tcol[self.b0 : self.b1]
+        return row_tasks(_round_g_bf16, ng, self._chunk_block(c), self.e_row[:, c], ec, tc, self.chunks[c][0], self.e_t)
 
     def _grad_round16(self, c: int) -> list:
         """:meth:`_grad` then :meth:`_round16` of chunk ``c`` as one pass, row group by row group
@@ -415,7 +422,8 @@ class _RowStep:
             pairs = (u, u[:, : (w + 1) // 2] if self.gi is not None else no, self._gt_pairs(w, nb))
         else:
             pairs = (u, no, no)
-        return row_tasks(_grad_round_bf16, ng, *args, self.recompute, self.bias_c, 0, G, self.e_row[:, c], ec, pairs)
+        e_sums = (self.e_row[:, c], ec, self.e_t)
+        return row_tasks(_grad_round_bf16, ng, *args, self.recompute, self.bias_c, 0, G, *e_sums, pairs)
 
     def _gt_pairs(self, w: int, nb: int) -> np.ndarray:
         """``gᵀ``'s pairs ``[w, ceil(nb/2)]`` of the current chunk in ``fast_gt_pairs``."""
@@ -425,7 +433,8 @@ class _RowStep:
     def _fast_products(self, c: int) -> list:
         """``precision="fast"``: chunk ``c``'s two gradient GEMMs on the bf16 kernel (one task:
         the kernel's own parallel calls, on this thread) — ``grad_weight[v] (+)= Gᵀ·X[b]`` and
-        the mean part of the rounding error ``(Σ_t e)·mean_t X[b]``, then ``grad_input[b] (+)=
+        the mean part of the rounding error ``(Σ_t e)·mean_t X[b]`` and the targets' own
+        ``e_t[i]·X[i]`` (:func:`add_target_rows`), then ``grad_input[b] (+)=
         G·W[v]`` (``G`` overwritten by its pairs); where the fused pass made both ``A`` operands,
         the two GEMMs' tiles as one task list (one barrier, ``grad_input``'s tiles first)."""
         return [functools.partial(self._fast_products_run, c)]
@@ -448,6 +457,8 @@ class _RowStep:
                 _bf16dot.matmul_tn(G, xi, H, acc, acc=not self.first, form=self.form, spec=self.spec)
             ng = -(-nb // FAST_E_GROUP)
             run_rows(_add_outer, w, acc, self.e_col[: ng * w].reshape(ng, w).sum(0), self.x_bar)
+            xu = self.input[self.b0 : self.b1].view(np.uint16)
+            add_target_rows(acc, self.tcol[self.b0 : self.b1], v0, self.e_t, xu, D.BF16)
         if self.gi is not None and not pre:
             tasks = self._grad_input_tasks(G, c, pre)
         run_tasks(tasks)
@@ -530,13 +541,15 @@ class _RowStep:
     def end_rows(self) -> None:
         """Filtered: the kept blocks' products (or the dense ones where every block is kept).
         ``precision="fast"``: ``grad_input[b] += e_row · w_bar``, the rounding error's mean part
-        over the chunks."""
+        over the chunks, then the targets' ``e_t[i]·W[t_i]`` (:func:`add_target_weight`)."""
         if self.filtered:
             self._kept_products()
         if self.b16 and self.gi is not None and self.want_grad and self.K:
             nb, H = self.nb, self.H
             tmp = need(self.prod, "fast_product")[: nb * H].reshape(nb, H)
-            matmul_nn(self.e_row, self.w_bar, self.gi[self.b0 : self.b1], tmp=tmp, engine=self.eng)
+            gi = self.gi[self.b0 : self.b1]
+            matmul_nn(self.e_row, self.w_bar, gi, tmp=tmp, engine=self.eng)
+            add_target_weight(gi, self.tcol[self.b0 : self.b1], self.e_t, self.W.view(np.uint16), D.BF16)
         self.first = False
 
     def _kept_products(self) -> None:
@@ -620,6 +633,7 @@ def buffers(
         nchunks = -(-K // vc)
         add("fast_e_col", (-(-nb_rows // FAST_E_GROUP), vc), cdt, "tile")
         add("fast_e_row", (nb_rows, nchunks), cdt, "tile")
+        add("fast_e_target", (nb_rows,), cdt, "tile")
         add("fast_w_mean", (nchunks, H), cdt, "call")
         add("fast_x_mean", (1, H), cdt, "tile")
         if gw:
