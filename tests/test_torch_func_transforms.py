@@ -94,3 +94,36 @@ def test_second_derivatives_refused_under_torch_func():
         with pytest.raises(RuntimeError, match=r"derivative for .* is not implemented") as info:
             second(h)
         assert isinstance(info.value, fg.AclnnError) and info.value.status == 361001
+
+
+def test_vmap_over_batched_targets_and_per_sample_gradients():
+    """``vmap`` with the targets batched too (found by fuzzing: the range check branched on a
+    batched tensor, which ``vmap`` refuses) — a batch of losses and per-sample gradients
+    (``vmap(grad)``, the weight shared), fastgrad's loss and the drop-in against PyTorch's."""
+    import fastgrad.torch.nn.functional as FF
+
+    h, w, b, t = _data()
+    hs = torch.randn(3, N, H, dtype=torch.float64)
+    ts = torch.randint(0, V, (3, N))
+    ts[1, 2] = -100
+    ref = torch.func.vmap(lambda h, t: _torch(h, w, b, t, "mean"))(hs, ts)
+    got = torch.func.vmap(lambda h, t: _ours(h, w, b, t, "mean"))(hs, ts)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+    def per_sample(loss):
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(w, h, t)
+
+    ref = per_sample(lambda w, x, y: F.cross_entropy(x @ w.T + b, y, label_smoothing=0.1))
+    for fn in (
+        lambda w, x, y: _ours(x, w, b, y, "mean"),
+        lambda w, x, y: FF.linear_cross_entropy(x, w, y, linear_bias=b, label_smoothing=0.1),
+    ):
+        got = per_sample(fn)
+        assert got.shape == (N, V, H)
+        torch.testing.assert_close(got[t != -100], ref[t != -100], rtol=1e-10, atol=1e-12)
+    # a target out of range in one slice of the batch is still refused, naming it
+    ts[2, 4] = V
+    for fn in (lambda h, t: _ours(h, w, b, t, "mean"), lambda h, t: FF.linear_cross_entropy(h, w, t)):
+        with pytest.raises(fg.AclnnError, match=f"Target {V} is out of bounds") as e:
+            torch.func.vmap(fn)(hs, ts)
+        assert e.value.status == 161002

@@ -378,6 +378,15 @@ def test_strict_mode_rejects_what_the_device_rejects():
     ("label_smoothing", "label_smoothing", "label_smoothing"),
     ("numpy_input", "hidden", "torch.Tensor"),
     ("shard_without_group", "vocab_start_index", "process_group"),
+    # found by fuzzing: builtins errors, or strings taken as numbers
+    ("lse_square_scale_str", "lse_square_scale", "finite float >= 0"),
+    ("softcap_str", "softcap", "finite float > 0 or None"),
+    ("temperature_str", "temperature", "finite float > 0"),
+    ("temperature_bool", "temperature", "finite float > 0"),
+    ("ignore_index_huge", "ignore_index", "int64"),
+    ("process_group_object", "process_group", "ProcessGroup"),
+    ("weight_sparse", "weight", "strided"),
+    ("hidden_sparse", "hidden", "strided"),
 ])
 def test_errors(case, param, match):
     """Every bad argument: AclnnError 161002 (a ValueError) naming the parameter."""
@@ -407,6 +416,22 @@ def test_errors(case, param, match):
         h = h.numpy()
     elif case == "shard_without_group":
         kw["vocab_start_index"] = 2
+    elif case == "lse_square_scale_str":
+        kw["lse_square_scale"] = "a"
+    elif case == "softcap_str":
+        kw["softcap"] = "5"
+    elif case == "temperature_str":
+        kw["temperature"] = "0.5"
+    elif case == "temperature_bool":
+        kw["temperature"] = True
+    elif case == "ignore_index_huge":
+        kw["ignore_index"] = 2**70
+    elif case == "process_group_object":
+        kw["process_group"] = object()
+    elif case == "weight_sparse":
+        w = w.to_sparse()
+    elif case == "hidden_sparse":
+        h = h.to_sparse()
     with pytest.raises(fg.AclnnError, match=match) as e:
         ft.linear_cross_entropy(h, w, t, **kw)
     assert e.value.status == 161002 and e.value.param == param
@@ -458,3 +483,54 @@ def test_tiny_lm_example_runs():
     lines = [ln for ln in r.stdout.splitlines() if re.match(r"step\s+\d+\s", ln)]
     assert len(lines) == 4, r.stdout
     assert "MATCH" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_zero_hidden_size_is_the_bias_cross_entropy(reduction):
+    """H = 0 (found by fuzzing: a reshape error): the logits are the bias (or zeros), as PyTorch's
+    ``cross_entropy(h @ w.T + b)`` on the empty product; the gradients of h and w are empty."""
+    g = torch.Generator().manual_seed(4)
+    t = torch.randint(0, 7, (5,), generator=g)
+    t[2] = -100
+    b0 = torch.randn(7, generator=g, dtype=torch.float64)
+    got, ref = [], []
+    for out, fn in ((got, ft.linear_cross_entropy), (ref, None)):
+        h = torch.zeros(5, 0, dtype=torch.float64, requires_grad=True)
+        w = torch.zeros(7, 0, dtype=torch.float64, requires_grad=True)
+        b = b0.clone().requires_grad_()
+        if fn is None:
+            loss = F.cross_entropy(h @ w.T + b, t, reduction=reduction)
+        else:
+            loss = fn(h, w, t, bias=b, reduction=reduction)
+        loss.sum().backward()
+        out += [loss.detach(), b.grad, h.grad.shape, w.grad.shape]
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-12, atol=1e-12)
+    assert got[2:] == ref[2:] == [(5, 0), (7, 0)]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_autocast_casts_the_operands_as_f_linear_does(fused):
+    """Under ``torch.autocast("cpu", bfloat16)`` fp32 hidden / weight / bias are the bf16 operands
+    (as ``F.linear``'s there; found by fuzzing: a dtype error), the loss fp32, the fp32 weight's
+    gradient through the cast — against float64 autograd on the bf16-rounded operands."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(12, 16, generator=g)
+    w = (torch.randn(40, 16, generator=g) * 0.3).requires_grad_()
+    b = torch.randn(40, generator=g).requires_grad_()
+    t = torch.randint(0, 40, (12,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ft.linear_cross_entropy(h, w, t, bias=b, fused=fused)
+    loss.backward()
+    assert loss.dtype == torch.float32 and w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    h64, w64, b64 = (x.detach().bfloat16().double() for x in (h, w, b))
+    w64.requires_grad_()
+    b64.requires_grad_()
+    ref = F.cross_entropy(h64 @ w64.T + b64, t)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-7)
+    # the bf16 gradient rounded once (half a bf16 ulp), then widened exactly
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2**-8, atol=1e-7)
+    torch.testing.assert_close(b.grad.double(), b64.grad, rtol=2**-8, atol=1e-7)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False), pytest.raises(fg.AclnnError, match="weight"):
+        ft.linear_cross_entropy(h.bfloat16(), w, t)  # outside autocast mixed dtypes stay an error

@@ -140,3 +140,29 @@ def test_fallback_paths_and_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         FF.linear_cross_entropy(x, w, t)   # the fastgrad path warns nothing
+
+
+def test_autocast_and_int64_overflow_as_pytorch():
+    """Found by fuzzing.  Under ``torch.autocast("cpu", bfloat16)`` (bf16 hidden from an autocast
+    layer, fp32 weight and bias) the operands are cast as ``F.linear``'s and the loss is fp32, as
+    PyTorch's; an ``ignore_index`` beyond int64 is PyTorch's ``ValueError``."""
+    x, w, b, _, t = _data(torch.float32, False)
+    w.requires_grad_()
+    b.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x.bfloat16()
+        ref = F.linear_cross_entropy(h, w, t, linear_bias=b)
+        got = FF.linear_cross_entropy(h, w, t, linear_bias=b)
+    assert got.dtype == ref.dtype == torch.float32
+    (gw, gb) = torch.autograd.grad(got, (w, b))
+    (rw, rb) = torch.autograd.grad(ref, (w, b))
+    assert gw.dtype == rw.dtype == torch.float32
+    # PyTorch rounds the logits to bf16 under autocast, fastgrad keeps them exact in fp32
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(gw, rw, rtol=0.1, atol=2e-3)
+    torch.testing.assert_close(gb, rb, rtol=0.1, atol=2e-3)
+    with pytest.raises(ValueError, match="Overflow"):
+        F.linear_cross_entropy(x, w, t, ignore_index=2**70)
+    with pytest.raises(fg.AclnnError, match="Overflow") as e:
+        FF.linear_cross_entropy(x, w, t, ignore_index=2**70)
+    assert isinstance(e.value, ValueError) and e.value.status == 161002

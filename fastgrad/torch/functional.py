@@ -567,6 +567,40 @@ def _check_tensor(name, x, optional=False):
         raise _bad(name, "a torch.Tensor", type(x).__name__)
     if x.device.type != "cpu":
         raise _bad(name, "a CPU tensor (fastgrad.torch runs the CPU kernels)", f"device {x.device}")
+    if x.layout != torch.strided:
+        raise _bad(name, "a dense (strided) tensor", f"layout {x.layout}")
+
+
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_operands(*xs: Any) -> tuple[Any, ...]:
+    """Under ``torch.autocast("cpu")``: the LM head's floating operands (not float64, as autocast
+    leaves it) cast to the autocast dtype, as ``F.linear`` casts its operands there — the
+    gradients flow back through the casts in the parameters' own dtypes; else ``xs`` unchanged."""
+    if not torch.is_autocast_enabled("cpu"):
+        return xs
+    dt = torch.get_autocast_dtype("cpu")
+    return tuple(
+        x.to(dt) if isinstance(x, torch.Tensor) and x.dtype in _AUTOCAST_ELIGIBLE and x.dtype != dt else x for x in xs
+    )
+
+
+def values_of(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values under ``torch.func``'s wrappers (``vmap``'s batch, ``grad``'s tracking): a
+    check of the values (the targets' range) looks at every slice of a batch at once instead of
+    branching on a batched tensor, which ``vmap`` refuses."""
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(x):
+        x = f.get_unwrapped(x)
+    return x
+
+
+def _real(name: str, x: Any, expected: str) -> float:
+    """``x`` as a float where it is a real number (not a bool nor a string); else 161002."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise _bad(name, expected, repr(x))
+    return float(x)
 
 
 def _check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing):
@@ -596,6 +630,8 @@ def _check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction
         raise _bad("target", "int64 or int32 class indices", str(target.dtype))
     if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise _bad("ignore_index", "an int", repr(ignore_index))
+    if not -(2**63) <= int(ignore_index) < 2**63:
+        raise _bad("ignore_index", "an int64 value (a class id, or -100)", repr(ignore_index))
     if reduction not in _REDUCTIONS:
         raise _bad("reduction", "'mean', 'sum' or 'none'", repr(reduction))
     if (
@@ -689,11 +725,12 @@ def linear_cross_entropy(
     precision : "accurate" (default) | "device" | "fast" — ``"device"`` (the default in strict
         mode) runs the NPU's pipeline: statistics from logits rounded to the input dtype, ``g``
         rounded before the GEMMs; only the plain loss (no bias, ce_weight, softcap, temperature,
-        z-loss).  ``"fast"`` (bf16 on a CPU with AVX-512 BF16, GEMM setting ``"auto"``, not fused,
-        no ``filter_eps``; elsewhere ``"accurate"``, bitwise): the backward's recompute rounds
-        ``dloss/dlogits`` to bf16 with its mean error restored, so all four GEMMs of the step run
-        on the exact-product bf16 kernel (Cut Cross-Entropy's default also rounds it);
-        ``fused=None`` then recomputes.
+        z-loss).  ``"fast"`` (bf16 on a CPU with AVX-512 BF16, GEMM setting ``"auto"``, no
+        ``filter_eps``; elsewhere ``"accurate"``, bitwise): ``dloss/dlogits`` rounded to bf16,
+        the target column's rounding error restored with its own rows and the rest's mean part
+        with rank-one corrections, so every GEMM of the step runs on the exact-product bf16
+        kernel — three fused, four recomputed, by ``fused``'s rule (Cut Cross-Entropy's default
+        also rounds it).
         Mean error against float64 near fp32's, no elementwise one-rounding bound
         (:func:`fastgrad.linear_cross_entropy`, ``docs/torch.md``).  Strict mode rejects it
         (161002).
@@ -758,7 +795,12 @@ def linear_cross_entropy(
         )
     precision, fused, filter_eps, accum_dtype = opts.precision, opts.fused, opts.filter_eps, opts.accum_dtype
     with _engine({"engine": opts.engine}):
+        hidden, weight, bias = autocast_operands(hidden, weight, bias)
         _check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing)
+        if softcap is not None:
+            softcap = _real("softcap", softcap, "a finite float > 0 or None")
+        temperature = _real("temperature", temperature, "a finite float > 0")
+        lse_square_scale = _real("lse_square_scale", lse_square_scale, "a finite float >= 0")
         eps = float(label_smoothing)
         n_shift = int(shift) if isinstance(shift, (bool, numbers.Integral)) else None
         if n_shift is None or n_shift < 0:
@@ -781,7 +823,11 @@ def linear_cross_entropy(
                 )
             start, V = 0, K
         else:
-            _vp.check_group(process_group)
+            try:
+                _vp.check_group(process_group)
+            except TypeError:
+                got = type(process_group).__name__
+                raise _bad("process_group", "None or a torch.distributed.ProcessGroup", got) from None
             if vocab_start_index is None or vocab_size is None:
                 s0, _, V0 = _vp.vocab_shard_range(K, process_group)
                 start = s0 if vocab_start_index is None else int(vocab_start_index)
@@ -805,9 +851,10 @@ def linear_cross_entropy(
                 raise _bad(name, "a bool", repr(flag))
         t_full = _shift_target(target, n_shift, int(ignore_index))
         t = t_full.reshape(-1)
-        bad = (t != ignore_index) & ((t < 0) | (t >= V))
+        tv = values_of(t)  # (every slice of a vmap batch)
+        bad = (tv != ignore_index) & ((tv < 0) | (tv >= V))
         if bool(bad.any()):
-            first = int(t[bad.nonzero()[0, 0]])
+            first = int(tv[bad.nonzero(as_tuple=True)][0])
             raise _bad(
                 "target", f"class ids in [0, {V}) or ignore_index ({ignore_index})", f"Target {first} is out of bounds"
             )
@@ -843,7 +890,7 @@ def linear_cross_entropy(
         if return_entropy and filter_eps is not None:
             raise _bad("filter_eps", "None with return_entropy (the filter is on the cross-entropy term)", filter_eps)
         H = hidden.shape[-1]
-        h = hidden.reshape(-1, H)
+        h = hidden.reshape(int(np.prod(hidden.shape[:-1])), H)  # (not -1: H may be 0)
         # the upstream gradients must be known in the forward: a reduced loss, no entropy output
         fusable = reduction != "none" and not return_entropy
         if fused is None:

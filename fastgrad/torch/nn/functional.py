@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .._errors import torch_error
+from ..functional import autocast_operands, values_of
 from ..functional import linear_cross_entropy as _fastgrad_lce
 from ..options import resolve_options
 
@@ -121,6 +122,10 @@ def linear_cross_entropy(
             "input",
             _OP,
         )
+    # under torch.autocast("cpu"): F.linear's operands in the autocast dtype (PyTorch's op is
+    # linear then cross_entropy; the loss is fp32 there, as cross_entropy's under autocast)
+    autocast = torch.is_autocast_enabled("cpu")
+    input, linear_weight, linear_bias = autocast_operands(input, linear_weight, linear_bias)
     # PyTorch's own checks, in its order, with its messages and exception types
     if input.dim() < 1 or input.dim() > 2:
         raise torch_error(RuntimeError, f"expected input with dimensionality 1 or 2, got {input.dim()}", "input", _OP)
@@ -177,8 +182,10 @@ def linear_cross_entropy(
         options=opts,
     )
     # PyTorch's output dtype: the input's (fastgrad's statistics are fp32; the loss is rounded
-    # once to bf16/fp16 here, differentiably)
-    return loss if loss.dtype == input.dtype else loss.to(input.dtype)
+    # once to bf16/fp16 here, differentiably) — fp32 under autocast, as cross_entropy's there
+    if loss.dtype == input.dtype or (autocast and loss.dtype == torch.float32):
+        return loss
+    return loss.to(input.dtype)
 
 
 _TORCH_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
@@ -259,8 +266,11 @@ def _check_class_target(input, linear_weight, target, linear_bias, weight, reduc
         raise torch_error(
             TypeError, f"ignore_index must be int, not {type(ignore_index).__name__}", "ignore_index", _OP
         )
+    if ignore_index is not None and not -(2**63) <= ignore_index < 2**63:
+        raise torch_error(ValueError, "Overflow when unpacking long long", "ignore_index", _OP)
     ii = -100 if ignore_index is None else ignore_index
-    bad = (target != ii) & ((target < 0) | (target >= C))
+    tv = values_of(target)  # (every slice of a vmap batch)
+    bad = (tv != ii) & ((tv < 0) | (tv >= C))
     if bool(bad.any()):
-        raise torch_error(IndexError, f"Target {int(target[bad][0])} is out of bounds.", "target", _OP)
+        raise torch_error(IndexError, f"Target {int(tv[bad][0])} is out of bounds.", "target", _OP)
     return target
