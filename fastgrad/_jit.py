@@ -70,4 +70,11 @@ def tjit(fn):
     return njit(nogil=True)(fn)
 
 
+def tjit_ieee(fn):
+    """:func:`tjit` with NumPy's error model: a float division by zero gives IEEE's inf/NaN, as
+    the device's vector unit does (``exp(x - max) / sum_exp`` with a zero ``sum_exp``), not a
+    ``ZeroDivisionError``.  The same arithmetic otherwise (only the check is gone)."""
+    return njit(nogil=True, error_model="numpy")(fn)
+
+
 prange = numba.prange

@@ -530,3 +530,31 @@ def test_high_performance_over_several_row_tiles_matches_memory_saving(rng):
                                                  logits_max=m, sum_exp_logits=s)
     assert_close_dtype(hp[0], ms[0].astype(np.float64), BF16, what="grad_input")
     assert_close_dtype(hp[1], ms[1].astype(np.float64), BF16, what="grad_weight")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # (NumPy's, on inf)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("filter_eps", [None, "auto"])
+def test_a_zero_sum_exp_is_ieee_division(rng, dtype, filter_eps):
+    """Found by fuzzing: ``sum_exp_logits`` 0 (or -0) in a row raised a plain ZeroDivisionError
+    (Numba's Python error model).  The device divides (``docs/spec.md``: ``p = exp(logits -
+    logits_max) / sum_exp_logits``): such a row's ``g`` is ±inf / NaN and spreads through the
+    GEMMs, as in the float64 golden (the reference backend); the other rows are untouched."""
+    BT, H, V = 9, 5, 70
+    x, w, t, _, grad = make_problem(rng, BT, H, V, dtype)
+    m, s = stats64(x, w)
+    s[2], s[6] = 0.0, -0.0
+    kw = dict(logits_max=m, sum_exp_logits=s, filter_eps=filter_eps)
+    gi, gw = fg.fused_linear_cross_entropy_loss_grad(grad, x, w, pack(np.zeros(BT, bool)), t, **kw)
+    with fg.use_backend("reference"), np.errstate(divide="ignore", invalid="ignore"):
+        ri, rw = fg.fused_linear_cross_entropy_loss_grad(grad, x, w, pack(np.zeros(BT, bool)), t, **kw)
+    gi, gw, ri, rw = (np.asarray(a, np.float64) for a in (gi, gw, ri, rw))
+    for got, ref in ((gi, ri), (gw, rw)):
+        assert not np.isfinite(got).all()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+    ok = np.ones(BT, bool)
+    ok[[2, 6]] = False
+    assert np.isfinite(gi[ok]).all()
+    np.testing.assert_allclose(gi[ok], ri[ok], rtol=2e-2 if dtype != F32 else 1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import dtypes as D
-from ..._jit import tjit
+from ..._jit import tjit, tjit_ieee
 from ...errors import InternalError
 from ...kernels import _bf16dot
 from ...kernels._bf16dot import group_pairs
@@ -20,7 +20,7 @@ from ..loop import Operands
 from ..plan_types import FILTER_COLS, FILTER_ROWS, Buffer, LinearCrossEntropyPlan
 
 
-@tjit
+@tjit_ieee
 def _epilogue_span(L, i, j0, j1, m, se, g, s_over_k, code):
     """L[i, j0:j1] <- round((exp(L - m) / se - s/K)·g) (the non-target columns of the epilogue).
     On a view of the span, indexed from 0: an index Numba cannot prove non-negative (``j0 + j``)
@@ -37,7 +37,7 @@ def _epilogue_span(L, i, j0, j1, m, se, g, s_over_k, code):
             row[j] = D.round_f32(p * g, code)
 
 
-@tjit
+@tjit_ieee
 def _epilogue_memory_saving(lo, hi, L, row0, col0, logits_max, sum_exp, grad, tcol, code, smooth, inv_k, keep, fb, rb):
     """In place on the fp32 logits tile L [nb, nv]: L <- round((softmax - onehot·(1-s) - s/K)·grad).
 
