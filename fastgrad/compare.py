@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sys
 import types
@@ -267,7 +268,11 @@ def _special(a: np.ndarray, g: np.ndarray) -> tuple[int, list, np.ndarray]:
 
 
 def _rel(a: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
-    return np.abs(a - g) / (np.abs(g) + eps)
+    """``|a - g| / (|g| + eps)``; 0 where ``a == g`` (an exact match, also at ``g = 0`` with
+    ``eps = 0``, where the quotient is 0/0)."""
+    d = np.abs(a - g)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(d == 0, 0.0, d / (np.abs(g) + eps))
 
 
 def _mean(x: np.ndarray) -> float:
@@ -349,9 +354,11 @@ def compare(
             )
     else:
         dt = _standard_dtype(dtype)
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (numbers.Real, np.floating, np.integer)):
+        raise invalid("eps", "a finite float >= 0", repr(eps), OP)
     eps = float(eps)
-    if not eps >= 0:
-        raise invalid("eps", ">= 0", repr(eps), OP)
+    if not 0 <= eps < np.inf:
+        raise invalid("eps", "a finite float >= 0", repr(eps), OP)
     name = _NAMES[dt]
 
     if std == "single":

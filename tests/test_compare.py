@@ -295,11 +295,30 @@ def test_bad_arguments():
         (lambda: fg.compare(g, None, dtype="float16"), 161001),
         (lambda: fg.compare(g, g, dtype="float16", standard="double", reference=g, level="L3"), 161002),
         (lambda: fg.compare(g, g, dtype="float16", standard="double", reference=ones(3)), 161002),
+        # found by fuzzing: builtins errors for these
+        (lambda: fg.compare(g, g, dtype="float16", eps=None), 161002),
+        (lambda: fg.compare(g, g, dtype="float16", eps="x"), 161002),
+        (lambda: fg.compare(g, g, dtype="float16", eps=float("inf")), 161002),
+        (lambda: fg.compare(g, g, dtype="float16", eps=True), 161002),
     ]
     for fn, status in cases:
         with pytest.raises(fg.AclnnError) as e:
             fn()
         assert e.value.status == status
+
+
+@pytest.mark.parametrize("standard", ["single", "double"])
+def test_an_exact_match_passes_with_eps_zero(standard):
+    """Found by fuzzing: ``eps=0`` (validated, allowed) made an exact match at a zero golden 0/0 —
+    MERE NaN and a failed verdict.  An exact element's relative error is 0; a non-zero error over
+    a zero golden stays infinite (fails)."""
+    g = np.array([0.0, 1.0, -2.5, 3e-3], np.float32)
+    kw = {"reference": g.copy()} if standard == "double" else {}
+    r = fg.compare(g.copy(), g, eps=0.0, standard=standard, **kw)
+    assert r.passed, r
+    a = g.copy()
+    a[0] = 1e-30
+    assert not fg.compare(a, g, eps=0.0, standard="single").passed
 
 
 def test_empty_and_result_serialisation():

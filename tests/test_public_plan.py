@@ -3,12 +3,15 @@ running it — the same plan the op returns (``return_plan=True``) under the sam
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from common import BF16, workspace_budget
 
 import fastgrad as fg
 
+FLCE = "fused_linear_cross_entropy_loss_grad"
 
 def _inputs(BT, H, V, dtype):
     rng = np.random.default_rng(0)
@@ -56,9 +59,54 @@ def test_the_online_max_sum_plan_and_the_budget():
         (("linear", 8, 8, 8), {}, "op must be one of"),
         (("fused_linear_online_max_sum", 8, 8, 8), {"mode": "memory_saving"}, "mode for"),
         (("fused_linear_cross_entropy_loss_grad", -1, 8, 8), {}, ">= 0"),
+        # found by fuzzing: builtins errors, or values the op refuses taken silently
+        ((FLCE, None, 8, 8), {}, "BT must be an int >= 0, got None"),
+        ((FLCE, float("nan"), 8, 8), {}, "BT must be an int"),
+        ((FLCE, 8, float("inf"), 8), {}, "V must be an int"),
+        ((FLCE, 8, 8, 1.5), {}, "H must be an int"),
+        ((FLCE, True, 8, 8), {}, "BT must be an int"),
+        ((FLCE, 8, 8, 8), {"dtype": "bogus"}, "dtype must be one of"),
+        ((FLCE, 8, 8, 8), {"dtype": "float64"}, "dtype must be one of"),
+        ((FLCE, 8, 8, 8), {"filter_eps": -1.0}, "filter_eps must be"),
+        ((FLCE, 8, 8, 8), {"filter_eps": "yes"}, "filter_eps must be"),
+        ((FLCE, 8, 8, 8), {"filter_eps": 1e-3, "mode": "high_performance"}, "memory-saving"),
+        ((FLCE, 8, 8, 8), {"budget_bytes": -1}, "budget_bytes must be an int >= 1"),
+        ((FLCE, 8, 8, 8), {"budget_bytes": "x"}, "budget_bytes must be an int >= 1"),
     ],
 )
 def test_bad_arguments_are_161002(args, kw, match):
     with pytest.raises(fg.AclnnParamError, match=match) as e:
         fg.plan(*args, **kw)
     assert e.value.status == fg.ACLNN_ERR_PARAM_INVALID
+    param = re.search(r"plan: (\w+)", str(e.value)).group(1)
+    assert e.value.param == param
+
+
+def test_what_the_ops_take_is_taken():
+    """The spellings the ops take: ``filter_eps="auto"`` (the dtype's), a ``torch.dtype``, NumPy
+    integers; ``gemm_choice`` of a bad dtype is 161002 too."""
+    import ml_dtypes
+
+    assert fg.plan(FLCE, 8, 8, 8, filter_eps="auto").filter_eps == float(ml_dtypes.finfo(BF16).eps) / 32
+    assert fg.plan(FLCE, np.int64(8), np.int32(8), 8).BT == 8
+    torch = pytest.importorskip("torch")
+    assert fg.plan(FLCE, 8, 8, 8, dtype=torch.float16).gemm == fg.gemm_choice(np.float16)
+    with pytest.raises(fg.AclnnParamError, match="gemm_choice: dtype must be one of"):
+        fg.gemm_choice("bogus")
+
+
+def test_a_huge_plan_is_made_at_once():
+    """Found by fuzzing: the bf16 kernel's ``X`` pairs were summed tile by tile (BT = 2**34 took
+    4 s, 2**62 forever); now a closed form — the same sum as the tiles' (checked at small BT)."""
+    from fastgrad.kernels._bf16dot import b_size
+
+    for BT in (1, 7, 300, 2049):
+        p = fg.plan(FLCE, BT, 2600, 40, budget_bytes=400_000)
+        got = {b.name: b.shape for b in p.buffers}.get("x_pairs_tiles")
+        assert (got is not None) == (fg.gemm_choice(BF16).exact == "bf16")  # (the bf16 kernel's)
+        if got is not None:
+            want = sum(b_size(min(p.bt_tile, BT - b0), 40) for b0 in range(0, BT, p.bt_tile))
+            assert got == (want,)
+    p = fg.plan(FLCE, 2**62, 32, 8)  # returns (no timing asserted: a hang fails by the timeout)
+    assert p.BT == 2**62
+

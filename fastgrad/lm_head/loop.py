@@ -215,7 +215,8 @@ class Operands:
         if kind is not None and logits:
             out += _bf16dot.Logits.buffers(BT, H, vt, f16=f16k, form=gemm.a_form, x_given=fp32)
         if grad and b16:
-            rows = sum(b_size(min(bt, BT - b0), H) for b0 in range(0, BT, bt)) if bt else 0
+            # the row tiles' pairs: the full tiles', then the last one's (closed form: any BT)
+            rows = (BT // bt) * b_size(bt, H) + (b_size(BT % bt, H) if BT % bt else 0) if bt else 0
             out += [
                 Buffer("x_pairs_tiles", (rows,), "uint32", "call"),
                 Buffer("w_pairs_tile", (b_size(vt, H),), "uint32", "tile"),
