@@ -291,13 +291,13 @@ def _grad_round_bf16(
     """``precision="fast"``'s passes over one chunk fused, row group by row group (``lo:hi``,
     ``FAST_E_GROUP`` rows each, while the group is in cache): :func:`_grad_pass` over the group's
     rows (``L``, ``offs``, ``widths``: one chunk; its arguments as there), :func:`_round_g_bf16`
-    of the group (``G``: the chunk's ``[nb, w]`` view of the same memory; the target's errors into
-    ``e_t``), then, with ``pairs``
-    = ``(u, up, gt)`` (the kernel's ``vdpbf16ps`` form; empty arrays skip it), the gradient GEMMs'
-    ``A`` operands: ``gᵀ``'s pairs into ``gt`` ``[w, ceil(nb/2)]`` (grad_weight's, where ``gt``
-    has rows) and the group's rows paired in place (grad_input's; ``u``: ``G``'s uint32 view,
-    ``up`` = ``u[:, :ceil(w/2)]``, where ``up`` has rows) — one pass over the chunk instead of
-    four, the same operations in the same order (the separate passes' bits: tests pin them).
+    of the group (``G``: the chunk's ``[nb, w]`` view of the same memory; the targets' errors
+    into ``e_t``), then, with ``pairs`` = ``(u, up, gt)`` (the kernel's ``vdpbf16ps`` form; empty
+    arrays skip it), the gradient GEMMs' ``A`` operands: ``gᵀ``'s pairs into ``gt``
+    ``[w, ceil(nb/2)]`` (grad_weight's, where ``gt`` has rows) and the group's rows paired in
+    place (grad_input's; ``u``: ``G``'s uint32 view, ``up`` = ``u[:, :ceil(w/2)]``, where ``up``
+    has rows) — one pass over the chunk instead of four, the same operations in the same order
+    (the separate passes' bits: tests pin them).
     ``rows``: ``_grad_pass``'s per-row arrays ``(tcol, wt, lse, coef_ce, coef_z, coef_h, zmean)``."""
     tcol, wt, lse, coef_ce, coef_z, coef_h, zmean = rows
     u, up, gt = pairs

@@ -692,6 +692,8 @@ def linear_cross_entropy(
     ----------
     hidden : Tensor [..., H]; bfloat16, float16, float32, float64; CPU
     weight : Tensor [V, H] (or this rank's shard [V_k, H] with ``process_group``), hidden's dtype
+        (under ``torch.autocast("cpu")`` fp32/fp16/bf16 ``hidden``, ``weight`` and ``bias`` are
+        first cast to the autocast dtype, as ``F.linear``'s operands are there)
     target : Tensor hidden.shape[:-1]; int64 / int32 ids in ``[0, V)`` or ``ignore_index``
     ignore_index : int, default -100
     reduction : "mean" | "sum" | "none"

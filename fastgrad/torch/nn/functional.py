@@ -94,6 +94,10 @@ def linear_cross_entropy(
         ``torch.func.vmap``/``jacrev``; differentiable once (a second derivative raises
         AclnnError 361001, a ``RuntimeError``).
 
+    Under ``torch.autocast("cpu")`` the operands are cast as ``F.linear`` casts them there and
+    the loss is fp32, as PyTorch's (its op is ``linear`` then ``cross_entropy``; fastgrad keeps
+    the logits of the autocast-dtype operands exact in fp32 where PyTorch rounds them).
+
     Class-probability targets and K-dimensional weights (``linear_weight`` of rank > 2) run
     PyTorch's reference path, with a warning — as PyTorch's chunked path does for what it does
     not support.  ``options`` is fastgrad's extension (keyword-only, as PyTorch's own); int32
