@@ -334,6 +334,8 @@ def npu_cross_entropy_loss(
     if t.dtype != torch.int64 or tuple(t.shape) != (x.shape[0],):
         raise invalid("target", f"int64 of shape ({x.shape[0]},)", f"{t.dtype} of shape {tuple(t.shape)}", op)
     N, C = x.shape
+    if C == 0 and N > 0:  # (every row ignored would otherwise reach a gather over no class)
+        raise invalid("input", "[N, C] with C >= 1 classes", f"shape {tuple(x.shape)}", op)
     keep = (t != ignore_index) if ignore_index >= 0 else torch.ones(N, dtype=torch.bool)
     if bool(((t < 0) | (t >= C))[keep].any()):
         raise invalid("target", f"values in [0, {C}) (or ignore_index)", "a value out of range", op)
@@ -463,12 +465,12 @@ def npu_scaled_masked_softmax(
     if mm is not None:
         if mm.dtype != torch.bool:
             raise invalid("mask", "a bool tensor", str(mm.dtype), op)
-        try:
-            torch.broadcast_shapes(mm.shape, xx.shape)
+        try:  # broadcastable *to* x: the result has x's shape (the backward's rule too)
+            fits = torch.broadcast_shapes(mm.shape, xx.shape) == xx.shape
         except RuntimeError:
-            raise invalid(
-                "mask", f"a shape broadcastable to {tuple(xx.shape)}", f"shape {tuple(mm.shape)}", op
-            ) from None
+            fits = False
+        if not fits:
+            raise invalid("mask", f"a shape broadcastable to {tuple(xx.shape)}", f"shape {tuple(mm.shape)}", op)
     return _ScaledMaskedSoftmax.apply(xx, mm, float(scale), bool(fixed_triu_mask))
 
 

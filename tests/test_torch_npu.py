@@ -207,6 +207,9 @@ def test_cross_entropy_backward_direct_and_zloss_rejected():
         torch_npu.npu_cross_entropy_loss(x, t + 5)
     with pytest.raises(fg.AclnnNullptrError):
         torch_npu.npu_cross_entropy_loss(None, t)
+    # found by fuzzing: no class and every row ignored reached a gather (a plain RuntimeError)
+    with pytest.raises(fg.AclnnParamError, match="C >= 1"):
+        torch_npu.npu_cross_entropy_loss(torch.randn(3, 0), torch.zeros(3, dtype=torch.long), ignore_index=0)
 
 
 # --------------------------------------------------------------------------- masked softmax ----
@@ -246,6 +249,10 @@ def test_scaled_masked_softmax_errors():
         torch_npu.npu_scaled_masked_softmax(x, torch.zeros(3, 8, dtype=torch.bool))
     with pytest.raises(fg.AclnnParamError, match="mask"):
         torch_npu.npu_scaled_masked_softmax(x, torch.zeros(4, 8))
+    # found by fuzzing: a mask that broadcasts with x but not *to* x grew the result
+    for big in ((2, 1, 4, 8), (1, 1, 2, 4, 8)):
+        with pytest.raises(fg.AclnnParamError, match="broadcastable to"):
+            torch_npu.npu_scaled_masked_softmax(x, torch.zeros(big, dtype=torch.bool))
     with pytest.raises(fg.AclnnNullptrError):
         torch_npu.npu_scaled_masked_softmax(x, None)
     with pytest.raises(fg.AclnnParamError, match="CPU torch.Tensor"):
