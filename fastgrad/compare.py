@@ -521,15 +521,92 @@ def _double(a, g, r, dt, name, eps, lv) -> CompareResult:
 # ----------------------------------------------------------------------------------------
 
 
-def _parse_shape(shape) -> tuple | None:
+#: The largest element count a shape may give (NumPy's sizes are int64).
+MAX_ELEMENTS = 2**63 - 1
+
+
+def _parse_shape(shape, where: str = "") -> tuple | None:
+    """``shape`` (``"2,3"``, ``(2, 3)``, a sidecar's JSON list) as a tuple of sizes; 161002 naming
+    ``where`` (a file) for an empty item, a size that is not an integer >= 0, or a product of sizes
+    beyond int64."""
     if shape is None:
         return None
+    got = f"{shape!r}{' in ' + where if where else ''}"
+    expected = "sizes: integers >= 0 whose product fits int64, e.g. [2048, 896] or 2,3"
     if isinstance(shape, str):
         s = shape.strip().strip("()[]")
         if not s:
             return ()
-        return tuple(int(p) for p in s.replace("x", ",").split(",") if p.strip())
-    return tuple(int(p) for p in shape)
+        items: list = [p.strip() for p in s.replace("x", ",").split(",")]
+        if any(not p for p in items):
+            raise invalid("shape", expected, got, OP)
+        try:
+            dims = tuple(int(p) for p in items)
+        except ValueError:
+            raise invalid("shape", expected, got, OP) from None
+    elif isinstance(shape, (list, tuple)) or (isinstance(shape, np.ndarray) and shape.ndim == 1):
+        if not all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in shape):
+            raise invalid("shape", expected, got, OP)
+        dims = tuple(int(p) for p in shape)
+    else:
+        raise invalid("shape", expected, got, OP)
+    if any(d < 0 for d in dims) or math.prod(dims) > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in dims):
+        raise invalid("shape", expected, got, OP)
+    return dims
+
+
+def _array_dtype(dtype, where: str = "") -> np.dtype:
+    """``dtype`` as the dtype of a raw dump: numeric (integer, bool, floating incl. bfloat16); 161002
+    naming ``where`` (a file) otherwise."""
+    try:
+        dt = parse_dtype(dtype)
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or (dt.kind not in "biuf" and dt != _BF16):
+        raise invalid(
+            "dtype",
+            "a numeric dtype name (float16|bfloat16|float32|float64|int32|int64|bool ...)",
+            f"{dtype!r}{' in ' + where if where else ''}",
+            OP,
+        )
+    return dt
+
+
+def read_sidecar_strict(side: str) -> dict:
+    """The sidecar ``side`` (``{"dtype": ..., "shape": [...]}``), checked: 161002 naming the file for
+    malformed JSON, a value that is not an object, a bad dtype or a bad shape.  Returns ``{"dtype":
+    np.dtype, "shape": tuple or None}`` (``dtype`` None when the sidecar has none)."""
+    try:
+        with open(side) as f:
+            meta = json.load(f)
+    except UnicodeDecodeError as e:
+        raise invalid(
+            "sidecar",
+            'a JSON object like {"dtype": "bfloat16", "shape": [2048, 896]}',
+            f"{side} (not text: {e.reason})",
+            OP,
+        ) from None
+    except json.JSONDecodeError as e:
+        raise invalid(
+            "sidecar",
+            'a JSON object like {"dtype": "bfloat16", "shape": [2048, 896]}',
+            f"{side} (malformed JSON: {e.msg} at line {e.lineno} column {e.colno})",
+            OP,
+        ) from None
+    if not isinstance(meta, dict):
+        raise invalid(
+            "sidecar",
+            'a JSON object like {"dtype": "bfloat16", "shape": [2048, 896]}',
+            f"{side} holding a {type(meta).__name__}",
+            OP,
+        )
+    dt = _array_dtype(meta["dtype"], side) if "dtype" in meta else None
+    shape = None
+    if "shape" in meta:
+        if not isinstance(meta["shape"], list):  # a sidecar's shape is a JSON list (not "8,50", not null)
+            raise invalid("shape", "a JSON list of sizes such as [2048, 896]", f"{meta['shape']!r} in {side}", OP)
+        shape = _parse_shape(meta["shape"], side)
+    return {"dtype": dt, "shape": shape}
 
 
 def _load_pt(path: str) -> np.ndarray:
@@ -543,7 +620,14 @@ def _load_pt(path: str) -> np.ndarray:
     try:
         t = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a corrupt file raises anything (struct.error, UnpicklingError, ...)
-        raise invalid("path", "a .pt file holding one tensor (torch.save, weights only)", f"{path} ({e})", OP) from None
+        # the first line only: PyTorch's "Weights only load failed" runs to a page of advice
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        why = f"{type(e).__name__}{': ' + first if first else ''}"
+        if len(why) > 160:
+            why = why[:157] + "..."
+        raise invalid(
+            "path", "a .pt file holding one tensor (torch.save, weights only)", f"{path} ({why})", OP
+        ) from None
     if not isinstance(t, torch.Tensor):
         raise invalid("path", "a .pt file holding one tensor", f"{path} holding a {type(t).__name__}", OP)
     t = t.detach().contiguous()
@@ -571,7 +655,13 @@ def load_array(
     ext = os.path.splitext(path)[1].lower()
     if ext in (".npy", ".pt", ".pth"):
         if ext == ".npy":
-            a = np.load(path, allow_pickle=False)
+            try:
+                a = np.load(path, allow_pickle=False)
+            except EOFError:  # an empty file
+                raise invalid("path", "a .npy file", f"{path} (empty)", OP) from None
+            except ValueError as e:  # no .npy header, an object array, a truncated file
+                why = " ".join(str(e).split())[:160]
+                raise invalid("path", "a readable .npy file", f"{path} ({why})", OP) from None
             if a.dtype.kind == "V" and a.dtype.itemsize == 2:  # np.save writes bfloat16 as |V2
                 a = a.view(_BF16)
         else:
@@ -580,10 +670,9 @@ def load_array(
             raise invalid("dtype", f"{a.dtype} (the dtype stored in {path})", str(parse_dtype(dtype)), OP)
     else:
         side = os.path.splitext(path)[0] + ".json"
-        meta = {}
-        if os.path.exists(side):
-            with open(side) as f:
-                meta = json.load(f)
+        meta: dict = {}
+        if os.path.isfile(side):
+            meta = read_sidecar_strict(side)
         dt = dtype if dtype is not None else meta.get("dtype")
         if dt is None:
             raise invalid(
@@ -593,7 +682,7 @@ def load_array(
                 "neither",
                 OP,
             )
-        dt = parse_dtype(dt)
+        dt = _array_dtype(dt)
         raw = np.fromfile(path, dtype=np.uint8)
         if raw.size % dt.itemsize:
             raise invalid(
@@ -602,21 +691,32 @@ def load_array(
         a = raw.view(dt)
         if sys.byteorder == "big" and dt.itemsize > 1:  # dumps are little-endian
             a = a.byteswap()
-        if shape is None and "shape" in meta:
-            shape = tuple(int(s) for s in meta["shape"])
+        if shape is None and meta.get("shape") is not None:
+            shape = meta["shape"]
     if shape is not None:
-        if int(np.prod(shape, dtype=np.int64)) != a.size:
+        if math.prod(shape) != a.size:
             raise invalid("shape", f"{a.size} elements (the size of {path})", str(shape), OP)
         a = a.reshape(shape)
     return a
 
 
-def read_sidecar(path: str) -> dict | None:
+def read_sidecar(path: str, strict: bool = False) -> dict | None:
     """The ``<stem>.json`` sidecar of a raw ``.bin`` file (``{"dtype": ..., "shape": [...]}``), or
-    None when ``path`` is not a ``.bin`` file or has none (or it is not such a JSON object)."""
+    None when ``path`` is not a ``.bin`` file or has none (or it is not such a JSON object).
+    ``strict``: a sidecar that exists but is malformed (bad JSON, dtype or shape) is a 161002
+    naming it, instead of None; the dtype comes back as its name, the shape as a list."""
     if os.path.splitext(path)[1].lower() != ".bin":
         return None
     side = os.path.splitext(path)[0] + ".json"
+    if strict:
+        if not os.path.isfile(side):
+            return None
+        from .dtypes import dtype_name
+
+        m = read_sidecar_strict(side)
+        if m["dtype"] is None:
+            return None
+        return {"dtype": dtype_name(m["dtype"]), **({"shape": list(m["shape"])} if m["shape"] is not None else {})}
     try:
         with open(side) as f:
             meta = json.load(f)

@@ -32,6 +32,7 @@ from ._common import (  # noqa: F401 - the command's shared pieces, re-exported
     EXIT_USAGE,
     CliError,
     OneLineParser,
+    stdout_to_devnull,
 )
 
 SUBCOMMANDS = ("bench", "case", "compare", "golden", "run", "ttk-plugin")
@@ -60,12 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         return EXIT_OK if e.code is None else int(e.code)
     except BrokenPipeError:  # `fastgrad --list-tensors CKPT | head`: the reader left, say nothing
-        import os
-
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except OSError:
-            pass
+        # (a verdict's status survives the closed pipe where it is printed: print_or_pipe_closed)
+        stdout_to_devnull()
         return EXIT_OK
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

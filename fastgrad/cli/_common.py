@@ -37,6 +37,34 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} -h`)\n")
 
 
+def stdout_to_devnull() -> None:
+    """Point stdout at /dev/null after its reader left (a closed pipe): the interpreter's last
+    flush then raises no second BrokenPipeError."""
+    import os
+    import sys
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def print_or_pipe_closed(text: str) -> None:
+    """Print ``text`` (flushed); a reader that left before it (``| head -1``, ``| true``) is no
+    error: the rest goes to /dev/null and the command keeps its exit status (a verdict's 1)."""
+    import sys
+
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        stdout_to_devnull()
+    else:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            stdout_to_devnull()
+
+
 def write_markdown(path: str, text: str) -> None:
     """Write a report's Markdown table to ``path`` (its folder made if missing) and say so."""
     import os
@@ -187,3 +215,83 @@ def refuse_missing_kernel(op: str, soc: str, flag: str = "--soc-version") -> Non
             soc,
             hint="ops-nn's op_host/config of the op holds ascend910b and ascend910_93 binaries only",
         )
+
+
+#: The largest size a size flag takes: NumPy's sizes (and element counts) are int64.
+MAX_SIZE = 2**63 - 1
+
+
+def parse_sizes(text: str, flag: str, expected: str, minimum: int = 0) -> tuple[int, ...]:
+    """Comma-separated sizes (``2,3,4``; ``x`` separates too) as a tuple: a :class:`CliError`
+    naming ``flag`` for an empty item (``16,,32``, a leading or trailing comma), a size that is not
+    an integer >= ``minimum``, or sizes whose product does not fit int64."""
+    import math
+
+    items = [p.strip() for p in text.replace("x", ",").split(",")]
+    try:
+        dims = tuple(int(p) for p in items) if text.strip() else ()
+    except ValueError:
+        raise CliError(flag, expected, repr(text)) from None
+    if any(d < minimum for d in dims) or math.prod(dims) > MAX_SIZE or any(d > MAX_SIZE for d in dims):
+        raise CliError(flag, expected, repr(text))
+    return dims
+
+
+class OutputFolder:
+    """The files a command writes under its ``--out``, removed again when it fails (any exception,
+    Ctrl-C included), with the folder when the command created it: a failed command leaves
+    nothing behind.  An ``OSError`` while writing (a full disk) becomes one line naming ``--out``
+    and the file::
+
+        with OutputFolder(args.out, created) as out:
+            out.add(path)          # before writing path
+            ...
+    """
+
+    def __init__(self, path: str, created: bool, flag: str = "--out"):
+        self.path, self.created, self.flag = path, created, flag
+        self.files: list[str] = []
+
+    def add(self, *paths: str) -> None:
+        self.files.extend(paths)
+
+    def __enter__(self) -> OutputFolder:
+        return self
+
+    def __exit__(self, et, e, tb) -> None:
+        if et is None:
+            return
+        self.discard()
+        if isinstance(e, OSError) and not isinstance(e, CliError):
+            name = e.filename or (self.files[-1] if self.files else None)
+            where = f"writing {name}: " if name else ""
+            raise CliError(
+                self.flag,
+                "a directory with room for the files (nothing was left there)",
+                f"{self.path!r}",
+                hint=f"{where}{e.strerror or ' '.join(str(e).split())}",
+            ) from None
+
+    def discard(self) -> None:
+        """Remove what was written, the folders made for it that are now empty, and ``path`` when
+        this command created it and it is empty."""
+        import os
+
+        top = os.path.abspath(self.path)
+        for f in reversed(self.files):
+            try:
+                os.remove(f)
+            except OSError:
+                pass
+        for d in sorted({os.path.abspath(os.path.dirname(f)) for f in self.files}, key=len, reverse=True):
+            while d.startswith(top + os.sep):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+                d = os.path.dirname(d)
+        if self.created:
+            try:
+                os.rmdir(self.path)
+            except OSError:
+                pass

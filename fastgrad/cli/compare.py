@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from ._common import CliError, OneLineParser
+from ._common import CliError, OneLineParser, print_or_pipe_closed
 
 #: The output dtypes whose thresholds the standards define (``--dtype``), and what a raw golden
 #: or third-party dump may also be stored as (``--golden-dtype``, ``--reference-dtype``).
@@ -49,13 +48,17 @@ def _dtype_type(allowed: tuple):
 
 
 def _shape_type(s: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in s.split(",")]
+    from ..compare import _parse_shape
+    from ..errors import AclnnError
+
     try:
-        dims = tuple(int(p) for p in parts)
-    except ValueError:
-        dims = ()
-    if not dims or any(d < 0 for d in dims):
-        raise argparse.ArgumentTypeError(f"expected comma-separated sizes >= 0 such as 2,3,4, got {s!r}")
+        dims = _parse_shape(s)
+    except AclnnError:
+        dims = None
+    if not dims:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated sizes >= 0 whose product fits int64, such as 2,3,4, got {s!r}"
+        )
     return dims
 
 
@@ -90,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reference", help="third-party output for --standard double (.npy or .bin)")
     p.add_argument(
-        "--level", default="L0", choices=["L0", "L1", "L2"], help="double benchmark level required to pass (default L0)"
+        "--level",
+        choices=["L0", "L1", "L2"],
+        help="with --standard double: the level required to pass (default L0)",
     )
     p.add_argument(
         "--dtype",
@@ -106,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reference-dtype",
         type=_dtype_type(DUMP_DTYPES),
-        help="dtype of a .bin reference when it differs from --dtype (float64 allowed)",
+        help="dtype of a .bin --reference when it differs from --dtype (float64 allowed)",
     )
     p.add_argument("--shape", type=_shape_type, help="reshape the files, e.g. 2,3,4")
     p.add_argument("--eps", type=float, default=None, help="eps of the relative error (default 1e-7)")
@@ -145,10 +150,12 @@ def _is_raw(path: str) -> bool:
     return not path.lower().endswith((".npy", ".pt", ".pth"))
 
 
-def _meta(path: str) -> dict | None:
+def _meta(what: str, path: str) -> dict | None:
     """What a file says of itself: a ``.bin``'s sidecar, a ``.npy``'s header (dtype, shape); None
-    for a raw file without a sidecar (and for ``.pt``, read whole only when compared)."""
+    for a raw file without a sidecar (and for ``.pt``, read whole only when compared).  A malformed
+    sidecar is a :class:`CliError` naming the file."""
     from ..compare import read_sidecar
+    from ..errors import AclnnError
 
     if path.lower().endswith(".npy"):
         import numpy as np
@@ -157,11 +164,24 @@ def _meta(path: str) -> dict | None:
 
         try:
             a = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError):
+        except (OSError, ValueError, EOFError):
             return None
         dt = "bfloat16" if a.dtype.kind == "V" and a.dtype.itemsize == 2 else dtype_name(a.dtype)
         return {"dtype": dt, "shape": list(a.shape)}
-    return read_sidecar(path) if _is_raw(path) else None
+    if not _is_raw(path):
+        return None
+    try:
+        return read_sidecar(path, strict=True)
+    except AclnnError as e:
+        raise CliError(f"{what}: {_lib_message(e)}") from None
+
+
+def _lib_message(e: Exception) -> str:
+    """The library's message without its ``compare: `` prefix and ``[aclnn ...]`` suffix, on one line."""
+    msg = getattr(e, "message", None) or str(e)
+    if msg.startswith("compare: "):
+        msg = msg[len("compare: ") :]
+    return " ".join(msg.split())
 
 
 def _donor(what: str, metas: dict) -> dict | None:
@@ -171,10 +191,40 @@ def _donor(what: str, metas: dict) -> dict | None:
     for other in order:
         m = metas.get(other)
         if other != what and m is not None:
-            if what != "GOLDEN" and m.get("dtype") not in THRESHOLD_DTYPES:
+            if what != "GOLDEN" and m.get("dtype") == "float64":
                 continue
             return m
     return None
+
+
+def _is_integer(a) -> bool:
+    from ..dtypes import BFLOAT16
+
+    return a.dtype.kind in "biu" and a.dtype != BFLOAT16
+
+
+def _exact(actual, golden):
+    """Integer outputs (a case's ``masked_target``, ``target_mask``): equal, element for element
+    (as ``fastgrad golden --from-msprobe`` judges them)."""
+    import numpy as np
+
+    from ..compare import CompareResult
+    from ..dtypes import dtype_name
+
+    if actual.shape != golden.shape:
+        bad, failures = actual.size, [f"shape {list(actual.shape)}, golden {list(golden.shape)}"]
+    else:
+        bad = int(np.count_nonzero(np.asarray(actual).astype(np.int64) != np.asarray(golden).astype(np.int64)))
+        failures = [f"{bad} of {actual.size} elements differ"] if bad else []
+    return CompareResult(
+        passed=not failures,
+        standard="exact",
+        dtype=dtype_name(actual.dtype),
+        metrics={"mismatches": bad, "elements": int(actual.size)},
+        thresholds={"mismatches": 0},
+        failures=failures,
+        follows="integer outputs: equal element for element (as fastgrad golden --from-msprobe)",
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -182,8 +232,24 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)  # first: `-h` imports nothing of the package
 
     from ..compare import REL_EPS, compare, load_array
+    from ..dtypes import dtype_name
     from ..errors import AclnnError
 
+    # options that only mean something beside another: refused, not ignored
+    if args.reference and args.standard != "double":
+        raise CliError(
+            "--reference",
+            "--standard double with it (single and legacy judge against GOLDEN only)",
+            f"--standard {args.standard}",
+        )
+    if args.level and args.standard != "double":
+        raise CliError(
+            "--level", "--standard double with it (the double benchmark's levels)", f"--standard {args.standard}"
+        )
+    if args.reference_dtype and not args.reference:
+        raise CliError("--reference-dtype", "--reference REF with it (the dtype of a raw reference)", "no --reference")
+    if args.standard == "double" and not args.reference:
+        raise CliError("--standard", "--reference REF with double (the third-party output)", "double without it")
     _check_file(args.actual, "ACTUAL")
     _check_file(args.golden, "GOLDEN")
     if args.reference:
@@ -191,13 +257,24 @@ def main(argv: list[str]) -> int:
     files = [("ACTUAL", args.actual), ("GOLDEN", args.golden)] + (
         [("--reference", args.reference)] if args.reference else []
     )
-    metas = {what: _meta(path) for what, path in files}
+    metas = {what: _meta(what, path) for what, path in files}
 
-    def load(what, path, dtype, dtype_flag):
+    def load(what, path, dtype, dtype_flag, own_flag):
         # the dtype options describe raw .bin files; .npy and .pt carry their own.  A raw .bin
         # without a dtype option takes its own sidecar's, else the other files' (a raw NPU dump
         # beside fastgrad's golden, whose sidecar knows the dtype and the shape)
-        if _is_raw(path) and dtype is None and metas[what] is None:
+        meta = metas[what]
+        if _is_raw(path) and dtype is not None and meta is not None and meta["dtype"] != dtype:
+            stem = path[: -len(".bin")] if path.lower().endswith(".bin") else path
+            if own_flag:  # the flag describes this very file, and its sidecar says otherwise
+                raise CliError(
+                    dtype_flag,
+                    f"{meta['dtype']} (what {stem}.json says of {path})",
+                    dtype,
+                    hint=f"drop {dtype_flag}, or fix the sidecar",
+                )
+            dtype = None  # --dtype as the golden's / reference's default: its own sidecar knows better
+        if _is_raw(path) and dtype is None and meta is None:
             donor = _donor(what, metas)
             if donor is None:
                 stem = path[: -len(".bin")] if path.lower().endswith(".bin") else path
@@ -208,33 +285,54 @@ def main(argv: list[str]) -> int:
                     "and fastgrad case write one beside each .bin)",
                     "a .bin with no sidecar, and no other file with one to take them from",
                 )
-            return load_array(path, donor["dtype"], args.shape if args.shape is not None else donor.get("shape"))
-        return load_array(path, dtype if _is_raw(path) else None, args.shape)
+            dtype, shape = donor["dtype"], args.shape if args.shape is not None else donor.get("shape")
+        else:
+            dtype, shape = (dtype if _is_raw(path) else None), args.shape
+        try:
+            return load_array(path, dtype, shape)
+        except AclnnError as e:
+            if e.param == "shape" and args.shape is None and dtype is not None and _is_raw(path):
+                # the sidecar's shape does not fit the bytes read with the dtype flag's dtype
+                raise CliError(dtype_flag, f"the dtype {path} holds", dtype, hint=_lib_message(e)) from None
+            flag = "--shape" if e.param == "shape" and args.shape is not None else what
+            raise CliError(f"{flag}: {_lib_message(e)}") from None
+        except OSError as e:
+            raise CliError(what, "a readable file", repr(path), hint=e.strerror or str(e)) from None
 
-    try:
-        actual = load("ACTUAL", args.actual, args.dtype, "--dtype")
-        golden = load("GOLDEN", args.golden, args.golden_dtype or args.dtype, "--golden-dtype")
-        ref = None
-        if args.reference:
-            ref = load("--reference", args.reference, args.reference_dtype or args.dtype, "--reference-dtype")
-        _same_size(args, actual, golden, ref)
-        if args.standard == "double" and ref is None:
-            print("fastgrad compare: --standard double needs --reference", file=sys.stderr)
-            return 2
-        res = compare(
-            actual,
-            golden,
-            dtype=args.dtype,
-            standard=args.standard,
-            reference=ref,
-            level=args.level,
-            eps=REL_EPS if args.eps is None else args.eps,
+    actual = load("ACTUAL", args.actual, args.dtype, "--dtype", True)
+    g_flag = "--golden-dtype" if args.golden_dtype else "--dtype"
+    golden = load("GOLDEN", args.golden, args.golden_dtype or args.dtype, g_flag, bool(args.golden_dtype))
+    ref = None
+    if args.reference:
+        r_flag = "--reference-dtype" if args.reference_dtype else "--dtype"
+        ref = load(
+            "--reference", args.reference, args.reference_dtype or args.dtype, r_flag, bool(args.reference_dtype)
         )
-    except (AclnnError, OSError, ValueError) as e:
-        print(f"fastgrad compare: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(res.to_dict(), indent=2))
+    _same_size(args, actual, golden, ref)
+    if _is_integer(actual) or _is_integer(golden):
+        if not (_is_integer(actual) and _is_integer(golden)):
+            raise CliError(
+                "GOLDEN",
+                "integer outputs on both sides (compared for equality) or floating on both",
+                f"ACTUAL {dtype_name(actual.dtype)}, GOLDEN {dtype_name(golden.dtype)}",
+                hint="--dtype names a raw dump's dtype",
+            )
+        if args.standard != "single":
+            raise CliError("--standard", "single (integer outputs are compared for equality)", args.standard)
+        res = _exact(actual, golden)
     else:
-        print(res.summary())
+        try:
+            res = compare(
+                actual,
+                golden,
+                dtype=args.dtype,
+                standard=args.standard,
+                reference=ref,
+                level=args.level or "L0",
+                eps=REL_EPS if args.eps is None else args.eps,
+            )
+        except (AclnnError, ValueError) as e:
+            raise CliError(_lib_message(e)) from None
+    # the verdict is the exit status even when the reader left (`fastgrad compare A G | head -1`)
+    print_or_pipe_closed(json.dumps(res.to_dict(), indent=2) if args.json else res.summary())
     return 0 if res.passed else 1
