@@ -251,9 +251,12 @@ class OutputFolder:
     def __init__(self, path: str, created: bool, flag: str = "--out"):
         self.path, self.created, self.flag = path, created, flag
         self.files: list[str] = []
+        self.current: str | None = None
 
     def add(self, *paths: str) -> None:
+        """Record ``paths`` before writing them (the first is the file named when a write fails)."""
         self.files.extend(paths)
+        self.current = paths[0] if paths else None
 
     def __enter__(self) -> OutputFolder:
         return self
@@ -263,11 +266,11 @@ class OutputFolder:
             return
         self.discard()
         if isinstance(e, OSError) and not isinstance(e, CliError):
-            name = e.filename or (self.files[-1] if self.files else None)
+            name = e.filename or self.current
             where = f"writing {name}: " if name else ""
             raise CliError(
                 self.flag,
-                "a directory with room for the files (nothing was left there)",
+                "a directory with room for the files (what this run wrote there is removed)",
                 f"{self.path!r}",
                 hint=f"{where}{e.strerror or ' '.join(str(e).split())}",
             ) from None

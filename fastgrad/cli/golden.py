@@ -92,6 +92,8 @@ def read_inputs(
     import fastgrad as fg
 
     from ..compare import load_array, read_sidecar
+    from ..dtypes import dtype_name, parse_dtype
+    from ..errors import AclnnError
     from ._common import CliError
 
     fn = getattr(fg, op)
@@ -105,38 +107,67 @@ def read_inputs(
     for p in params:
         for ext in (".npy", ".bin"):
             path = os.path.join(inputs_dir, p + ext)
-            if os.path.exists(path):
-                if ext == ".bin" and read_sidecar(path) is None and p not in dtypes:
+            if os.path.lexists(path):
+                if not os.path.isfile(path):
+                    raise CliError("--inputs", f"{p}{ext} as a file", repr(path), hint="a directory or not a file")
+                side = None
+                if ext == ".bin":
+                    try:
+                        side = read_sidecar(path, strict=True)
+                    except AclnnError as e:
+                        raise CliError("--inputs", f"a valid sidecar {p}.json", repr(path), hint=_msg(e)) from None
+                if ext == ".bin" and side is None and p not in dtypes:
                     raise CliError(
                         "--inputs",
                         f"the dtype and shape of the raw {p}.bin: its sidecar {p}.json like "
                         f'{{"dtype": "bfloat16", "shape": [2048, 896]}}, or --dtype {p}=DT --shape {p}=DIMS',
                         f"{path!r} without {p}.json",
                     )
+                if side is not None and p in dtypes and parse_dtype(side["dtype"]) != dtypes[p]:
+                    raise CliError(
+                        "--dtype",
+                        f"no --dtype for {p}.bin, whose sidecar {p}.json says {side['dtype']} "
+                        "(--dtype is for a raw .bin without its sidecar)",
+                        f"{p}={dtype_name(dtypes[p])}",
+                    )
                 try:
                     kwargs[p] = load_array(path, dtypes.get(p), shapes.get(p))
-                except ValueError as e:
-                    raise CliError(
-                        "--inputs", f"a readable {p}{ext}", repr(path), hint=" ".join(str(e).split())
-                    ) from None
+                except (ValueError, OSError) as e:
+                    raise CliError("--inputs", f"a readable {p}{ext}", repr(path), hint=_msg(e)) from None
                 used.add(p + ext)
                 if ext == ".bin":
                     used.add(p + ".json")
                 break
-    file_attrs = {}
+    file_attrs: dict = {}
     ap = os.path.join(inputs_dir, "attrs.json")
-    if os.path.exists(ap):
-        with open(ap) as f:
-            file_attrs = json.load(f)
-    merged = dict(file_attrs, **(attrs or {}))
-    for k, v in merged.items():
+    if os.path.lexists(ap):
+        expected = 'attrs.json a JSON object of the scalar parameters, like {"reduction": "mean"}'
+        try:
+            with open(ap) as f:
+                loaded = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CliError("--inputs", expected, repr(ap), hint=_msg(e)) from None
+        if not isinstance(loaded, dict):
+            raise CliError("--inputs", expected, repr(ap), hint=f"a JSON {type(loaded).__name__}")
+        file_attrs = loaded
+    attrs = attrs or {}
+    for k, v in dict(file_attrs, **attrs).items():
+        where = "--attr" if k in attrs else "--inputs"
+        got = k if k in attrs else f"{k!r} in {ap!r}"
         if k not in params:
-            raise ValueError(f"attribute {k!r} is not a parameter of {op} (parameters: {', '.join(params)})")
+            raise CliError(where, f"a parameter of {op} ({', '.join(params)})", got)
         if k in kwargs:
-            raise ValueError(f"{k!r} is given both as a file and as an attribute")
+            raise CliError(where, f"{k} given once (it has a file in --inputs)", got)
         kwargs[k] = v
     unused = sorted(f for f in os.listdir(inputs_dir) if f not in used)
     return kwargs, unused
+
+
+def _msg(e: BaseException) -> str:
+    msg = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+    if msg.startswith("compare: "):
+        msg = msg[len("compare: ") :]
+    return " ".join(str(msg).split())
 
 
 def golden(
@@ -154,11 +185,7 @@ def golden(
     """Run ``op`` on the inputs in ``inputs_dir`` through ``backend`` and write its outputs to
     ``out_dir``; returns ``{output_name: array}`` (None outputs omitted).  ``device``: the SoC
     and strict mode in force, for the manifest (default: the current settings)."""
-    import fastgrad as fg
-
     from .. import _config
-    from ..compare import save_array
-    from ..dtypes import dtype_name
 
     if op not in OUTPUT_NAMES:
         raise ValueError(f"unknown op {op!r}; one of: {', '.join(OPS)}")
@@ -167,6 +194,16 @@ def golden(
 
         soc = _config.get_soc_version()
         device = {"soc_version": soc, "soc_profile": profile_name(soc), "strict": _config.is_strict()}
+    kwargs, unused = load_inputs(op, inputs_dir, attrs, dtypes, shapes)
+    return compute(op, kwargs, unused, out_dir, fmt=fmt, backend=backend, device=device)
+
+
+def load_inputs(
+    op: str, inputs_dir: str, attrs: dict | None = None, dtypes: dict | None = None, shapes: dict | None = None
+) -> tuple[dict, list]:
+    """:func:`read_inputs`, and a :class:`CliError` naming the required parameters without a file."""
+    import fastgrad as fg
+
     kwargs, unused = read_inputs(op, inputs_dir, attrs, dtypes, shapes)
     missing = [
         n
@@ -182,6 +219,28 @@ def golden(
             f"a file for each required input of {op}: " + ", ".join(f"{n}.npy" for n in missing) + " (or .bin + .json)",
             f"{inputs_dir!r} with " + (", ".join(have) if have else "no .npy/.bin files"),
         )
+    return kwargs, unused
+
+
+def compute(
+    op: str,
+    kwargs: dict,
+    unused: list,
+    out_dir: str,
+    *,
+    fmt: str = "npy",
+    backend: str = "reference",
+    device: dict,
+    out=None,
+) -> dict:
+    """Run ``op`` on ``kwargs`` through ``backend``, write its outputs and the manifest to
+    ``out_dir`` (``out``: a :class:`~fastgrad.cli._common.OutputFolder` recording each file before
+    it is written); returns ``{output_name: array}``."""
+    import fastgrad as fg
+
+    from ..compare import save_array
+    from ..dtypes import dtype_name
+
     with fg.use_backend(backend):
         res = getattr(fg, op)(**kwargs)
     if not isinstance(res, tuple):
@@ -193,7 +252,10 @@ def golden(
         if val is None:
             continue
         a = np.asarray(val)
-        path = save_array(os.path.join(out_dir, f"{name}.{fmt}"), a)
+        path = os.path.join(out_dir, f"{name}.{fmt}")
+        if out is not None:
+            out.add(path, *([os.path.splitext(path)[0] + ".json"] if fmt == "bin" else []))
+        save_array(path, a)
         outputs[name] = a
         manifest_out[name] = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "file": os.path.basename(path)}
     manifest = {
@@ -208,6 +270,8 @@ def golden(
         "outputs": manifest_out,
         "ignored_files": unused,
     }
+    if out is not None:
+        out.add(os.path.join(out_dir, "manifest.json"))
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, default=str)
     return outputs
@@ -226,7 +290,7 @@ def _param_values(flag: str, items: list, parse) -> dict:
             )
         try:
             out[name.strip()] = parse(value)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, CliError):
             raise CliError(
                 flag, "a dtype such as bf16" if flag == "--dtype" else "sizes such as 64,32000", repr(text)
             ) from None
@@ -234,10 +298,9 @@ def _param_values(flag: str, items: list, parse) -> dict:
 
 
 def _dims(text: str) -> tuple:
-    dims = tuple(int(p) for p in text.split(",") if p.strip())
-    if any(d < 0 for d in dims):
-        raise ValueError(text)
-    return dims
+    from ._common import parse_sizes
+
+    return parse_sizes(text, "--shape", "sizes such as 64,32000")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,31 +377,33 @@ def main(argv: list[str]) -> int:
         return 2
     dtypes = _param_values("--dtype", args.dtype, parse_dtype)
     shapes = _param_values("--shape", args.shape, _dims)
+    try:
+        attrs = dict(_parse_attr(a) for a in args.attr)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    import fastgrad as fg
+
+    from ._common import OutputFolder
     from .run import _prepare_out
 
+    if args.backend not in fg.available_backends():
+        raise CliError(
+            "--backend", "an available backend (" + ", ".join(fg.available_backends()) + ")", repr(args.backend)
+        )
     with contextlib.ExitStack() as stack:
         device = enter_device(stack, args)
         refuse_missing_kernel(op, device["soc_version"])
-        _prepare_out(args.out)  # writable before any work (a CliError: one line, exit 2)
+        kwargs, unused = load_inputs(op, args.inputs, attrs, dtypes, shapes)  # read and checked before any work
+        # writable before any work (a CliError: one line, exit 2); removed again if nothing is written
+        out = stack.enter_context(OutputFolder(args.out, _prepare_out(args.out)))
         try:
-            attrs = dict(_parse_attr(a) for a in args.attr)
-            outputs = golden(
-                op,
-                args.inputs,
-                args.out,
-                attrs=attrs,
-                fmt=args.format,
-                backend=args.backend,
-                dtypes=dtypes,
-                shapes=shapes,
-                device=device,
+            outputs = compute(
+                op, kwargs, unused, args.out, fmt=args.format, backend=args.backend, device=device, out=out
             )
         except AclnnError as e:  # a rejected input is a usage error (exit 2); 1 means "a check failed"
-            print(f"fastgrad golden: {op} rejected the inputs: {e}", file=sys.stderr)
-            return 2
-        except (OSError, ValueError, TypeError, NotImplementedError) as e:
-            print(f"fastgrad golden: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
+            raise CliError(f"{op} rejected the inputs: {' '.join(str(e).split())}") from None
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise CliError(f"{op}: {type(e).__name__}: {' '.join(str(e).split())}") from None
     for name, a in outputs.items():
         print(f"{os.path.join(args.out, name + '.' + args.format)}  {a.dtype} {list(a.shape)}")
     return 0
