@@ -31,6 +31,11 @@ and every ``.bin`` carries its dtype and shape in its sidecar, so ``fastgrad com
 DIR/golden/OUT.bin`` needs no ``--dtype``/``--shape``.
 
 A SoC without a kernel of the op (the fused linear ops on Ascend950) is refused: one line, exit 2.
+Every flag is checked before any work: ``--seed`` (>= 0), ``--shape`` (no empty item; refused when
+even the float64 golden's largest arrays cannot fit in memory), ``--attr`` (a parameter of the op,
+with a value the op takes: tried on a small case of the op first).  A refusal, Ctrl-C or a failed
+write (a full disk: one line naming ``--out`` and the file) removes what the run wrote, and the
+folder when it made it.  ``--force`` replaces an older case in ``DIR``.
 Exit status 0 written; 2 bad usage or inputs the op rejects (its aclnn status is printed).
 """
 
@@ -40,13 +45,13 @@ import argparse
 import json
 import os
 import shlex
-import sys
 from typing import TYPE_CHECKING, Any
 
 from ._common import (
     ACLNN_OF,
     CliError,
     OneLineParser,
+    OutputFolder,
     add_device_options,
     enter_device,
     op_choices,
@@ -80,15 +85,43 @@ def _shape_help() -> str:
 
 
 def parse_shape(op: str, text: str) -> tuple[int, ...]:
+    from ._common import parse_sizes
+
     names = SHAPES[op]
-    try:
-        dims = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
-    except ValueError:
-        dims = ()
     want = "sizes" if names == ("...",) else ",".join(names)
-    if not dims or any(d < 1 for d in dims) or (names != ("...",) and len(dims) != len(names)):
-        raise CliError("--shape", f"{want} of {op} as integers >= 1, e.g. {_example(op)}", repr(text))
+    expected = f"{want} of {op} as integers >= 1, e.g. {_example(op)}"
+    dims = parse_sizes(text, "--shape", expected, minimum=1)
+    if not dims or (names != ("...",) and len(dims) != len(names)):
+        raise CliError("--shape", expected, repr(text))
     return dims
+
+
+def _min_bytes(op: str, dims: tuple[int, ...]) -> int:
+    """A lower bound of the memory the case takes: the float64 golden's largest arrays (the fused
+    linear ops' logits, the weight), nothing else.  Refusing only when even this does not fit, the
+    estimate never refuses a case that would run."""
+    import math
+
+    if op in (FLOMS, FCE, FLCE):
+        BT, H, V = dims
+        return 8 * (BT * V + V * H + BT * H)
+    if op == "embedding_dense_backward":
+        T, W, D = dims
+        return 8 * (W * D + T * D)
+    return 8 * 2 * math.prod(dims)
+
+
+def _check_memory(op: str, dims: tuple[int, ...], text: str) -> None:
+    from ._run_args import fmt_bytes, memory_limit_bytes
+
+    need = _min_bytes(op, dims)
+    limit, src = memory_limit_bytes()
+    if need > limit:
+        raise CliError(
+            "--shape",
+            f"a case that fits in memory ({src}: {fmt_bytes(limit)})",
+            f"{text!r}, whose float64 golden alone takes at least {fmt_bytes(need)}",
+        )
 
 
 def _example(op: str) -> str:
@@ -210,27 +243,159 @@ def generate(
     raise CliError("OP", op_choices(), repr(op))  # pragma: no cover - resolved before
 
 
-def _write(folder: str, arrays: dict) -> dict:
-    """``<name>.bin`` + ``<name>.json`` + ``<name>.npy`` of each array; returns the manifest entries."""
+def _write(folder: str, arrays: dict, out: OutputFolder | None = None) -> dict:
+    """``<name>.bin`` + ``<name>.json`` + ``<name>.npy`` of each array; returns the manifest entries.
+    ``out``: the files are recorded there before they are written (removed if the command fails)."""
     import numpy as np
 
     from ..compare import save_array
     from ..dtypes import dtype_name
 
     os.makedirs(folder, exist_ok=True)
-    out = {}
+    res = {}
     for name, a in arrays.items():
         a = np.asarray(a)
-        save_array(os.path.join(folder, name + ".bin"), a)
-        save_array(os.path.join(folder, name + ".npy"), a)
-        out[name] = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "file": name + ".bin"}
-    return out
+        base = os.path.join(folder, name)
+        if out is not None:
+            out.add(base + ".bin", base + ".json")
+        save_array(base + ".bin", a)
+        if out is not None:
+            out.add(base + ".npy")
+        save_array(base + ".npy", a)
+        res[name] = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "file": name + ".bin"}
+    return res
 
 
-def _attrs_json(folder: str, attrs: dict) -> None:
+def _attrs_json(folder: str, attrs: dict, out: OutputFolder | None = None) -> None:
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "attrs.json"), "w") as f:
+    path = os.path.join(folder, "attrs.json")
+    if out is not None:
+        out.add(path)
+    with open(path, "w") as f:
         json.dump(attrs, f, indent=1)
+
+
+#: What a case writes in its folder (``--force`` replaces these, and only in a case's folder).
+CASE_ENTRIES = ("inputs", "golden", "chain", "manifest.json")
+
+
+def _is_case(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            return json.load(f).get("kind") == "fastgrad device test case"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_force(folder: str) -> list[str]:
+    """``--force`` over a non-empty ``folder``: the entries of an older case to remove before
+    writing (an older case of another op would leave its files for ``golden --inputs`` to pick up).
+    A folder that holds a case's entries but is no case is refused."""
+    if not os.path.isdir(folder):
+        return []
+    old = [e for e in CASE_ENTRIES if os.path.lexists(os.path.join(folder, e))]
+    if old and not _is_case(folder):
+        raise CliError(
+            "--out",
+            "a new or empty directory, or (--force) one holding a fastgrad case (its manifest.json)",
+            repr(folder),
+            hint=f"not a case, and it holds {', '.join(old)}: --force would replace them",
+        )
+    return old
+
+
+def _clear(folder: str, entries: list[str]) -> None:
+    import shutil
+
+    for e in entries:
+        path = os.path.join(folder, e)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+#: The scalar parameters ``--attr`` may set, per op (what :func:`generate` gives them).
+ATTRS = {
+    FLOMS: ("vocab_start_index", "vocab_end_index"),
+    FCE: ("label_smoothing",),
+    FLCE: ("label_smoothing",),
+    "cross_entropy_loss_grad": ("reduction", "ignore_index", "label_smoothing"),
+    "scaled_masked_softmax_backward": ("scale", "fix_triu_mask"),
+    "smooth_l1_loss_backward": ("reduction", "beta"),
+    "embedding_dense_backward": ("num_weights", "padding_idx", "scale_grad_by_freq"),
+}
+
+
+def _fit_attrs(op: str, inputs: dict, attrs: dict) -> None:
+    """Inputs whose shape an attribute sets: the CE grad's ``grad_loss`` is (N,) for
+    ``reduction="none"`` (a scalar for mean and sum)."""
+    import numpy as np
+
+    if op == "cross_entropy_loss_grad" and attrs.get("reduction") == "none":
+        g = inputs["grad_loss"]
+        inputs["grad_loss"] = np.full(inputs["log_prob"].shape[0], 1.0, g.dtype)
+
+
+def _mini_dims(op: str, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """A small case of the same op that keeps the sizes an attribute may be checked against (V of
+    the vocabulary indices, W of the embedding's padding index, C, the softmax's S1, S2)."""
+    if op in (FLOMS, FCE, FLCE):
+        return (1, 1, dims[2])
+    if op == "cross_entropy_loss_grad":
+        return (1, dims[1])
+    if op == "scaled_masked_softmax_backward":
+        return (1, 1, dims[2], dims[3])
+    if op == "embedding_dense_backward":
+        return (1, dims[1], 1)
+    return (1,) * len(dims)
+
+
+def _check_attrs(op: str, dims: tuple[int, ...], dt, mode: str, overrides: dict, given: list) -> None:
+    """Refuse ``--attr`` overrides the op rejects before generating the case: run the op on a small
+    case of the same kind with and without them (the small case alone is not judged: a refusal
+    counts only when the overrides make it)."""
+    import numpy as np
+
+    import fastgrad as fg
+
+    from ..errors import AclnnError
+
+    unknown = [k for k in overrides if k not in ATTRS[op]]
+    if unknown:
+        raise CliError("--attr", f"a scalar parameter of {op} ({', '.join(ATTRS[op])})", ", ".join(unknown))
+    if not overrides:
+        return
+    mini = _mini_dims(op, dims)
+
+    def run(extra: dict):
+        with fg.strict(False):
+            inputs, attrs, _ = generate(op, mini, dt, np.random.default_rng(0), mode)
+        attrs.update(extra)
+        _fit_attrs(op, inputs, attrs)
+        getattr(fg, op)(**inputs, **attrs)
+
+    try:
+        run({})
+    except (AclnnError, MemoryError):
+        return  # the small case is no measure of this one: the full run judges the overrides
+    try:
+        run(overrides)
+    except AclnnError as e:
+        msg = " ".join(str(e).split())
+        raise CliError("--attr", f"a value {op} takes", " ".join(given), hint=msg) from None
+    except (TypeError, ValueError) as e:  # a value of the wrong kind ("abc" for a float)
+        raise CliError("--attr", f"a value {op} takes", " ".join(given), hint=" ".join(str(e).split())) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="the case's directory (created; must be empty or new)")
     add_device_options(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated data (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the generated data, an integer >= 0 (default 0)")
     p.add_argument(
         "--attr",
         action="append",
@@ -266,7 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="memory-saving",
         help="FLCE grad only: the statistics (memory-saving, default) or the softmax (high-performance) as input",
     )
-    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty --out: an older case there (its inputs/, golden/, chain/, manifest.json) "
+        "is replaced; a folder holding those entries that is no case is refused",
+    )
     return p
 
 
@@ -291,12 +461,14 @@ def main(argv: list[str]) -> int:
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or (os.listdir(args.out) and not args.force)):
         what = "a file" if not os.path.isdir(args.out) else "a non-empty directory (--force writes into it)"
         raise CliError("--out", "a new or empty directory", repr(args.out), hint=what)
+    old_case = _check_force(args.out) if args.force else []
     try:
         overrides = dict(_parse_attr(a) for a in args.attr)
     except ValueError as e:
         raise CliError(str(e)) from None
     if args.mode != "memory-saving" and op != FLCE:
         raise CliError("--mode", f"memory-saving for {op} (high-performance is the FLCE grad's)", args.mode)
+    _check_memory(op, dims, args.shape)
     import fastgrad as fg
 
     from .run import _prepare_out
@@ -304,7 +476,9 @@ def main(argv: list[str]) -> int:
     with contextlib.ExitStack() as stack:
         device = enter_device(stack, args)
         refuse_missing_kernel(op, device["soc_version"])
-        _prepare_out(args.out)
+        stack.enter_context(fg.use_backend("reference"))
+        _check_attrs(op, dims, dt, args.mode, overrides, args.attr)  # before the (long) generation
+        out = stack.enter_context(OutputFolder(args.out, _prepare_out(args.out)))
         chain_note = " (the online max-sum's golden first)" if op in (FCE, FLCE) else ""
         print(
             f"fastgrad case: {ACLNN_OF[op]} {args.shape} {dtype_name(dt)} on {device['soc_version']}: generating the "
@@ -312,30 +486,34 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         rng = np.random.default_rng(args.seed)
-        stack.enter_context(fg.use_backend("reference"))
         try:
             with fg.strict(False):  # the upstream ops make data; only the case's own op is judged by strict mode
                 inputs, attrs, chain = generate(op, dims, dt, rng, args.mode)
-            unknown = [k for k in overrides if k not in attrs]
-            if unknown:
-                raise CliError("--attr", f"a scalar parameter of {op} ({', '.join(attrs)})", ", ".join(unknown))
             attrs.update(overrides)
+            _fit_attrs(op, inputs, attrs)
             res = getattr(fg, op)(**inputs, **attrs)
         except AclnnError as e:
-            print(
-                f"fastgrad case: {op} rejected the case on {device['soc_version']}: {' '.join(str(e).split())}",
-                file=sys.stderr,
-            )
-            return 2
+            raise CliError(f"{op} rejected the case on {device['soc_version']}: {' '.join(str(e).split())}") from None
+        except MemoryError:
+            raise CliError("--shape", "a case that fits in memory", repr(args.shape), hint="out of memory") from None
+        _clear(args.out, old_case)
+        _write_case(args, argv, op, dims, dt, device, inputs, attrs, chain, res, out)
+    return 0
+
+
+def _write_case(args, argv, op, dims, dt, device, inputs, attrs, chain, res, out: OutputFolder) -> None:
+    import fastgrad as fg
+
+    from ..dtypes import dtype_name
     from .golden import OUTPUT_NAMES
 
     if not isinstance(res, tuple):
         res = (res,)
     names = getattr(res, "_fields", None) or OUTPUT_NAMES[op]
     outputs = {n: v for n, v in zip(names, res) if v is not None}
-    man_in = _write(os.path.join(args.out, "inputs"), inputs)
-    _attrs_json(os.path.join(args.out, "inputs"), attrs)
-    man_out = _write(os.path.join(args.out, "golden"), outputs)
+    man_in = _write(os.path.join(args.out, "inputs"), inputs, out)
+    _attrs_json(os.path.join(args.out, "inputs"), attrs, out)
+    man_out = _write(os.path.join(args.out, "golden"), outputs, out)
     man_chain = []
     feeds = {
         "logits_max_local": "logits_max",
@@ -347,9 +525,9 @@ def main(argv: list[str]) -> int:
         folder = os.path.join(args.out, "chain", up_op)
         entry = {"op": up_op, "aclnn": ACLNN_OF[up_op], "attrs": up_attrs, "dir": os.path.join("chain", up_op)}
         if up_in:
-            entry["inputs"] = _write(os.path.join(folder, "inputs"), up_in)
-            _attrs_json(os.path.join(folder, "inputs"), up_attrs)
-        entry["outputs"] = _write(os.path.join(folder, "golden"), up_out)
+            entry["inputs"] = _write(os.path.join(folder, "inputs"), up_in, out)
+            _attrs_json(os.path.join(folder, "inputs"), up_attrs, out)
+        entry["outputs"] = _write(os.path.join(folder, "golden"), up_out, out)
         entry["feeds"] = {o: feeds.get(o, o) for o in up_out if feeds.get(o, o) in inputs}
         man_chain.append(entry)
     manifest = {
@@ -370,11 +548,12 @@ def main(argv: list[str]) -> int:
         "chain": man_chain,
         "check": f"fastgrad compare NPU_OUTPUT.bin {os.path.join(args.out, 'golden', '<output>.bin')}",
     }
-    with open(os.path.join(args.out, "manifest.json"), "w") as f:
+    path = os.path.join(args.out, "manifest.json")
+    out.add(path)
+    with open(path, "w") as f:
         json.dump(manifest, f, indent=1, default=str)
     print(f"  written to {args.out} (strict {'on' if device['strict'] else 'off'}, seed {args.seed}):")
     for where, man in (("inputs", man_in), ("golden", man_out)):
         for m in man.values():
             print(f"  {where}/{m['file']}  {m['dtype']} {m['shape']}")
     print(f"  check an NPU output: fastgrad compare NPU_OUT.bin {os.path.join(args.out, 'golden', '<output>.bin')}")
-    return 0
