@@ -274,6 +274,26 @@ def _remove_dir_if_empty(path: str) -> None:
         pass
 
 
+#: The tensors ``--out`` receives (``run_job``'s), as ``NAME.npy`` or in ``results.safetensors``.
+OUTPUT_TENSORS = ("grad_input", "grad_weight", "loss", "logits_max", "sum_exp_logits", "predicted_logits", "target")
+
+
+def check_out_files(job: Job) -> None:
+    """Every file ``--out`` will receive can be written there: none is an existing directory
+    (``OUT/results.safetensors/``), checked before the work, not after it."""
+    path = job.args.out
+    if path is None:
+        return
+    names = ["results.safetensors"] if job.args.out_format == "safetensors" else [n + ".npy" for n in OUTPUT_TENSORS]
+    for name in names + ["report.json"]:
+        f = os.path.join(path, name)
+        for p in (f, f + ".part"):
+            if os.path.isdir(p):
+                raise CliError(
+                    "--out", f"a directory where {name} can be written", repr(path), hint=f"{p!r} is a directory"
+                )
+
+
 def output_bytes(job: Job) -> int:
     """Bytes ``--out`` will write: the seven tensors, report.json and headers."""
     BT, H, V, isz = job.BT, job.H, job.V, job.dtype.itemsize

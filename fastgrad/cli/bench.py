@@ -35,6 +35,18 @@ def _csv(s):
     return [x.strip() for x in s.split(",") if x.strip()] if s else []
 
 
+def _items(s: str | None, flag: str, what: str) -> list[str]:
+    """A comma-separated flag's items: [] when the flag is not given; a given value with an empty
+    item (``''``, ``,,``, ``1,,2``, a trailing comma) is a :class:`CliError` naming the flag (an
+    empty ``--ops`` would otherwise select every case)."""
+    if s is None:
+        return []
+    items = [x.strip() for x in s.split(",")]
+    if not all(items):
+        raise CliError(flag, f"comma-separated {what}, none empty", repr(s))
+    return items
+
+
 def _positive(kind, what: str):
     def parse(s: str):
         try:
@@ -208,7 +220,10 @@ def main(argv: list[str]) -> int:
                 raise CliError("--headline", "no --ops, --rows or --quick with it (it names its own)", "both")
             args.ops, args.rows = HEADLINE_CASE, list(HEADLINE_ROWS)
             args.repeat = args.repeat or 3
-        words = [resolve_op(w) if resolve_op(w) and w.lower().startswith("aclnn") else w for w in _csv(args.ops)]
+        words = [
+            resolve_op(w) if resolve_op(w) and w.lower().startswith("aclnn") else w
+            for w in _items(args.ops, "--ops", "case names or ops")
+        ]
         cases = B.select(B.all_cases(args.quick), words)
         if not cases:
             print(f"fastgrad bench: no case matches --ops {args.ops!r}", file=sys.stderr)
@@ -228,7 +243,7 @@ def main(argv: list[str]) -> int:
             if unknown or not args.rows:
                 raise CliError("--rows", f"row names of the selected cases ({', '.join(names)})", ",".join(unknown))
         avail = available_backends()
-        backends = _csv(args.backend) or (["cpu"] + (["acl"] if "acl" in avail else []))
+        backends = _items(args.backend, "--backend", "backend names") or (["cpu"] + (["acl"] if "acl" in avail else []))
         bad = [b for b in backends if b not in avail]
         if bad:
             reasons = available_backends(with_reasons=True)
@@ -240,6 +255,7 @@ def main(argv: list[str]) -> int:
             return 2
         from .._config import max_threads
 
+        _items(args.threads, "--threads", "thread counts")
         try:
             thr: list = [int(t) for t in _csv(args.threads)] or [None]
             if any(t is not None and not 1 <= t <= max_threads() for t in thr):

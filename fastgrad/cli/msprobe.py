@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 
-from ._common import CliError, OneLineParser, add_device_options, enter_device
+from ._common import CliError, OneLineParser, add_device_options, enter_device, print_or_pipe_closed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +69,19 @@ def _run(args) -> int:
             M.bench_dump_dir(dump, args.bench_dump)
         except M.DumpError as e:
             raise CliError(f"--bench-dump: {e}") from None
+    from ._common import OutputFolder
+    from .run import _prepare_out
+
+    # --out writable before any work; removed again when the command fails before writing there
+    with OutputFolder(args.out, _prepare_out(args.out)):
+        return _judge(args, dump)
+
+
+def _judge(args, dump) -> int:
+    import fastgrad as fg
+
+    from ..ascend import msprobe as M
+
     try:
         mapped, unmapped = M.map_dump(dump)
         rows, rejected = M.check_dump(dump, mapped, args.backend)
@@ -84,17 +97,19 @@ def _run(args) -> int:
     }
     files = M.write_results(args.out, mapped, rows, unmapped, meta)
     if not args.quiet:
-        print(M.format_table(rows, unmapped))
+        print_or_pipe_closed(M.format_table(rows, unmapped))
     bench = M.write_bench_dump(dump, rows, args.bench_dump) if args.bench_dump else None
     n_fail = sum(r.verdict != "PASS" for r in rows)
     n_entries = len({r.entry for r in rows})
     verdict = "PASS" if rows and not n_fail else "FAIL"
-    print(
+    print_or_pipe_closed(
         f"\n{verdict}: {len(rows) - n_fail}/{len(rows)} outputs of {n_entries} entries pass"
         f"; {sum(u.family for u in unmapped)} not mapped; summary {files['summary']}"
     )
     if bench:
-        print(f"bench dump: {bench}  (msprobe compare -tp {os.path.dirname(dump.path)} -gp {args.bench_dump})")
+        print_or_pipe_closed(
+            f"bench dump: {bench}  (msprobe compare -tp {os.path.dirname(dump.path)} -gp {args.bench_dump})"
+        )
     if not rows:
         print("nothing to judge: no call of the seven ops with tensor data in this dump", file=sys.stderr)
     return 0 if verdict == "PASS" else 1

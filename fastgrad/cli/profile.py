@@ -39,6 +39,15 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--repeat", "an integer >= 1", args.repeat)
     repeat = args.repeat or (3 if args.quick else 5)
     budget = args.budget if args.budget is not None else (2.0 if args.quick else 30.0)
+    import os
+
+    if os.path.isdir(args.from_profile):
+        raise CliError(
+            "--from-profile",
+            "a profile CSV file (msprof's op_summary_*.csv or the torch_npu profiler's kernel_details.csv)",
+            repr(args.from_profile),
+            hint="a directory",
+        )
     try:  # a bad or level-0 file: one line before any work
         P.check_level(P.read_profile(args.from_profile))
     except P.ProfileError as e:

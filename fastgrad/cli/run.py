@@ -71,6 +71,7 @@ from ._run_inputs import (  # noqa: F401  (re-exported)
     _random_matrix,
     _remove_dir_if_empty,
     check_fits,
+    check_out_files,
     check_out_space,
     check_settings,
     check_writable_file,
@@ -546,6 +547,7 @@ def _job(job: Job) -> int:
     try:
         check_fits(job)
         check_out_space(job)
+        check_out_files(job)
         header(job, threads, say)
         blas = ph.run("blas_measure", measure_blas_gflops, job.BT, job.H, threads)
         est_s, detail = estimate_seconds(job, blas)

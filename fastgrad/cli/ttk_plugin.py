@@ -39,7 +39,18 @@ def main(argv: list[str]) -> int:
         raise CliError("--out", f"a directory without {name} (or --force)", f"existing {str(target)!r}")
     from ..ascend.ttk import plugin_source
 
-    out.mkdir(parents=True, exist_ok=True)
-    target.write_text(plugin_source())
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        target.write_text(plugin_source())
+    except OSError as e:
+        if created:
+            try:
+                out.rmdir()
+            except OSError:
+                pass
+        raise CliError(
+            "--out", "a directory where the plugin file can be written", repr(str(out)), hint=e.strerror or str(e)
+        ) from None
     print(f"wrote {target} (TTK: python3 -m ttk kernel -i CASES.csv --plugin {out})")
     return 0
