@@ -48,6 +48,7 @@ from ..ops.linear_cross_entropy import round_grad as _round_grad
 from . import distributed as _vp
 from ._autograd import differentiable_once
 from ._device import DeviceLinearCrossEntropyFunction
+from ._errors import torch_error
 from ._schedule import _fused_fits, _recompute_gw_dtype, recycled_scratch_bytes
 from .options import resolve_options
 
@@ -827,9 +828,8 @@ def linear_cross_entropy(
         else:
             try:
                 _vp.check_group(process_group)
-            except TypeError:
-                got = type(process_group).__name__
-                raise _bad("process_group", "None or a torch.distributed.ProcessGroup", got) from None
+            except TypeError as e:  # 161002 that is still the TypeError a wrong type is
+                raise torch_error(TypeError, str(e), "process_group", OP) from None
             if vocab_start_index is None or vocab_size is None:
                 s0, _, V0 = _vp.vocab_shard_range(K, process_group)
                 start = s0 if vocab_start_index is None else int(vocab_start_index)
