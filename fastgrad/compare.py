@@ -559,7 +559,7 @@ def _array_dtype(dtype, where: str = "") -> np.dtype:
     """``dtype`` as the dtype of a raw dump: numeric (integer, bool, floating incl. bfloat16); 161002
     naming ``where`` (a file) otherwise."""
     try:
-        dt = parse_dtype(dtype)
+        dt = None if dtype is None else parse_dtype(dtype)  # (np.dtype(None) is float64)
     except (TypeError, ValueError):
         dt = None
     if dt is None or (dt.kind not in "biuf" and dt != _BF16):

@@ -30,3 +30,15 @@ def fastgrad_inprocess(*args) -> subprocess.CompletedProcess:
     finally:
         set_num_threads(threads)
     return subprocess.CompletedProcess(["fastgrad", *map(str, args)], rc, out.getvalue(), err.getvalue())
+
+
+def one_line(p: subprocess.CompletedProcess, *words: str, rc: int = 2) -> str:
+    """The command's answer to a user's mistake: exit status ``rc`` (2), exactly one line on
+    stderr holding every one of ``words``, no traceback nor "internal error"; the line."""
+    assert p.returncode == rc, (p.returncode, p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "Traceback" not in p.stderr and "internal error" not in p.stderr, p.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]

@@ -10,19 +10,9 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-from cli_helpers import fastgrad_inprocess
+from cli_helpers import fastgrad_inprocess, one_line
 
 fastgrad = fastgrad_inprocess
-
-
-def one_line(p, *words, rc=2):
-    assert p.returncode == rc, (p.returncode, p.stdout, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1, p.stderr
-    assert "Traceback" not in p.stderr and "internal error" not in p.stderr, p.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 @pytest.fixture
@@ -46,6 +36,7 @@ def d(tmp_path):
     ('{"dtype": "float32", "shape": "8,50"}', ("shape", "'8,50'")),
     ('{"dtype": "float32", "shape": [99999999999999999999999, 1]}', ("shape",)),
     ('{"dtype": "object", "shape": [8]}', ("dtype", "'object'")),
+    ('{"dtype": null, "shape": [8]}', ("dtype", "None")),  # (np.dtype(None) would be float64)
     ('{"dtype": "float32",', ("malformed JSON",)),
     ("[1, 2]", ("holding a list",)),
 ])

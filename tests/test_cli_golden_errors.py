@@ -9,19 +9,9 @@ import shutil
 
 import numpy as np
 import pytest
-from cli_helpers import fastgrad_inprocess
+from cli_helpers import fastgrad_inprocess, one_line
 
 fastgrad = fastgrad_inprocess
-
-
-def one_line(p, *words):
-    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1, p.stderr
-    assert "Traceback" not in p.stderr and "internal error" not in p.stderr, p.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

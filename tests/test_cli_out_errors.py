@@ -6,22 +6,12 @@ empty items in --ops / --threads / --backend (an empty --ops ran every case)."""
 import os
 
 import pytest
-from cli_helpers import fastgrad_inprocess
+from cli_helpers import fastgrad_inprocess, one_line
 
 fastgrad = fastgrad_inprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 DUMP = os.path.join(HERE, "data", "msprobe_dump", "rank0")
 UNWRITABLE = "/proc/fastgrad-no-such-dir"
-
-
-def one_line(p, *words):
-    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1, p.stderr
-    assert "Traceback" not in p.stderr and "internal error" not in p.stderr, p.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 def test_msprobe_out_unwritable_names_out():
