@@ -181,3 +181,29 @@ def test_torch_compile(target):
     for (n, p), q in zip(ref_model.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
     torch._dynamo.reset()
+
+
+def test_autocast_keeps_an_fp32_head_in_fp32():
+    """docs/torch.md, "Autocast": the decoder's output is cast to the head's dtype, so an fp32 head
+    computes in fp32 — even though ``fastgrad.torch.linear_cross_entropy`` itself casts its
+    operands to the autocast dtype as ``F.linear`` does (the patch calls it outside autocast).
+    The loss against float64 of the fp32 head on the decoder's own output: fp32-close, where a
+    bf16 head is ~1e-3 off."""
+    import fastgrad.torch.hf as hf
+
+    model = _model(torch.float32, vocab=512)
+    with torch.no_grad():
+        model.lm_head.weight *= 30  # logits of a few units: a bf16 head is visibly off
+    ids = torch.tensor([_text_ids(33)]) % 512
+    ft.apply_to(model)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+            hidden = model.model(input_ids=ids).last_hidden_state
+    finally:
+        hf.revert(model)
+    h, W = hidden.detach()[0, :-1], model.lm_head.weight.detach()
+    ref = torch.nn.functional.cross_entropy(h.double() @ W.double().T, ids[0, 1:]).item()
+    bf16 = torch.nn.functional.cross_entropy(h.bfloat16().double() @ W.bfloat16().double().T, ids[0, 1:]).item()
+    assert abs(bf16 - ref) > 1e-4 * abs(ref)  # (the test can tell the two heads apart)
+    assert abs(loss.item() - ref) <= 2e-6 * abs(ref), (loss.item(), ref, bf16)

@@ -338,6 +338,14 @@ def check_head(head: Any) -> None:
             _refuse_head(head, f"adapter {a!r}'s lora_A / lora_B are not nn.Linear")
 
 
+def _head_precision() -> torch.autocast:
+    """The head's loss outside autocast: the decoder's output is cast to the head's dtype first
+    (docs/torch.md, "Autocast"), so an fp32 head computes in fp32 — under autocast
+    ``fastgrad.torch.linear_cross_entropy`` would cast its operands to the autocast dtype, as
+    ``F.linear`` does."""
+    return torch.autocast("cpu", enabled=False)
+
+
 def _head_operands(head: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(hidden', weight', bias')`` whose linear cross-entropy is the head's: an ``nn.Linear``
     as is; PEFT's LoRA ``x·Wᵀ + b + Σ_a s_a·B_a(A_a(dropout_a(x)))`` as one product of widened
@@ -419,18 +427,19 @@ def _training_forward(self, original: Callable, kw: dict, fused_head: bool):
         )
     reduction = "sum" if num_items is not None else "mean"
     hidden, weight, bias = _head_operands(head, hidden)
-    loss = linear_cross_entropy(
-        hidden,
-        weight,
-        target,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        bias=bias,
-        softcap=softcap,
-        temperature=temperature,
-        shift=shift,
-        **loss_kw,
-    )
+    with _head_precision():
+        loss = linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            bias=bias,
+            softcap=softcap,
+            temperature=temperature,
+            shift=shift,
+            **loss_kw,
+        )
     if num_items is not None:
         if torch.is_tensor(num_items):
             num_items = num_items.to(loss.device)
@@ -485,19 +494,20 @@ def _trl_forward(
     mask = target != -100
     want = set(trl["outputs"])
     hidden, weight, bias = _head_operands(head, hidden)
-    r = linear_cross_entropy(
-        hidden,
-        weight,
-        target,
-        ignore_index=-100,
-        reduction="none",
-        bias=bias,
-        softcap=softcap,
-        temperature=temperature * float(trl["temperature"]),
-        return_entropy="entropy" in want,
-        return_predicted_tokens=True,
-        **loss_kw,
-    )
+    with _head_precision():
+        r = linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            ignore_index=-100,
+            reduction="none",
+            bias=bias,
+            softcap=softcap,
+            temperature=temperature * float(trl["temperature"]),
+            return_entropy="entropy" in want,
+            return_predicted_tokens=True,
+            **loss_kw,
+        )
     log_probs = -r.loss
     is_top1 = (r.predicted_tokens == target) & mask if "is_top1" in want else None
     denom = mask.sum().clamp(min=1) if num_items is None else num_items
