@@ -34,6 +34,7 @@ it is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -338,12 +339,15 @@ def check_head(head: Any) -> None:
             _refuse_head(head, f"adapter {a!r}'s lora_A / lora_B are not nn.Linear")
 
 
-def _head_precision() -> torch.autocast:
+def _head_precision() -> contextlib.AbstractContextManager:
     """The head's loss outside autocast: the decoder's output is cast to the head's dtype first
     (docs/torch.md, "Autocast"), so an fp32 head computes in fp32 — under autocast
     ``fastgrad.torch.linear_cross_entropy`` would cast its operands to the autocast dtype, as
-    ``F.linear`` does."""
-    return torch.autocast("cpu", enabled=False)
+    ``F.linear`` does.  No context at all without autocast (``torch.compile`` of the model keeps
+    its one graph break at the loss)."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()
 
 
 def _head_operands(head: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
