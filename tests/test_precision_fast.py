@@ -300,3 +300,27 @@ def test_fused_fast_weight_layouts_cached_across_row_blocks_same_bits(monkeypatc
     assert seen[0] is True  # the plan's own rule caches here
     for a, b in zip(res[True], res[False]):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["recompute", "fused"])
+def test_ignored_rows_do_not_enter_the_correction(fused):
+    """Found by fuzzing: the rank-one correction's mean row of ``X`` averaged every row of the
+    block, the ignored ones too — a padding row's large hidden state (1e4: 0.026 error on a 0.085
+    gradient; 3e38: a whole column inf) leaked into every row's ``grad_weight``.  An ignored row
+    carries no gradient: the gradients are those with the ignored rows' hidden states zeroed,
+    bitwise (``lm_head/passes.live_rows``).  (Values whose logits stay finite in fp32: an ignored
+    row of NaN logits makes ``grad_weight`` NaN, in PyTorch too.)"""
+    h, w, t = bf16_lm_inputs(150, 64, 2500, "randn")
+    t[:9] = IGN
+    t[70:75] = IGN
+    out = []
+    for pad in (0.0, 1e4, 1e30):
+        hp = h.clone()
+        hp[:9, 2] = pad
+        hp[70:75, 5] = -pad
+        x, y = hp.clone().requires_grad_(), w.clone().requires_grad_()
+        ft.linear_cross_entropy(x, y, t, precision="fast", fused=fused).backward()
+        out.append((x.grad[~(t == IGN)], y.grad))
+    for gi, gw in out[1:]:
+        assert torch.equal(gi, out[0][0]) and torch.equal(gw, out[0][1])
+    assert torch.isfinite(out[0][1]).all()

@@ -362,6 +362,15 @@ def col_means16_tasks(H: int, u: np.ndarray, code: int, out: np.ndarray) -> list
     return row_tasks(_col_mean16, H, u, code, out, parts=max(1, H // 256))
 
 
+def live_rows(coef_ce: np.ndarray, coef_z: np.ndarray, coef_h: np.ndarray) -> np.ndarray | None:
+    """The rows whose gradient is not identically 0 (not ignored, a non-zero upstream gradient):
+    ``precision="fast"``'s mean row of ``X`` is theirs — an ignored row carries no rounding error,
+    and its ``X`` (a padding position's, however large) must not enter the correction of the
+    others.  None: every row."""
+    live = (coef_ce != 0) | (coef_z != 0) | (coef_h != 0)
+    return None if bool(live.all()) else np.flatnonzero(live)
+
+
 @tjit
 def _add_target_rows(lo, hi, dst, tcol, v0, e_t, xu, code):
     """``precision="fast"``'s target correction of a chunk's ``grad_weight`` (``dst``: its rows

@@ -32,6 +32,7 @@ from ..passes import (
     add_target_weight,
     col_means16,
     col_means16_tasks,
+    live_rows,
 )
 from ..plan_types import BLAS, FAST_E_GROUP, Buffer, GemmChoice, TrainingPlan, b_size
 
@@ -143,7 +144,12 @@ class _RecomputeGrad:
             self.x_bar = zeros("fast_x_mean", (nblocks, H))  # the block's mean row of X
             xu = input.view(np.uint16)
             blocks = enumerate(grid.bt_ranges())
-            run_tasks([t for k, (b0, b1) in blocks for t in col_means16_tasks(H, xu[b0:b1], D.BF16, self.x_bar[k])])
+            tasks = []
+            for k, (b0, b1) in blocks:  # each block's mean row over its live rows (not the ignored)
+                _, _, _, cce, cz, ch, _ = (a[b0:b1] for a in rows)
+                live = live_rows(cce, cz, ch)
+                tasks += col_means16_tasks(H, xu[b0:b1] if live is None else xu[b0:b1][live], D.BF16, self.x_bar[k])
+            run_tasks(tasks)
             # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
             self.xi_buf = get("x_pairs_block")
             self.xint = _bf16dot.interleave(input, self.xi_buf) if (gw is not None and nblocks == 1) else None

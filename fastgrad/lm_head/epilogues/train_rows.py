@@ -44,6 +44,7 @@ from ..passes import (
     add_target_weight,
     col_means16,
     col_means16_tasks,
+    live_rows,
 )
 from ..plan_types import FAST_E_GROUP, Buffer, GemmChoice, LossParams, TrainingPlan, b_size, fast_fused
 from .recompute import _bf16_logits
@@ -164,8 +165,9 @@ class _RowStep:
 
     def _fast_buffers(self, gemm, ws) -> None:
         """``precision="fast"``'s state (``plan.grad16``): the rounding error's sums, the chunks'
-        mean rows of ``W`` (once per call), the row block's mean row of ``X``, the bf16 pairs of
-        ``X[b]`` (``grad_weight``'s ``B``) and of ``W``'s chunk (``grad_input``'s ``B``)."""
+        mean rows of ``W`` (once per call), the row block's mean row of ``X`` (over its live
+        rows, :func:`live_rows`), the bf16 pairs of ``X[b]`` (``grad_weight``'s ``B``) and of
+        ``W``'s chunk (``grad_input``'s ``B``)."""
         H, take, get, vc = self.H, ws.take, ws.get, self.plan.v_chunk
         nch = len(self.chunks)
         self.spec = _bf16dot.spec_named(gemm.variant)
@@ -234,7 +236,9 @@ class _RowStep:
             self.e_row[...] = 0
             self.e_t = self.e_t_buf[:nb]
             self.e_t[...] = 0
-            col_means16(self.H, self.input[b0:b1].view(np.uint16), D.BF16, self.x_bar)
+            xu = self.input[b0:b1].view(np.uint16)
+            live = live_rows(self.coef_ce[b0:b1], self.coef_z[b0:b1], self.coef_h[b0:b1])
+            col_means16(self.H, xu if live is None else xu[live], D.BF16, self.x_bar)
             self.xint = None if self.xi_buf is None else _bf16dot.interleave(self.input[b0:b1], self.xi_buf)
         if not self.recompute:
             self.m = np.full(nb, -np.inf, cdt)
