@@ -195,15 +195,17 @@ def _check_threads(n: object, name: str = "n", op: str = "set_num_threads") -> i
 
 
 def set_num_threads(n: int) -> None:
-    """Set the threads used by the Numba kernels and by NumPy's BLAS (threadpoolctl).
+    """Set the threads used by the Numba kernels and by NumPy's BLAS (threadpoolctl; process-wide:
+    while fastgrad calls run in other threads, which hold the BLAS at one thread, it applies when
+    the last of them ends — a call in flight keeps its bits).
 
     Raises ``AclnnParamError`` (161002, a ``ValueError``) unless ``1 <= n <= max_threads()``:
     more threads than the CPUs Numba may use are refused, never silently reduced."""
-    from threadpoolctl import threadpool_limits
+    from .kernels._gemm import set_blas_threads
 
     n = _check_threads(n)
     _numba().set_num_threads(n)
-    threadpool_limits(limits=n, user_api="blas")
+    set_blas_threads(n)
 
 
 def get_num_threads() -> int:
@@ -212,18 +214,22 @@ def get_num_threads() -> int:
 
 @contextlib.contextmanager
 def num_threads(n: int) -> Iterator[None]:
-    """Context manager running the kernels and BLAS on ``n`` threads, restoring afterwards."""
-    from threadpoolctl import threadpool_limits
+    """Context manager running the kernels and BLAS on ``n`` threads, restoring afterwards (the
+    BLAS's count as :func:`set_num_threads` sets it: never under another thread's call in flight)."""
+    from .kernels._gemm import blas_threads, set_blas_threads
 
     numba = _numba()
     n = _check_threads(n, op="num_threads")
     old = numba.get_num_threads()
+    old_blas = blas_threads()
     numba.set_num_threads(n)
+    set_blas_threads(n)
     try:
-        with threadpool_limits(limits=int(n), user_api="blas"):
-            yield
+        yield
     finally:
         numba.set_num_threads(old)
+        if old_blas is not None:
+            set_blas_threads(old_blas)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -157,6 +157,55 @@ def test_overlapping_calls_keep_the_blas_limit_until_the_last_ends():
     assert blas_threads() == before
 
 
+def test_set_num_threads_never_lifts_the_blas_limit_of_a_call_in_flight():
+    """Found by fuzzing: ``set_num_threads`` (and ``num_threads``) in one Python thread set the
+    process-wide BLAS count under another thread's call, whose OpenBLAS sums then changed (50 of
+    50 calls of a 77 x 513 x 1999 fp32 grad).  Now the count applies when the last call ends."""
+    from threadpoolctl import threadpool_info
+
+    from fastgrad.kernels import _gemm
+
+    def numpy_blas():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+
+    if not numpy_blas():
+        pytest.skip("NumPy's BLAS is not one threadpoolctl sees")
+    n0 = fg.get_num_threads()
+    call = _gemm.single_threaded_blas("blas")
+    call.__enter__()
+    try:
+        fg.set_num_threads(min(2, _config.max_threads()))
+        assert all(n == 1 for n in numpy_blas())  # the call in flight keeps its limit
+    finally:
+        call.__exit__(None, None, None)
+        assert numpy_blas() == [min(2, _config.max_threads())] * len(numpy_blas())  # applied at its end
+        fg.set_num_threads(n0)
+    # end to end: another thread setting the count while fp32 BLAS grads run
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((77, 513), dtype=np.float32)
+    w = (0.2 * rng.standard_normal((1999, 513))).astype(np.float32)
+    t = rng.integers(0, 1999, 77)
+
+    def run():
+        return np.asarray(fg.linear_cross_entropy(x, w, t, return_grad=True).grad_weight).tobytes()
+
+    ref = run()
+    stop = threading.Event()
+
+    def other():
+        while not stop.is_set():
+            fg.set_num_threads(fg.get_num_threads())
+
+    th = threading.Thread(target=other)
+    th.start()
+    try:
+        same = [run() == ref for _ in range(12)]
+    finally:
+        stop.set()
+        th.join()
+    assert all(same)
+
+
 def test_onednn_mode_is_counted():
     torch = pytest.importorskip("torch")
     from fastgrad import _onednn

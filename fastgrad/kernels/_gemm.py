@@ -229,6 +229,7 @@ def _pool(n: int) -> ThreadPoolExecutor:
 _blas_lock = threading.Lock()
 _blas_users = 0  # kernel calls inside single_threaded_blas now, in every thread
 _blas_limit = None  # threadpoolctl's limiter of the first of them (restores the BLAS's threads)
+_blas_pending: int | None = None  # a BLAS thread count asked for while they run (set_blas_threads)
 
 
 def _release_blas_control() -> None:
@@ -241,6 +242,37 @@ def _release_blas_control() -> None:
         clear()
 
 
+def _apply_blas_threads(n: int) -> None:
+    threadpoolctl.threadpool_limits(limits=n, user_api="blas")
+    _release_blas_control()
+
+
+def set_blas_threads(n: int) -> None:
+    """NumPy's BLAS on ``n`` threads for the code outside fastgrad's calls (``set_num_threads``):
+    at once, or — while kernel calls run in any thread, holding it at one thread — when the last
+    of them ends (it would change their OpenBLAS sums under them: bits that depend on timing)."""
+    global _blas_pending
+    with _blas_lock:
+        if _blas_users:
+            _blas_pending = int(n)
+        else:
+            _apply_blas_threads(int(n))
+
+
+def blas_threads() -> int | None:
+    """The BLAS thread count in force for the code outside fastgrad's calls: the one asked for
+    while calls run, else what the first of them found, else the library's now (None: no BLAS
+    threadpoolctl can see)."""
+    with _blas_lock:
+        if _blas_pending is not None:
+            return _blas_pending
+        if _blas_users and _blas_limit is not None:
+            n = _blas_limit.get_original_num_threads()
+            return n.get("blas") if isinstance(n, dict) else n
+    info = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
+    return info[0] if info else None
+
+
 @contextlib.contextmanager
 def single_threaded_blas(engine: str = "blas"):
     """For the duration: the BLAS on one thread (each tile is one single-threaded call on the
@@ -250,7 +282,7 @@ def single_threaded_blas(engine: str = "blas"):
     depend on timing).  ``engine`` is the call's choice (``tiling.GemmChoice.engine``, made by
     the op layer); nothing here reads a setting; the ``"onednn"`` engine's math mode is set
     around each of its own ``torch.mm`` calls (``_onednn.mm``), not here."""
-    global _controller, _blas_users, _blas_limit
+    global _controller, _blas_users, _blas_limit, _blas_pending
     if engine not in ("blas", "onednn"):
         raise InternalError(f"engine must be 'blas' or 'onednn', got {engine!r}")
     with _blas_lock:
@@ -269,6 +301,9 @@ def single_threaded_blas(engine: str = "blas"):
                 _blas_limit.restore_original_limits()
                 _release_blas_control()
                 _blas_limit = None
+                if _blas_pending is not None:  # set_blas_threads while the calls ran
+                    _apply_blas_threads(_blas_pending)
+                    _blas_pending = None
 
 
 def blas_for(engine_of):
