@@ -42,14 +42,16 @@ import numpy as np
 import torch
 
 from .._config import gemm, is_strict, prefer_onednn, workspace_floor
-from ..errors import invalid, runtime_error
+from ..errors import invalid
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce_op
 from ..ops.linear_cross_entropy import round_grad as _round_grad
 from . import distributed as _vp
 from ._autograd import differentiable_once
+from ._checks import OP, autocast_operands, bad, check_args, real, shift_target, values_of
 from ._device import DeviceLinearCrossEntropyFunction
 from ._errors import torch_error
 from ._schedule import _fused_fits, _recompute_gw_dtype, recycled_scratch_bytes
+from ._torch_grads import torch_grads, torch_tangent
 from .options import resolve_options
 
 if TYPE_CHECKING:
@@ -57,11 +59,6 @@ if TYPE_CHECKING:
     from torch._functorch.autograd_function import VmapInfo
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropyOutput"]
-
-OP = "linear_cross_entropy"
-_ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_TARGET_DTYPES = (torch.int64, torch.int32)
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 class LinearCrossEntropyOutput(NamedTuple):
@@ -144,11 +141,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     * backward: the fused step's gradients scaled, or the recompute on the kernel; a batch of
       cotangents (``torch.autograd.grad(..., is_grads_batched=True)``, gradcheck's batched
-      grad, ``torch.func.jacrev``) in chunked torch ops (:func:`_torch_grads`).
+      grad, ``torch.func.jacrev``) in chunked torch ops (:func:`torch_grads`).
     * jvp (forward-mode AD, ``torch.autograd.forward_ad``, ``torch.func.jvp``): the loss's
       tangent ``Σ_v dloss/dL_v · L̇_v`` with ``L̇ = Ẋ·Wᵀ + X·Ẇᵀ + ḃ`` — one more recompute of the
       kernel (:func:`_kernel_tangent`), a batch of tangents in chunked torch ops
-      (:func:`_torch_tangent`); never ``[BT, V]``.
+      (:func:`torch_tangent`); never ``[BT, V]``.
     * vmap: a loop over the batch (``torch.func.vmap`` of the loss).
     """
 
@@ -230,7 +227,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     for g, n, x in zip((gi, gw, gb), need, (h, weight, bias))
                 ]
             else:
-                out = list(_torch_grads(st, need, grad_loss, grad_entropy, h, weight, bias, ce_weight, t, lse, z_mean))
+                out = list(torch_grads(st, need, grad_loss, grad_entropy, h, weight, bias, ce_weight, t, lse, z_mean))
             return (*out, None, None, None)
         out = _kernel_grads(st, need, grad_loss, grad_entropy, h, weight, bias, ce_weight, t, lse, z_mean, gi, gw, gb)
         return (*out, None, None, None)
@@ -254,7 +251,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if all(_plain(x) for x in (th, tw, tb)):
             lt, et = _kernel_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean)
         else:  # a batch of tangents (batched forward AD): the chunked torch computation
-            lt, et = _torch_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean)
+            lt, et = torch_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean)
         return lt, None, None, None, et, None, None, None, None, None
 
     @staticmethod
@@ -394,263 +391,12 @@ def _kernel_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean):
     return loss_t, ent_t
 
 
-_T_CHUNK = 2048  # vocabulary columns per chunk of the torch computations (never [BT, V])
-
-
-def _torch_coef(st, h, weight, bias, ce_weight, t, lse, z_mean, c, cz, ch, v0, v1):
-    """``dloss/dL`` of the vocabulary columns ``[v0, v1)`` of this shard, in torch, from the saved
-    ``lse`` (and ``μ``): ``a·p_v - b·[v=t] - e·w_v`` (+ the entropy's ``ch·p_v·(μ - z_v)``) through
-    the temperature and softcap (:func:`fastgrad.linear_cross_entropy`'s formula); ``c``, ``cz``,
-    ``ch`` the rows' coefficients of the cross-entropy, z-loss and entropy terms (they may be a
-    batch under ``vmap``)."""
-    cfg = st.cfg
-    cdt = lse.dtype
-    X = h.detach().to(cdt)
-    W = weight.detach()[v0:v1].to(cdt)
-    L = X @ W.T
-    if bias is not None:
-        L = L + bias.detach()[v0:v1].to(cdt)
-    T, cap = cfg["temperature"], cfg["softcap"]
-    if cap is not None:
-        th = torch.tanh(L / cap)
-        z = cap * th / T
-        dz = (1 - th * th) / T
-    else:
-        z = L / T
-        dz = None if T == 1.0 else 1.0 / T
-    p = torch.exp(z - lse[:, None])
-    eps, V, start = cfg["label_smoothing"], cfg["V"], cfg["start"]
-    valid = t != cfg["ignore_index"]
-    tl = torch.where(valid, t.long(), torch.zeros_like(t.long()))
-    if ce_weight is None:
-        wt = valid.to(cdt)
-        wsum = float(V)
-        wv = None
-    else:
-        cw = ce_weight.to(cdt)
-        wt = torch.where(valid, cw[tl], torch.zeros((), dtype=cdt))
-        wsum = cw.sum()
-        wv = cw[start + v0 : start + v1]
-    a = c * ((1 - eps) * wt + eps * wsum / V) + cz * 2 * cfg["lse_square_scale"] * lse * valid
-    u = a.unsqueeze(-1) * p
-    cols = torch.arange(start + v0, start + v1)
-    onehot = (tl[:, None] == cols[None, :]) & valid[:, None]
-    u = u - (c * (1 - eps) * wt).unsqueeze(-1) * onehot.to(cdt)
-    if eps:
-        e = c * eps / V
-        u = u - e.unsqueeze(-1) * (1.0 if wv is None else wv)
-    if ch is not None:
-        u = u + ch.unsqueeze(-1) * p * (z_mean[:, None] - z)
-    return u if dz is None else u * dz
-
-
-def _row_coefs(st, t, lse, ce_weight, grad_loss, grad_entropy):
-    """The rows' coefficients ``(c, cz, ch)`` of the cross-entropy, z-loss and entropy terms
-    for the upstream gradients (each a batch under ``vmap``; 0 on ignored rows)."""
-    cfg = st.cfg
-    cdt = lse.dtype
-    valid = (t != cfg["ignore_index"]).to(cdt)
-    red = cfg["reduction"]
-    if red == "mean":
-        n = valid.sum()
-        tl = torch.where(t != cfg["ignore_index"], t.long(), torch.zeros_like(t.long()))
-        wsum = n if ce_weight is None else (ce_weight.to(cdt)[tl] * valid).sum()
-        norm_ce, norm_z = 1 / wsum, 1 / n
-    else:
-        norm_ce = norm_z = 1.0
-
-    def row(g, norm):
-        if g is None:
-            return None
-        g = g.to(cdt)
-        if red != "none":
-            g = g.unsqueeze(-1)
-        return g * valid * norm
-
-    zero = torch.zeros((), dtype=cdt)
-    c = row(grad_loss, norm_ce) if grad_loss is not None else zero * valid
-    cz = row(grad_loss, norm_z) if grad_loss is not None else zero * valid
-    return c, cz, row(grad_entropy, norm_z)
-
-
-def _torch_grads(st, need, grad_loss, grad_entropy, h, weight, bias, ce_weight, t, lse, z_mean):
-    """The recompute in chunked torch ops (a batch of cotangents): ``grad_input = Σ_c G_c·W_c``,
-    ``grad_weight[c] = G_cᵀ·X``, ``grad_bias[c] = Σ_r G_c`` with ``G_c = dloss/dL`` of the chunk
-    (:func:`_torch_coef`), never ``[BT, V]``."""
-    if st.cfg["group"] is not None:
-        raise runtime_error(
-            "linear_cross_entropy: batched gradients (is_grads_batched, vmap of the backward) are not "
-            "supported with a process_group (vocabulary parallelism)",
-            "process_group",
-        )
-    c, cz, ch = _row_coefs(st, t, lse, ce_weight, grad_loss, grad_entropy)
-    K = weight.shape[0]
-    cdt = lse.dtype
-    X = h.detach().to(cdt)
-    gi = None
-    gws, gbs = [], []
-    for v0 in range(0, K, _T_CHUNK):
-        v1 = min(K, v0 + _T_CHUNK)
-        G = _torch_coef(st, h, weight, bias, ce_weight, t, lse, z_mean, c, cz, ch, v0, v1)
-        if need[0]:
-            part = G @ weight.detach()[v0:v1].to(cdt)
-            gi = part if gi is None else gi + part
-        if need[1]:
-            gws.append(G.transpose(-1, -2) @ X)
-        if need[2] and bias is not None:
-            gbs.append(G.sum(-2))
-    return (
-        None if gi is None else gi.to(h.dtype),
-        torch.cat(gws, -2).to(weight.dtype) if gws else None,
-        torch.cat(gbs, -1).to(bias.dtype) if gbs else None,
-    )
-
-
-def _torch_tangent(st, th, tw, tb, h, weight, bias, ce_weight, t, lse, z_mean):
-    """Forward-mode AD in chunked torch ops (a batch of tangents): ``losṡ_r = Σ_c Σ_v
-    G_c ⊙ (Ẋ·W_cᵀ + X·Ẇ_cᵀ + ḃ_c)`` at a unit cotangent, never ``[BT, V]``."""
-    cfg = st.cfg
-    if cfg["group"] is not None:
-        raise runtime_error(
-            "linear_cross_entropy: batched forward-mode AD is not supported with a process_group "
-            "(vocabulary parallelism)",
-            "process_group",
-        )
-    cdt = lse.dtype
-    BT = h.shape[0]
-    none = cfg["reduction"] == "none"
-    one = torch.ones(BT if none else (), dtype=cdt)
-    X = h.detach().to(cdt)
-    K = weight.shape[0]
-
-    def tangent(c, cz, ch):
-        acc: Any = torch.zeros(BT, dtype=cdt)
-        for v0 in range(0, K, _T_CHUNK):
-            v1 = min(K, v0 + _T_CHUNK)
-            G = _torch_coef(st, h, weight, bias, ce_weight, t, lse, z_mean, c, cz, ch, v0, v1)
-            Ld = None
-            if th is not None:
-                Ld = th.to(cdt) @ weight.detach()[v0:v1].to(cdt).T
-            if tw is not None:
-                d = X @ tw[v0:v1].to(cdt).transpose(-1, -2)
-                Ld = d if Ld is None else Ld + d
-            if tb is not None:
-                d = tb[v0:v1].to(cdt).unsqueeze(0)
-                Ld = d if Ld is None else Ld + d
-            acc = acc + (G * Ld).sum(-1)
-        return acc if none else acc.sum(-1)
-
-    c, cz, _ = _row_coefs(st, t, lse, ce_weight, one, None)
-    loss_t = tangent(c, cz, None)
-    ent_t = None
-    if cfg["return_entropy"]:
-        c0, cz0, ch = _row_coefs(st, t, lse, ce_weight, None, one)
-        ent_t = tangent(c0, cz0, ch)
-    return loss_t, ent_t
-
-
 _NARROW = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}
 
 
 # ----------------------------------------------------------------------------------------------
 # public function
 # ----------------------------------------------------------------------------------------------
-
-
-def _bad(param, expected, got):
-    return invalid(param, expected, got, OP)
-
-
-def _check_tensor(name, x, optional=False):
-    if x is None and optional:
-        return
-    if not isinstance(x, torch.Tensor):
-        raise _bad(name, "a torch.Tensor", type(x).__name__)
-    if x.device.type != "cpu":
-        raise _bad(name, "a CPU tensor (fastgrad.torch runs the CPU kernels)", f"device {x.device}")
-    if x.layout != torch.strided:
-        raise _bad(name, "a dense (strided) tensor", f"layout {x.layout}")
-
-
-_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def autocast_operands(*xs: Any) -> tuple[Any, ...]:
-    """Under ``torch.autocast("cpu")``: the LM head's floating operands (not float64, as autocast
-    leaves it) cast to the autocast dtype, as ``F.linear`` casts its operands there — the
-    gradients flow back through the casts in the parameters' own dtypes; else ``xs`` unchanged."""
-    if not torch.is_autocast_enabled("cpu"):
-        return xs
-    dt = torch.get_autocast_dtype("cpu")
-    return tuple(
-        x.to(dt) if isinstance(x, torch.Tensor) and x.dtype in _AUTOCAST_ELIGIBLE and x.dtype != dt else x for x in xs
-    )
-
-
-def values_of(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s values under ``torch.func``'s wrappers (``vmap``'s batch, ``grad``'s tracking): a
-    check of the values (the targets' range) looks at every slice of a batch at once instead of
-    branching on a batched tensor, which ``vmap`` refuses."""
-    f = torch._C._functorch
-    while f.is_functorch_wrapped_tensor(x):
-        x = f.get_unwrapped(x)
-    return x
-
-
-def _real(name: str, x: Any, expected: str) -> float:
-    """``x`` as a float where it is a real number (not a bool nor a string); else 161002."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise _bad(name, expected, repr(x))
-    return float(x)
-
-
-def _check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing):
-    for name, x, opt in (
-        ("hidden", hidden, False),
-        ("weight", weight, False),
-        ("target", target, False),
-        ("bias", bias, True),
-        ("ce_weight", ce_weight, True),
-    ):
-        _check_tensor(name, x, opt)
-    if weight.dim() != 2:
-        raise _bad("weight", "a 2-D [V, H] tensor", f"shape {tuple(weight.shape)}")
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise _bad(
-            "hidden", f"shape [..., H] with H == weight.shape[1] == {weight.shape[1]}", f"shape {tuple(hidden.shape)}"
-        )
-    if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise _bad("target", f"shape hidden.shape[:-1] == {tuple(hidden.shape[:-1])}", f"shape {tuple(target.shape)}")
-    if hidden.dtype not in _ALL_DTYPES:
-        raise _bad("hidden", "dtype bfloat16, float16, float32 or float64", str(hidden.dtype))
-    if weight.dtype != hidden.dtype:
-        raise _bad("weight", f"hidden's dtype ({hidden.dtype})", str(weight.dtype))
-    if bias is not None and (bias.dtype != hidden.dtype or tuple(bias.shape) != (weight.shape[0],)):
-        raise _bad("bias", f"a [{weight.shape[0]}] tensor of hidden's dtype", f"{bias.dtype} shape {tuple(bias.shape)}")
-    if target.dtype not in _TARGET_DTYPES:
-        raise _bad("target", "int64 or int32 class indices", str(target.dtype))
-    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
-        raise _bad("ignore_index", "an int", repr(ignore_index))
-    if not -(2**63) <= int(ignore_index) < 2**63:
-        raise _bad("ignore_index", "an int64 value (a class id, or -100)", repr(ignore_index))
-    if reduction not in _REDUCTIONS:
-        raise _bad("reduction", "'mean', 'sum' or 'none'", repr(reduction))
-    if (
-        isinstance(label_smoothing, bool)
-        or not isinstance(label_smoothing, numbers.Real)
-        or not 0.0 <= float(label_smoothing) <= 1.0
-    ):
-        raise _bad("label_smoothing", "a float in [0, 1]", repr(label_smoothing))
-
-
-def _shift_target(target, n, ignore_index):
-    """Targets shifted left by n along the last dim (CCE's ``shift``), the tail ignored."""
-    if n == 0:
-        return target
-    out = torch.full_like(target, ignore_index)
-    if target.shape[-1] > n:
-        out[..., :-n] = target[..., n:]
-    return out
 
 
 @torch.compiler.disable  # one graph break at the loss: dynamo never traces the kernels' Python
@@ -784,14 +530,14 @@ def linear_cross_entropy(
         flat = {"precision": precision, "fused": fused, "filter_eps": filter_eps, "accum_dtype": accum_dtype}
         given = [k for k, v in flat.items() if v is not None]
         if given:
-            raise _bad(given[0], f"None when options= is given (set it in the options: {given})", flat[given[0]])
+            raise bad(given[0], f"None when options= is given (set it in the options: {given})", flat[given[0]])
     else:
         if precision not in (None, "accurate", "device", "fast"):
-            raise _bad("precision", "'accurate', 'device' or 'fast'", repr(precision))
+            raise bad("precision", "'accurate', 'device' or 'fast'", repr(precision))
         if fused not in (None, True, False):
-            raise _bad("fused", "None, True or False", repr(fused))
+            raise bad("fused", "None, True or False", repr(fused))
         if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
-            raise _bad("accum_dtype", "None, torch.float32 or hidden's dtype", repr(accum_dtype))
+            raise bad("accum_dtype", "None, torch.float32 or hidden's dtype", repr(accum_dtype))
         schedule = {None: "auto", True: "fused", False: "recompute"}[fused]
         opts = dataclasses.replace(
             opts, precision=precision, schedule=schedule, accum_dtype=accum_dtype, filter_eps=filter_eps
@@ -799,27 +545,27 @@ def linear_cross_entropy(
     precision, fused, filter_eps, accum_dtype = opts.precision, opts.fused, opts.filter_eps, opts.accum_dtype
     with _engine({"engine": opts.engine}):
         hidden, weight, bias = autocast_operands(hidden, weight, bias)
-        _check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing)
+        check_args(hidden, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing)
         if softcap is not None:
-            softcap = _real("softcap", softcap, "a finite float > 0 or None")
-        temperature = _real("temperature", temperature, "a finite float > 0")
-        lse_square_scale = _real("lse_square_scale", lse_square_scale, "a finite float >= 0")
+            softcap = real("softcap", softcap, "a finite float > 0 or None")
+        temperature = real("temperature", temperature, "a finite float > 0")
+        lse_square_scale = real("lse_square_scale", lse_square_scale, "a finite float >= 0")
         eps = float(label_smoothing)
         n_shift = int(shift) if isinstance(shift, (bool, numbers.Integral)) else None
         if n_shift is None or n_shift < 0:
-            raise _bad("shift", "a bool or an int >= 0", repr(shift))
+            raise bad("shift", "a bool or an int >= 0", repr(shift))
         if precision is None:
             precision = "device" if is_strict() else "accurate"
         if precision not in ("accurate", "device", "fast"):
-            raise _bad("precision", "'accurate', 'device' or 'fast'", repr(precision))
+            raise bad("precision", "'accurate', 'device' or 'fast'", repr(precision))
         if precision == "fast" and is_strict():
-            raise _bad("precision", "'accurate' or 'device' in strict mode (the device has no 'fast')", "'fast'")
+            raise bad("precision", "'accurate' or 'device' in strict mode (the device has no 'fast')", "'fast'")
         if fused not in (None, True, False):
-            raise _bad("fused", "None, True or False", repr(fused))
+            raise bad("fused", "None, True or False", repr(fused))
         K = weight.shape[0]
         if process_group is None:
             if vocab_start_index not in (None, 0) or vocab_size not in (None, K):
-                raise _bad(
+                raise bad(
                     "vocab_start_index",
                     "0 and vocab_size == weight.shape[0] without a process_group (a shard layout needs one)",
                     f"vocab_start_index={vocab_start_index}, vocab_size={vocab_size}",
@@ -837,7 +583,7 @@ def linear_cross_entropy(
             else:
                 start, V = int(vocab_start_index), int(vocab_size)
             if start < 0 or start + K > V:
-                raise _bad(
+                raise bad(
                     "vocab_start_index",
                     f"a shard [start, start + {K}) inside [0, {V})",
                     f"[{start}, {start + K}) of {V}",
@@ -850,14 +596,14 @@ def linear_cross_entropy(
             ("return_entropy", return_entropy),
         ):
             if not isinstance(flag, bool):
-                raise _bad(name, "a bool", repr(flag))
-        t_full = _shift_target(target, n_shift, int(ignore_index))
+                raise bad(name, "a bool", repr(flag))
+        t_full = shift_target(target, n_shift, int(ignore_index))
         t = t_full.reshape(-1)
         tv = values_of(t)  # (every slice of a vmap batch)
-        bad = (tv != ignore_index) & ((tv < 0) | (tv >= V))
-        if bool(bad.any()):
-            first = int(tv[bad.nonzero(as_tuple=True)][0])
-            raise _bad(
+        out_of_range = (tv != ignore_index) & ((tv < 0) | (tv >= V))
+        if bool(out_of_range.any()):
+            first = int(tv[out_of_range.nonzero(as_tuple=True)][0])
+            raise bad(
                 "target", f"class ids in [0, {V}) or ignore_index ({ignore_index})", f"Target {first} is out of bounds"
             )
 
@@ -879,7 +625,7 @@ def linear_cross_entropy(
             if accum_dtype is not None:
                 used.append("accum_dtype")
             if used:
-                raise _bad(used[0], "the plain loss with precision='device' (the aclnn pipeline)", used)
+                raise bad(used[0], "the plain loss with precision='device' (the aclnn pipeline)", used)
             if eps != 0.0 and is_strict():
                 raise invalid("label_smoothing", "0 (the device's FLCE grad supports only 0; strict mode)", eps, OP)
             loss = DeviceLinearCrossEntropyFunction.apply(
@@ -890,7 +636,7 @@ def linear_cross_entropy(
             return loss
 
         if return_entropy and filter_eps is not None:
-            raise _bad("filter_eps", "None with return_entropy (the filter is on the cross-entropy term)", filter_eps)
+            raise bad("filter_eps", "None with return_entropy (the filter is on the cross-entropy term)", filter_eps)
         H = hidden.shape[-1]
         h = hidden.reshape(int(np.prod(hidden.shape[:-1])), H)  # (not -1: H may be 0)
         # the upstream gradients must be known in the forward: a reduced loss, no entropy output

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from .._checks import autocast_operands, values_of
 from .._errors import torch_error
-from ..functional import autocast_operands, values_of
 from ..functional import linear_cross_entropy as _fastgrad_lce
 from ..options import resolve_options
 
