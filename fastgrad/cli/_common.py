@@ -217,22 +217,19 @@ def refuse_missing_kernel(op: str, soc: str, flag: str = "--soc-version") -> Non
         )
 
 
-#: The largest size a size flag takes: NumPy's sizes (and element counts) are int64.
-MAX_SIZE = 2**63 - 1
-
-
 def parse_sizes(text: str, flag: str, expected: str, minimum: int = 0) -> tuple[int, ...]:
-    """Comma-separated sizes (``2,3,4``; ``x`` separates too) as a tuple: a :class:`CliError`
-    naming ``flag`` for an empty item (``16,,32``, a leading or trailing comma), a size that is not
-    an integer >= ``minimum``, or sizes whose product does not fit int64."""
-    import math
+    """Comma-separated sizes (``2,3,4``; ``x`` separates too) as a tuple, parsed as ``fastgrad
+    compare`` parses a shape (``compare._parse_shape``): a :class:`CliError` naming ``flag`` for
+    an empty item (``16,,32``, a leading or trailing comma), a size that is not an integer >=
+    ``minimum``, or sizes whose product does not fit int64."""
+    from ..compare import _parse_shape
+    from ..errors import AclnnError
 
-    items = [p.strip() for p in text.replace("x", ",").split(",")]
     try:
-        dims = tuple(int(p) for p in items) if text.strip() else ()
-    except ValueError:
+        dims = _parse_shape(text) or ()
+    except AclnnError:
         raise CliError(flag, expected, repr(text)) from None
-    if any(d < minimum for d in dims) or math.prod(dims) > MAX_SIZE or any(d > MAX_SIZE for d in dims):
+    if any(d < minimum for d in dims):
         raise CliError(flag, expected, repr(text))
     return dims
 

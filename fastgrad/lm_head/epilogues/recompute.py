@@ -146,8 +146,7 @@ class _RecomputeGrad:
             blocks = enumerate(grid.bt_ranges())
             tasks = []
             for k, (b0, b1) in blocks:  # each block's mean row over its live rows (not the ignored)
-                _, _, _, cce, cz, ch, _ = (a[b0:b1] for a in rows)
-                live = live_rows(cce, cz, ch)
+                live = live_rows(rows.coef_ce[b0:b1], rows.coef_z[b0:b1], rows.coef_h[b0:b1])
                 tasks += col_means16_tasks(H, xu[b0:b1] if live is None else xu[b0:b1][live], D.BF16, self.x_bar[k])
             run_tasks(tasks)
             # X's rows as grad_weight's B (once with one row block), W's chunk as grad_input's B
