@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -212,24 +213,54 @@ def get_num_threads() -> int:
     return _numba().get_num_threads()
 
 
+#: the open ``num_threads()`` blocks of every Python thread, oldest first (each a one-item list:
+#: its identity), and the BLAS count before the first of them (the BLAS's count is process-wide;
+#: Numba's is per thread)
+_thread_scopes: list[list[int]] = []
+_thread_scopes_base: int | None = None
+_thread_scopes_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A lock held by another thread of the parent at the fork is never released in the child."""
+    global _thread_scopes_lock
+    _thread_scopes_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @contextlib.contextmanager
 def num_threads(n: int) -> Iterator[None]:
     """Context manager running the kernels and BLAS on ``n`` threads, restoring afterwards (the
-    BLAS's count as :func:`set_num_threads` sets it: never under another thread's call in flight)."""
+    BLAS's count as :func:`set_num_threads` sets it: never under another thread's call in flight).
+
+    Numba's count is the calling thread's own.  The BLAS's is the process's: while blocks of
+    several Python threads overlap, the newest open block's count is in force, and when the last
+    one ends the count before the first is restored — whatever order they end in."""
     from .kernels._gemm import blas_threads, set_blas_threads
 
+    global _thread_scopes_base
     numba = _numba()
     n = _check_threads(n, op="num_threads")
     old = numba.get_num_threads()
-    old_blas = blas_threads()
+    scope = [n]
+    with _thread_scopes_lock:
+        if not _thread_scopes:
+            _thread_scopes_base = blas_threads()
+        _thread_scopes.append(scope)
+        set_blas_threads(n)
     numba.set_num_threads(n)
-    set_blas_threads(n)
     try:
         yield
     finally:
         numba.set_num_threads(old)
-        if old_blas is not None:
-            set_blas_threads(old_blas)
+        with _thread_scopes_lock:
+            del _thread_scopes[next(i for i, s in enumerate(_thread_scopes) if s is scope)]
+            back = _thread_scopes[-1][0] if _thread_scopes else _thread_scopes_base
+            if back is not None:
+                set_blas_threads(back)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -105,8 +105,9 @@ def _lease(block: _Block, shape: tuple, dt: np.dtype) -> np.ndarray:
 
 def _after_fork_in_child() -> None:
     """A lock held by another thread of the parent at the fork is never released in the child."""
-    global _lock
+    global _lock, _scopes_lock
     _lock = threading.Lock()
+    _scopes_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -135,25 +136,59 @@ def output_cache_limit() -> int:
     return output_cache_env_limit()
 
 
+def _cap_bytes(mb: object, op: str) -> int | None:
+    import numbers
+
+    from .errors import invalid
+
+    if mb is None:
+        return None
+    if isinstance(mb, bool) or not isinstance(mb, numbers.Real) or not math.isfinite(float(mb)) or float(mb) < 0:
+        raise invalid("mb", "a finite number of MiB >= 0 (0: the cache off) or None", repr(mb), op)
+    return int(float(mb) * 2**20)
+
+
 def set_output_cache_limit(mb: float | None) -> None:
     """Set the cap in MiB for the process (0: off; None: back to ``FASTGRAD_OUTPUT_CACHE_MB``).
-    Free blocks above the new cap are released at once."""
+    Free blocks above the new cap are released at once.
+
+    Raises ``AclnnParamError`` (161002, a ``ValueError``) naming ``mb`` unless it is a finite
+    number >= 0 or None."""
     global _limit_override
-    _limit_override = None if mb is None else max(0, int(float(mb) * 2**20))
+    _limit_override = _cap_bytes(mb, "set_output_cache_limit")
     with _lock:
         _release_free(_total() - output_cache_limit())
 
 
+#: the open ``output_cache()`` blocks of every Python thread, oldest first (each a one-item list:
+#: its identity), and the process's cap before the first of them
+_scopes: list[list[int | None]] = []
+_scopes_base: int | None = None
+_scopes_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def output_cache(mb: float | None):
-    """Context manager: the cap set to ``mb`` MiB inside (0: fresh pages for every output)."""
-    global _limit_override
-    old = _limit_override
-    set_output_cache_limit(mb)
+    """Context manager: the cap set to ``mb`` MiB inside (0: fresh pages for every output).
+
+    The cap is the process's: while blocks of several Python threads overlap, the newest open
+    block's cap is in force, and when the last one ends the cap before the first is restored —
+    whatever order they end in."""
+    global _limit_override, _scopes_base
+    _cap_bytes(mb, "output_cache")  # a bad mb is refused before anything changes
+    with _scopes_lock:
+        before = _limit_override
+        set_output_cache_limit(mb)
+        if not _scopes:
+            _scopes_base = before
+        scope = [_limit_override]
+        _scopes.append(scope)
     try:
         yield
     finally:
-        _limit_override = old
+        with _scopes_lock:
+            del _scopes[next(i for i, s in enumerate(_scopes) if s is scope)]
+            _limit_override = _scopes[-1][0] if _scopes else _scopes_base
 
 
 def _free(i: int) -> bool:

@@ -1,6 +1,7 @@
 """The dtype names the op test files share, their torch twins, and a small LM-head problem."""
 
 import contextlib
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -297,3 +298,34 @@ def training_logits(h, w, bias, softcap, temperature):
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return z / temperature
+
+
+def two_threads_overlapping(block_a, block_b, read):
+    """Thread A enters ``block_a``, thread B enters ``block_b``, A leaves while B is inside, then
+    B leaves; ``read()`` is sampled after each step (the blocks' order of leaving is not their
+    order of entering: the case two training threads give)."""
+    seen = {}
+    a_in, b_in, a_out, b_out = (threading.Event() for _ in range(4))
+
+    def a():
+        with block_a:
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with block_b:
+            b_in.set()
+            a_out.wait(10)
+            seen["B inside, A left"] = read()
+        b_out.set()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert a_out.is_set() and b_out.is_set()
+    seen["both left"] = read()
+    return seen

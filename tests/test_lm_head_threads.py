@@ -17,6 +17,7 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+from common import two_threads_overlapping
 
 import fastgrad as fg
 from fastgrad import _config
@@ -264,3 +265,49 @@ def test_options_are_the_calls_own_settings():
         assert ei.value.status == 161002 and param in str(ei.value)
     with pytest.raises(fg.AclnnError, match="options"):
         fg.linear_cross_entropy(x, w, t, options={"gemm": "blas"})
+
+
+def test_overlapping_num_threads_blocks_in_two_threads_restore_the_process_count():
+    """Found by fuzzing: each ``num_threads()`` block restored the BLAS count it saw on entry, so
+    while B (entered inside A's block) still ran, A's exit lifted B's BLAS back to the process's
+    count, and B's exit then left the BLAS at A's count for good.  Numba's count is each thread's
+    own and goes back to it."""
+    from threadpoolctl import threadpool_info
+
+    def numpy_blas():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+
+    if not numpy_blas() or _config.max_threads() < 2:
+        pytest.skip("needs NumPy's BLAS seen by threadpoolctl and two CPUs")
+    n0 = fg.get_num_threads()
+    fg.set_num_threads(2)
+    try:
+        numba_after = []
+
+        class Block:  # num_threads(1), and Numba's count of the thread after it
+            def __init__(self):
+                self.cm = fg.num_threads(1)
+
+            def __enter__(self):
+                self.cm.__enter__()
+
+            def __exit__(self, *exc):
+                self.cm.__exit__(*exc)
+                numba_after.append(fg.get_num_threads())
+
+        seen = two_threads_overlapping(Block(), Block(), numpy_blas)
+        k = len(numpy_blas())
+        assert seen == {"B inside, A left": [1] * k, "both left": [2] * k}
+        assert numba_after == [_numba_default(), _numba_default()]
+    finally:
+        fg.set_num_threads(n0)
+
+
+def _numba_default() -> int:
+    """A new Python thread's Numba count (Numba's is per thread; a new thread starts at the
+    process's default, NUMBA_NUM_THREADS)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fg.get_num_threads()))
+    t.start()
+    t.join()
+    return out[0]

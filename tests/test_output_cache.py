@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+from common import two_threads_overlapping
 
 import fastgrad as fg
 from fastgrad import _outcache
@@ -288,3 +289,25 @@ def test_outputs_of_every_dtype_are_owned_arrays():
         assert pb != p  # the view still owns it
         del v, b
         assert _addr(_outcache.empty((300, 301), dt)) in (p, pb)  # both handed back
+
+
+def test_overlapping_output_cache_blocks_in_two_threads_restore_the_process_cap():
+    """Found by fuzzing: each block restored the cap it saw on entry, so B (entered inside A's
+    block) left the cache off for good — A's 0 — once both had ended."""
+    fg.set_output_cache_limit(8.0)
+    seen = two_threads_overlapping(fg.output_cache(0), fg.output_cache(1.0), _outcache.output_cache_limit)
+    assert seen == {"B inside, A left": 2**20, "both left": 8 * 2**20}
+
+
+@pytest.mark.parametrize("mb", [-1, float("nan"), float("inf"), "512", True])
+def test_a_bad_cap_is_refused_naming_mb_and_changes_nothing(mb):
+    fg.set_output_cache_limit(3.0)
+    for call in (fg.set_output_cache_limit, fg.output_cache):
+        with pytest.raises(ValueError, match=r"mb: expected a finite number of MiB >= 0") as e:
+            if call is fg.output_cache:
+                with call(mb):
+                    pass
+            else:
+                call(mb)
+        assert (e.value.status, e.value.param) == (161002, "mb")
+        assert _outcache.output_cache_limit() == 3 * 2**20
