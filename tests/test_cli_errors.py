@@ -196,3 +196,28 @@ def test_entry_point_subprocess_one_line_exit_2(args, words):
 def test_entry_point_subprocess_debug_traceback():
     p = fastgrad_subprocess("--safetensors", "/nonexistent", "--debug")
     assert p.returncode == 2 and "Traceback" in p.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, advice",
+    [
+        ([], "--workspace-mb"),
+        (["golden", "cross_entropy_loss_grad"], "float64"),
+        (["case", "cross_entropy_loss_grad"], "--shape"),
+        (["bench"], "--quick"),
+    ],
+)
+def test_out_of_memory_advises_the_flags_of_the_command_that_ran_out(monkeypatch, argv, advice):
+    """Found by fuzzing: every command's MemoryError advised ``--workspace-mb`` and ``--shards``,
+    which only the main job has (``fastgrad golden`` refused them as unknown flags)."""
+    import importlib
+
+    mod = importlib.import_module("fastgrad.cli." + (argv[0] if argv else "run"))
+
+    def no_memory(argv):
+        raise MemoryError("Unable to allocate 80.0 GiB for an array")
+
+    monkeypatch.setattr(mod, "main", no_memory)
+    line = assert_usage_error(fastgrad(*argv), "out of memory: Unable to allocate 80.0 GiB", advice)
+    if argv:
+        assert "--shards" not in line and "--workspace-mb" not in line

@@ -38,6 +38,17 @@ from ._common import (  # noqa: F401 - the command's shared pieces, re-exported
 SUBCOMMANDS = ("bench", "case", "compare", "golden", "run", "ttk-plugin")
 
 
+_SHAPE = "try a smaller shape"
+#: what a MemoryError's line advises, by the command that raised it: the flags that command has
+_MEMORY_ADVICE = {
+    "fastgrad": "try a smaller --workspace-mb, more --shards or a smaller shape",
+    "fastgrad run": "try a smaller --workspace-mb, more --shards or a smaller shape",
+    "fastgrad golden": "the float64 reference holds every output in float64: try a smaller shape",
+    "fastgrad case": "try a smaller --shape",
+    "fastgrad bench": "try --quick or fewer --ops",
+}
+
+
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
@@ -81,11 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{prog}: {_one_line(e)}", file=sys.stderr)
             return EXIT_USAGE
         if isinstance(e, MemoryError):
-            print(
-                f"{prog}: out of memory{': ' + _one_line(e) if str(e) else ''} "
-                "(try a smaller --workspace-mb, more --shards or a smaller shape)",
-                file=sys.stderr,
-            )
+            said = f": {_one_line(e)}" if str(e) else ""
+            print(f"{prog}: out of memory{said} ({_MEMORY_ADVICE.get(prog, _SHAPE)})", file=sys.stderr)
             return EXIT_USAGE
         if isinstance(e, OSError):
             where = f" {e.filename!r}" if getattr(e, "filename", None) else ""
