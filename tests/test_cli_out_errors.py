@@ -39,3 +39,35 @@ def test_bench_from_profile_directory(tmp_path):
                                          ("--threads", "1,,2"), ("--backend", "")])
 def test_bench_refuses_empty_list_items(flag, value):
     one_line(fastgrad("bench", "--quick", "--ops", "ce", flag, value), flag, repr(value))
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_msprobe_golden_that_fails_mid_write_leaves_nothing_behind(tmp_path, monkeypatch, existing):
+    """Found by fuzzing: a full disk while ``golden --from-msprobe`` wrote its results left the
+    files written so far (only an empty folder it had made was removed).  Now what it wrote is
+    removed, the user's own files stay, and the answer is one line naming --out."""
+    import errno
+    import importlib
+
+    compare = importlib.import_module("fastgrad.compare")  # the module (fastgrad.compare is its function)
+
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "mine.txt").write_text("the user's")
+    real, calls = compare.save_array, []
+
+    def save_array(path, a, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, a, *args, **kwargs)
+
+    monkeypatch.setattr(compare, "save_array", save_array)
+    one_line(fastgrad("golden", "--from-msprobe", DUMP, "--out", out, "-q"), "--out", "No space left on device")
+    assert len(calls) == 4
+    if existing:
+        assert sorted(p.name for p in out.rglob("*")) == ["mine.txt"]
+        assert (out / "mine.txt").read_text() == "the user's"
+    else:
+        assert not out.exists()

@@ -58,6 +58,7 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -648,10 +649,18 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def write_results(out_dir: str, mapped: list, rows: list, unmapped: list, meta: dict) -> dict:
+def write_results(
+    out_dir: str, mapped: list, rows: list, unmapped: list, meta: dict, record: Callable[[str], object] | None = None
+) -> dict:
     """``summary.csv``, ``unmapped.csv``, ``summary.json`` and per entry
-    ``entries/<entry>/{inputs,golden,actual}/<name>.npy``; returns the file paths."""
+    ``entries/<entry>/{inputs,golden,actual}/<name>.npy``; returns the file paths.  ``record(path)``
+    is called before each file is written (the command removes them again when it fails)."""
     from ..compare import save_array
+
+    def w_(path: str) -> str:
+        if record is not None:
+            record(path)
+        return path
 
     os.makedirs(out_dir, exist_ok=True)
     for mp in mapped:
@@ -660,10 +669,10 @@ def write_results(out_dir: str, mapped: list, rows: list, unmapped: list, meta: 
         attrs = {}
         for k, v in mp.kwargs.items():
             if isinstance(v, np.ndarray):
-                save_array(os.path.join(base, "inputs", f"{k}.npy"), v)
+                save_array(w_(os.path.join(base, "inputs", f"{k}.npy")), v)
             elif v is not None:
                 attrs[k] = v
-        with open(os.path.join(base, "inputs", "attrs.json"), "w") as f:
+        with open(w_(os.path.join(base, "inputs", "attrs.json")), "w") as f:
             json.dump(attrs, f, indent=1)
     for r in rows:
         if r.golden is None:
@@ -672,21 +681,21 @@ def write_results(out_dir: str, mapped: list, rows: list, unmapped: list, meta: 
         stem = _safe(r.output.replace(" ", "_"))
         for kind, arr in (("golden", r.golden), ("actual", r.actual)):
             os.makedirs(os.path.join(base, kind), exist_ok=True)
-            save_array(os.path.join(base, kind, f"{stem}.npy"), arr)
+            save_array(w_(os.path.join(base, kind, f"{stem}.npy")), arr)
     summary = os.path.join(out_dir, "summary.csv")
-    with open(summary, "w", newline="") as f:
+    with open(w_(summary), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         for r in rows:
             w.writerow(r.csv_row())
     um = os.path.join(out_dir, "unmapped.csv")
-    with open(um, "w", newline="") as f:
+    with open(w_(um), "w", newline="") as f:
         cw = csv.writer(f)
         cw.writerow(["entry", "family", "reason"])
         for u in unmapped:
             cw.writerow([u.entry, "yes" if u.family else "no", u.reason])
     js = os.path.join(out_dir, "summary.json")
-    with open(js, "w") as f:
+    with open(w_(js), "w") as f:
         json.dump(
             {
                 "schema": "fastgrad-msprobe-golden/1",

@@ -72,12 +72,12 @@ def _run(args) -> int:
     from ._common import OutputFolder
     from .run import _prepare_out
 
-    # --out writable before any work; removed again when the command fails before writing there
-    with OutputFolder(args.out, _prepare_out(args.out)):
-        return _judge(args, dump)
+    # --out writable before any work; what it wrote there removed again when the command fails
+    with OutputFolder(args.out, _prepare_out(args.out)) as out:
+        return _judge(args, dump, out)
 
 
-def _judge(args, dump) -> int:
+def _judge(args, dump, out) -> int:
     import fastgrad as fg
 
     from ..ascend import msprobe as M
@@ -95,7 +95,7 @@ def _judge(args, dump) -> int:
         "fastgrad": fg.__version__,
         "standard": "single (ATK single benchmark); integer outputs exact",
     }
-    files = M.write_results(args.out, mapped, rows, unmapped, meta)
+    files = M.write_results(args.out, mapped, rows, unmapped, meta, record=out.add)
     if not args.quiet:
         print_or_pipe_closed(M.format_table(rows, unmapped))
     bench = M.write_bench_dump(dump, rows, args.bench_dump) if args.bench_dump else None
