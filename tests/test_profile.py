@@ -230,3 +230,66 @@ def test_cli_report(tmp_path, path):
     md = (tmp_path / "r.md").read_text()
     assert md.startswith("| line | OP Type") and md.count("\n| ") == len(EXPECTED) and "Not mapped" in md
     assert os.path.getsize(tmp_path / "png" / "profile_compare.png") > 1000
+
+
+def _op_summary_lines():
+    with open(OP_SUMMARY, newline="") as f:
+        return f.read().splitlines()
+
+
+def test_several_devices_in_one_op_summary_are_not_one_call(tmp_path):
+    """msprof writes every device into one op_summary, sorted by device then start time
+    (op_summary_assembler.cpp CalculateWaitTime): device 0's last call and device 1's first call of
+    the same aclnn API are neighbours, two calls of 4.1 us each, not one of 8.2 us."""
+    lines = _op_summary_lines()
+    (sl1,) = [x for x in lines if x.split(",")[4].startswith("aclnnSmoothL1LossBackward_")]
+    assert sl1.startswith("0,")
+    p = tmp_path / "op_summary_2dev.csv"
+    p.write_text("\n".join([lines[0], sl1, "1" + sl1[1:]]) + "\n")
+    groups = P.group_rows(P.read_profile(str(p)).rows)
+    assert [(len(g.rows), g.duration_us) for g in groups] == [(1, pytest.approx(4.1)), (1, pytest.approx(4.1))]
+    assert [g.rows[0].device for g in groups] == ["0", "1"]
+
+
+@pytest.mark.parametrize("cell", ['"-1,512;-1"', '"128,N/A;128"', '"128,5x12;128"'])
+def test_a_shape_cell_that_is_not_dimensions_is_that_rows_reason(tmp_path, cell):
+    """A dynamic (-1) or mangled dimension in one row: that call is listed as not mapped with the
+    reason, the other rows are still read (it was an internal error for the whole file)."""
+    lines = _op_summary_lines()
+    (ce,) = [x for x in lines if x.split(",")[4].startswith("aclnnCrossEntropyLossGrad_")]
+    assert '";128,512;128"' in ce
+    p = tmp_path / "op_summary_badshape.csv"
+    p.write_text("\n".join([lines[0], ce.replace('";128,512;128"', cell), lines[1]]) + "\n")
+    prof = P.read_profile(str(p))
+    assert len(prof.rows) == 2 and prof.rows[1].input_shapes == [[64, 32], [32, 256]]
+    m = P.match_group(P.group_rows(prof.rows)[0])
+    assert isinstance(m, str) and m.startswith("CrossEntropyLossGrad: shape ") and "integers >= 0" in m
+
+
+@pytest.mark.parametrize("case", ["gbk", "header_only"])
+def test_unreadable_or_empty_file_is_one_line(tmp_path, case):
+    lines = _op_summary_lines()
+    p = tmp_path / "op_summary.csv"
+    if case == "gbk":  # re-saved by a spreadsheet in a Chinese code page
+        p.write_bytes("\n".join(lines[:2] + [lines[2].replace("aclnnFusedLinearOnlineMaxSum", "融合")]).encode("gbk"))
+        want = "not UTF-8"
+    else:
+        p.write_text(lines[0] + "\n")
+        want = "no rows"
+    r = fastgrad_inprocess("bench", "--from-profile", p)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("fastgrad bench: --from-profile")
+    assert want in r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown", "--plot"])
+def test_destinations_are_checked_before_the_cpu_runs(tmp_path, flag):
+    """--json/--markdown naming a directory, --plot naming a file: one line naming the flag, exit 2,
+    before any CPU timing (it failed after timing every row, naming no flag)."""
+    bad = tmp_path / "a_file.txt"
+    bad.write_text("keep")
+    target = bad if flag == "--plot" else tmp_path
+    r = fastgrad_inprocess("bench", "--from-profile", KERNEL_DETAILS, "--repeat", "1", flag, target)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(f"fastgrad bench: {flag}")
+    assert "CPU" not in r.stdout and "line " not in r.stderr and bad.read_text() == "keep"

@@ -119,6 +119,8 @@ class KernelRow:
     output_shapes: list
     output_dtypes: list
     step: str = ""
+    device: str = ""
+    shape_error: str = ""  # why this row's shape cells are not usable ("" when they are)
 
 
 @dataclass
@@ -156,14 +158,19 @@ class Match:
 
 
 def _shape_list(text: str) -> list:
-    """``"4096,896;18992,896;4096"`` → ``[[4096, 896], [18992, 896], [4096]]`` ('' → [] scalar)."""
+    """``"4096,896;18992,896;4096"`` → ``[[4096, 896], [18992, 896], [4096]]`` ('' → [] scalar).
+
+    :class:`ValueError` for a dimension that is not an integer >= 0 (``-1``, ``N/A`` inside)."""
     text = (text or "").strip().strip('"')
     if not text or text.upper() == "N/A":
         return []
     out = []
     for part in text.split(";"):
         part = part.strip()
-        out.append([int(d) for d in part.split(",") if d.strip()] if part else [])
+        dims = [d.strip() for d in part.split(",") if d.strip()] if part else []
+        if not all(d.isdigit() for d in dims):
+            raise ValueError(f"shape {part!r}: dimensions are integers >= 0")
+        out.append([int(d) for d in dims])
     return out
 
 
@@ -185,11 +192,16 @@ def read_profile(path: str) -> Profile:
     """Read ``op_summary_*.csv`` or ``kernel_details.csv`` (the kind is told by the header)."""
     if not os.path.isfile(path):
         raise ProfileError(f"{path}: no such file")
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        header = [h.strip() for h in (reader.fieldnames or [])]
-        reader.fieldnames = header
-        raw = list(reader)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            header = [h.strip() for h in (reader.fieldnames or [])]
+            reader.fieldnames = header
+            raw = list(reader)
+    except UnicodeDecodeError as e:  # msprof and torch_npu write UTF-8; a re-save in a local code page is not
+        raise ProfileError(f"{path}: not UTF-8 text (byte {e.start}): save it as UTF-8 CSV") from None
+    except csv.Error as e:
+        raise ProfileError(f"{path}: not a readable CSV ({e})") from None
     if "OP Type" in header and "Task Duration(us)" in header:
         kind = "op_summary"
     elif "Type" in header and "Duration(us)" in header and "Name" in header:
@@ -199,6 +211,8 @@ def read_profile(path: str) -> Profile:
             f"{path}: neither msprof's op_summary (OP Type, Task Duration(us), ...) nor torch_npu's "
             f"kernel_details.csv (Name, Type, Duration(us), ...); header: {', '.join(header[:8])}"
         )
+    if not raw:
+        raise ProfileError(f"{path}: a header and no rows: no kernel ran while it was collected")
     cols = _COLUMNS[kind]
     has_shapes = "Input Shapes" in header and any((r.get("Input Shapes") or "").strip() not in ("", "N/A") for r in raw)
     rows = []
@@ -206,6 +220,11 @@ def read_profile(path: str) -> Profile:
         dur = _float(r.get(cols["duration"], ""))
         if dur is None:
             continue  # msprof writes N/A for some HCCL rows
+        shapes, bad = [], ""
+        try:
+            shapes = [_shape_list(r.get(c, "")) for c in ("Input Shapes", "Output Shapes")]
+        except ValueError as e:
+            shapes, bad = [[], []], f"{e} in its Input/Output Shapes"
         rows.append(
             KernelRow(
                 i,
@@ -215,11 +234,13 @@ def read_profile(path: str) -> Profile:
                 _float(r.get(cols["start"], "")),
                 dur,
                 (r.get(cols["blocks"]) or "").strip(),
-                _shape_list(r.get("Input Shapes", "")),
+                shapes[0],
                 _dtype_list(r.get("Input Data Types", "")),
-                _shape_list(r.get("Output Shapes", "")),
+                shapes[1],
                 _dtype_list(r.get("Output Data Types", "")),
                 (r.get("Step Id") or "").strip(),
+                (r.get("Device_id") or "").strip(),
+                bad,
             )
         )
     return Profile(path, kind, 1 if has_shapes else 0, rows)
@@ -239,12 +260,16 @@ _ACLNN = re.compile(r"^(aclnn[A-Za-z0-9]+)_")
 
 
 def group_rows(rows: list) -> list:
-    """Consecutive rows of one aclnn call (same ``aclnn<Api>_`` prefix) → :class:`Group`\\ s."""
+    """Consecutive rows of one aclnn call (same ``aclnn<Api>_`` prefix, step and device) → :class:`Group`\\ s.
+
+    msprof writes every device of a run into one op_summary, sorted by device then start time,
+    so the last call of device 0 and the first of device 1 are neighbours: never one group."""
     groups: list = []
     for r in rows:
         m = _ACLNN.match(r.name)
         api = m.group(1) if m else r.name
-        if m and groups and groups[-1].api == api and groups[-1].rows[-1].step == r.step:
+        last = groups[-1].rows[-1] if groups else None
+        if m and last is not None and groups[-1].api == api and (last.step, last.device) == (r.step, r.device):
             groups[-1].rows.append(r)
         else:
             groups.append(Group(api, [r]))
@@ -283,6 +308,8 @@ def _match_main(g: Group) -> Match | str:
         return f"op type {types}: not one of the seven ops"
     op = OP_TYPES[r.type]
     sh, dt = r.input_shapes, r.input_dtypes
+    if r.shape_error:
+        return f"{r.type}: {r.shape_error}"
     if not sh:
         return f"{r.type}: no Input Shapes on this row"
 

@@ -52,6 +52,16 @@ def run(args: argparse.Namespace) -> int:
         P.check_level(P.read_profile(args.from_profile))
     except P.ProfileError as e:
         raise CliError(f"--from-profile: {e}") from None
+    from .run import _check_dir_writable, check_writable_file
+
+    # every destination checked before the CPU runs (not after it), as plain `fastgrad bench` does
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        if path:
+            check_writable_file(path, flag)
+    if args.plot:
+        if os.path.exists(args.plot) and not os.path.isdir(args.plot):
+            raise CliError("--plot", "a directory (created when missing)", repr(args.plot), hint="an existing file")
+        _check_dir_writable(os.path.abspath(args.plot), "--plot", repr(args.plot))
 
     def progress(r):
         if not args.quiet:
