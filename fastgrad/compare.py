@@ -153,7 +153,8 @@ def _as_f64(x, name: str) -> tuple[np.ndarray, np.dtype]:
     a = as_numpy(x, name, op=OP)
     if a.dtype.kind not in "fiub" and a.dtype != _BF16:
         raise invalid(name, "a numeric array", f"dtype {a.dtype}", OP)
-    return np.asarray(a).astype(np.float64), a.dtype
+    # the element type, whatever the byte order (a big-endian '>f4' array is float32 data)
+    return np.asarray(a).astype(np.float64), a.dtype.newbyteorder("=")
 
 
 @dataclass
@@ -275,6 +276,19 @@ def _rel(a: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
         return np.where(d == 0, 0.0, d / (np.abs(g) + eps))
 
 
+def _rms(x: np.ndarray) -> float:
+    """``sqrt(mean(x^2))`` without overflow or underflow: float64 data beyond 1e150 (whose squares
+    would be inf) or below 1e-150 (0) is scaled by ``max|x|`` first; an infinite ``x`` gives inf."""
+    if not x.size:
+        return 0.0
+    s = float(np.max(np.abs(x)))
+    if s == 0 or not math.isfinite(s):
+        return s
+    if 1e-150 < s < 1e150:  # every fp16/bf16/fp32 value: the plain formula, exactly as before
+        return math.sqrt(float(np.mean(x * x)))
+    return s * math.sqrt(float(np.mean((x / s) ** 2)))
+
+
 def _mean(x: np.ndarray) -> float:
     return float(np.mean(x)) if x.size else 0.0
 
@@ -332,7 +346,7 @@ def compare(
         161001 when ``actual``/``golden`` (or ``reference`` for "double") is None; 161002 for
         an unknown standard/level/dtype, non-numeric data or mismatched shapes.
     """
-    std = str(standard).strip().lower() if isinstance(standard, str) else standard
+    std = standard.strip().lower() if isinstance(standard, str) else None
     if std not in STANDARDS:
         raise invalid("standard", "'single' | 'double' | 'legacy'", repr(standard), OP)
     if actual is None:
@@ -362,9 +376,11 @@ def compare(
     name = _NAMES[dt]
 
     if std == "single":
-        return _single(a, g, dt, name, eps)
+        with np.errstate(over="ignore"):  # |a - g| beyond float64 (1e308 - -1e308) is inf: it fails
+            return _single(a, g, dt, name, eps)
     if std == "legacy":
-        return _legacy(a, g, dt, name)
+        with np.errstate(over="ignore"):
+            return _legacy(a, g, dt, name)
     if reference is None:
         raise null_error("reference", OP)
     lv = str(level).strip().upper()
@@ -373,7 +389,8 @@ def compare(
     r, _ = _as_f64(reference, "reference")
     if r.shape != g.shape:
         raise invalid("reference", f"shape {g.shape} (golden's)", f"shape {r.shape}", OP)
-    return _double(a, g, r, dt, name, eps, lv)
+    with np.errstate(over="ignore"):
+        return _double(a, g, r, dt, name, eps, lv)
 
 
 def _single(a, g, dt, name, eps) -> CompareResult:
@@ -441,7 +458,7 @@ def _double_metrics(x, g, dt, eps) -> tuple[dict, list]:
             "special_mismatch": nbad,
             "MARE": _max(rel),
             "MERE": _mean(rel),
-            "RMSE": math.sqrt(float(np.mean(d * d))) if d.size else 0.0,
+            "RMSE": _rms(d),
             "n_small": int(np.count_nonzero(small)),
             "small_errors": int(np.count_nonzero(np.abs(d[small]) > small_atol)),
         }
@@ -463,7 +480,7 @@ def _double(a, g, r, dt, name, eps, lv) -> CompareResult:
     mr, _ = _double_metrics(r, g, dt, eps)
     u = UNIT_ROUNDOFF[dt]
     fin = np.isfinite(g)
-    rms_g = math.sqrt(float(np.mean(g[fin] ** 2))) if np.any(fin) else 0.0
+    rms_g = _rms(g[fin])
     ratios = {
         "MARE_ratio": _ratio(ma["MARE"], mr["MARE"], u),
         "MERE_ratio": _ratio(ma["MERE"], mr["MERE"], u),
@@ -662,8 +679,10 @@ def load_array(
             except ValueError as e:  # no .npy header, an object array, a truncated file
                 why = " ".join(str(e).split())[:160]
                 raise invalid("path", "a readable .npy file", f"{path} ({why})", OP) from None
-            if a.dtype.kind == "V" and a.dtype.itemsize == 2:  # np.save writes bfloat16 as |V2
-                a = a.view(_BF16)
+            if a.dtype.kind == "V" and a.dtype.itemsize == 2 and a.dtype.names is None:
+                a = a.view(_BF16)  # np.save writes bfloat16 as <V2 (a structured dtype has fields)
+            if not a.dtype.isnative:  # a big-endian .npy: the same values in the host's order
+                a = a.astype(a.dtype.newbyteorder("="))
         else:
             a = _load_pt(path)
         if dtype is not None and parse_dtype(dtype) != a.dtype:
@@ -730,11 +749,14 @@ def save_array(path: str, a: np.ndarray) -> str:
     a = np.asarray(a)
     a = a if a.flags.c_contiguous else a.copy()  # (ascontiguousarray would make 0-d arrays 1-d)
     if path.lower().endswith(".bin"):
+        little = a.dtype.newbyteorder("<")
+        if little != a.dtype:  # a raw dump is little-endian, whatever the array's byte order
+            a = a.astype(little)
         a.tofile(path)
         from .dtypes import dtype_name
 
-        with open(os.path.splitext(path)[0] + ".json", "w") as f:
-            json.dump({"dtype": dtype_name(a.dtype), "shape": list(a.shape)}, f)
+        with open(os.path.splitext(path)[0] + ".json", "w") as f:  # the element type (no byte order)
+            json.dump({"dtype": dtype_name(a.dtype.newbyteorder("=")), "shape": list(a.shape)}, f)
     else:
         np.save(path, a, allow_pickle=False)
     return path

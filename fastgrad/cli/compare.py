@@ -13,7 +13,9 @@ sample programs write them).  A ``.bin`` file's dtype comes from ``--dtype`` (``
 ``<stem>.json`` sidecar (``fastgrad golden --format bin`` and ``fastgrad case`` write one), or,
 for a raw dump without one, from the other side's sidecar or ``.npy`` header, shape included: a
 raw NPU output against ``fastgrad case``'s golden needs neither ``--dtype`` nor ``--shape``.
-``--shape`` reshapes every file (element counts must agree).
+``--golden-dtype`` / ``--reference-dtype`` name a raw dump's dtype: given for a ``.npy`` or ``.pt``
+that holds another, they are refused.  ``--shape`` reshapes every file (element counts must agree).
+Integer outputs are compared for equality, value by value across integer dtypes.
 ``--dtype`` also names the output dtype whose thresholds apply (default: the actual file's).
 
 Exit status: 0 pass, 1 fail, 2 bad usage or unreadable input.  See :mod:`fastgrad.compare`
@@ -60,6 +62,18 @@ def _shape_type(s: str) -> tuple[int, ...]:
             f"expected comma-separated sizes >= 0 whose product fits int64, such as 2,3,4, got {s!r}"
         )
     return dims
+
+
+def _eps_type(s: str) -> float:
+    import math
+
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not 0 <= v < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 such as 1e-7, got {s!r}")
+    return v
 
 
 def _check_file(path: str, what: str) -> None:
@@ -114,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of a .bin --reference when it differs from --dtype (float64 allowed)",
     )
     p.add_argument("--shape", type=_shape_type, help="reshape the files, e.g. 2,3,4")
-    p.add_argument("--eps", type=float, default=None, help="eps of the relative error (default 1e-7)")
+    p.add_argument("--eps", type=_eps_type, default=None, help="eps of the relative error (default 1e-7)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -166,7 +180,10 @@ def _meta(what: str, path: str) -> dict | None:
             a = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError, EOFError):
             return None
-        dt = "bfloat16" if a.dtype.kind == "V" and a.dtype.itemsize == 2 else dtype_name(a.dtype)
+        if a.dtype.kind == "V" and a.dtype.itemsize == 2 and a.dtype.names is None:
+            dt = "bfloat16"
+        else:  # the element type: a big-endian header's '>f4' donates float32 to a raw dump
+            dt = dtype_name(a.dtype.newbyteorder("="))
         return {"dtype": dt, "shape": list(a.shape)}
     if not _is_raw(path):
         return None
@@ -174,6 +191,18 @@ def _meta(what: str, path: str) -> dict | None:
         return read_sidecar(path, strict=True)
     except AclnnError as e:
         raise CliError(f"{what}: {_lib_message(e)}") from None
+
+
+def _stored_dtype(path: str) -> str | None:
+    """The dtype a ``.pt`` file holds (None when it cannot be read: the load says why)."""
+    from ..compare import load_array
+    from ..dtypes import dtype_name
+    from ..errors import AclnnError
+
+    try:
+        return dtype_name(load_array(path).dtype)
+    except (AclnnError, OSError):
+        return None
 
 
 def _lib_message(e: Exception) -> str:
@@ -214,7 +243,13 @@ def _exact(actual, golden):
     if actual.shape != golden.shape:
         bad, failures = actual.size, [f"shape {list(actual.shape)}, golden {list(golden.shape)}"]
     else:
-        bad = int(np.count_nonzero(np.asarray(actual).astype(np.int64) != np.asarray(golden).astype(np.int64)))
+        # equal values, exactly, across integer dtypes: the sign, then the bits of the value
+        # (a uint64 2**64 - 1 is not an int64 -1; nothing goes through float64)
+        a, g = np.asarray(actual), np.asarray(golden)
+        neg_a = a < 0 if a.dtype.kind == "i" else np.zeros(a.shape, bool)
+        neg_g = g < 0 if g.dtype.kind == "i" else np.zeros(g.shape, bool)
+        same = (neg_a == neg_g) & (a.astype(np.uint64) == g.astype(np.uint64))
+        bad = int(a.size - np.count_nonzero(same))
         failures = [f"{bad} of {actual.size} elements differ"] if bad else []
     return CompareResult(
         passed=not failures,
@@ -287,6 +322,17 @@ def main(argv: list[str]) -> int:
                 )
             dtype, shape = donor["dtype"], args.shape if args.shape is not None else donor.get("shape")
         else:
+            if not _is_raw(path) and own_flag and dtype_flag != "--dtype":
+                # --golden-dtype / --reference-dtype describe a raw dump: a .npy / .pt that says
+                # otherwise is refused, not read as what it says (--dtype also names the thresholds)
+                stored = (meta or {}).get("dtype") or _stored_dtype(path)
+                if stored is not None and stored != dtype:
+                    raise CliError(
+                        dtype_flag,
+                        f"{stored} (the dtype stored in {path}) or no {dtype_flag}",
+                        dtype,
+                        hint=f"{dtype_flag} names the dtype of a raw .bin file",
+                    )
             dtype, shape = (dtype if _is_raw(path) else None), args.shape
         try:
             return load_array(path, dtype, shape)
