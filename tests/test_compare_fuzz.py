@@ -1,4 +1,4 @@
-"""fg.compare and `fastgrad compare` under hostile input.
+"""fg.compare, `fastgrad compare`, the TTK plugin and `fastgrad ttk-plugin` under hostile input.
 
 * The three standards against an independent element-by-element oracle written here from the
   documented formulas (fastgrad/compare.py's docstring; the CANN samples' ``verify_result.py``),
@@ -12,12 +12,20 @@
 * `fastgrad compare`: ``--eps`` is refused by its flag before any file is read; ``--golden-dtype``
   / ``--reference-dtype`` that contradict a ``.npy`` are refused; integer outputs are equal by
   value across dtypes (uint64 2**64-1 is not int64 -1).
+* TTK aclnn entries take the aclnn case file's columns TTK passes (``tensor_dtypes``,
+  ``tensor_formats``, ``tensor_storage_shapes``, ``output_tensor_indexes``) as context;
+  ``output_dtypes`` given as one string is the first output's dtype, not one per character.
+* `fastgrad ttk-plugin --name` refuses names the plugin cannot be imported by (``fastgrad.py``
+  shadows the package the plugin imports, ``json.py`` the standard library, ``my golden.py`` is
+  no module name).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -262,3 +270,74 @@ def test_integer_outputs_are_equal_by_value(tmp_path, a, g, bad):
     assert expected == bad
     assert p.returncode == (1 if bad else 0), p.stderr
     assert json.loads(p.stdout)["metrics"]["mismatches"] == bad
+
+
+# ------------------------------------------------------------------ TTK plugin ----
+def _sl1_inputs():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(6).astype(np.float32)
+    y = rng.standard_normal(6).astype(np.float32)
+    d = rng.standard_normal(6).astype(np.float32)
+    return d, x, y
+
+
+def test_ttk_aclnn_entries_take_the_aclnn_case_columns_as_context():
+    from fastgrad.ascend import ttk
+
+    d, x, y = _sl1_inputs()
+    out = np.zeros(6, np.float32)
+    ctx = {
+        "tensor_dtypes": ("float32", "float32", "float32", "float16"),
+        "tensor_formats": ("ND",) * 4,
+        "tensor_view_shapes": ((6,),) * 4,
+        "tensor_storage_shapes": ((6,),) * 4,
+        "output_tensor_indexes": (3,),
+        "short_soc_version": "Ascend910B",
+        "testcase_name": "sl1_ctx",
+    }
+    (r,) = ttk.aclnn_smooth_l1_loss_backward_golden(d, x, y, "none", 1.0, out, **ctx)
+    with fg.soc_version("Ascend910B"):
+        want = np.asarray(fg.smooth_l1_loss_backward(d, x, y, "none", 1.0)).astype(np.float16)
+    assert r.dtype == np.float16  # the output's dtype: tensor_dtypes[output_tensor_indexes[0]]
+    assert r.tobytes() == want.tobytes()
+    with pytest.raises(AclnnError):  # a misspelt parameter is still refused
+        ttk.aclnn_smooth_l1_loss_backward_golden(d, x, y, "none", 1.0, out, betaa=1.0)
+
+
+@pytest.mark.parametrize("dt", ["float16", "float32"])
+def test_ttk_output_dtypes_as_one_string_is_the_first_outputs(dt):
+    from fastgrad.ascend import ttk
+
+    d, x, y = _sl1_inputs()
+    (r,) = ttk.smooth_l1_loss_grad_v2_golden(x, y, d, sigma=1.0, reduction="none", output_dtypes=dt)
+    assert r.dtype == np.dtype(dt)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("fastgrad.py", ("--name", "fastgrad.py")),
+    ("numpy.py", ("--name", "numpy.py")),
+    ("json.py", ("--name", "json.py")),
+    ("ttk.py", ("--name", "ttk.py")),
+    ("my golden.py", ("--name", "module name")),
+    ("my-golden.py", ("--name", "module name")),
+    ("class.py", ("--name", "module name")),
+])
+def test_ttk_plugin_refuses_a_name_it_cannot_be_imported_by(tmp_path, name, words):
+    one_line(fastgrad("ttk-plugin", "--out", tmp_path / "p", "--name", name), *words)
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_plugin_named_fastgrad_could_not_be_imported(tmp_path):
+    # why fastgrad.py is refused: imported by its name (its folder on sys.path, as a plugin
+    # folder is), the file is `fastgrad` and its own `from fastgrad.ascend.ttk import` fails
+    from fastgrad.ascend.ttk import plugin_source
+
+    (tmp_path / "fastgrad.py").write_text(plugin_source())
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import fastgrad"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert p.returncode != 0 and "is not a package" in p.stderr
+    p = fastgrad("ttk-plugin", "--out", tmp_path / "ok", "--name", "my_golden.py")
+    assert p.returncode == 0, p.stderr
+    code = f"import sys; sys.path.insert(0, {str(tmp_path / 'ok')!r}); import my_golden; print(len(my_golden.__golden__))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path / "ok", timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "2", p.stderr

@@ -51,7 +51,11 @@ Kernel-level points (the kernel, not the aclnn API, is under test):
 
 The aclnn entries (``__golden__["aclnn"]``) take the aclnn signature: positional in signature
 order (inputs and attributes, then outputs, which are ignored), or by name; see
-:mod:`fastgrad.ascend.atk`.
+:mod:`fastgrad.ascend.atk`.  The aclnn case file's columns TTK passes beside them
+(``tensor_dtypes``, ``tensor_formats``, ``tensor_view_shapes``, ``tensor_storage_shapes`` …,
+``output_tensor_indexes``) are context, not arguments; without ``output_dtypes`` the outputs are
+cast to ``tensor_dtypes`` at ``output_tensor_indexes``.  An ``output_dtypes`` that is one string
+is the first output's dtype.
 """
 
 from __future__ import annotations
@@ -101,6 +105,14 @@ CONTEXT_KEYS = (
 )
 
 
+def _is_context(name: str) -> bool:
+    """A keyword TTK passes as context, not as an argument: :data:`CONTEXT_KEYS` and, for the aclnn
+    entries, the aclnn case file's columns (``tensor_dtypes``, ``tensor_formats``,
+    ``tensor_view_shapes``, ``tensor_storage_shapes`` …, ``output_tensor_indexes``); no aclnn
+    parameter is spelled so."""
+    return name in CONTEXT_KEYS or name.startswith("tensor_") or name.endswith("_tensor_indexes")
+
+
 def _soc(ctx: dict) -> str | None:
     for k in ("short_soc_version", "soc_version", "full_soc_version"):
         v = ctx.get(k)
@@ -114,6 +126,13 @@ def _cast(outs: list, ctx: dict) -> list:
     from ..dtypes import parse_dtype
 
     dts = ctx.get("output_dtypes") or ()
+    if isinstance(dts, str):  # one dtype name: the first output's (not one per character)
+        dts = (dts,)
+    if not dts and ctx.get("tensor_dtypes") and ctx.get("output_tensor_indexes") is not None:
+        # an aclnn case: the outputs' dtypes are the tensor_dtypes at output_tensor_indexes
+        tds, idx = ctx["tensor_dtypes"], ctx["output_tensor_indexes"]
+        tds = (tds,) if isinstance(tds, str) else tds
+        dts = tuple(tds[int(i)] if -len(tds) <= int(i) < len(tds) else None for i in idx)
     res: list[np.ndarray | None] = []
     for i, o in enumerate(outs):
         if o is None:
@@ -338,7 +357,7 @@ def embedding_dense_grad_golden(
 def _aclnn(name: str, args: tuple, kwargs: dict) -> list:
     from .atk import bind, call_api, find_api
 
-    ctx = {k: kwargs.pop(k) for k in list(kwargs) if k in CONTEXT_KEYS}
+    ctx = {k: kwargs.pop(k) for k in list(kwargs) if _is_context(k)}
     api = find_api(name)
     outs = _run(lambda fg: call_api(api, bind(api, args, kwargs)), ctx)
     return _cast(outs, ctx)
