@@ -341,3 +341,67 @@ def test_a_plugin_named_fastgrad_could_not_be_imported(tmp_path):
     code = f"import sys; sys.path.insert(0, {str(tmp_path / 'ok')!r}); import my_golden; print(len(my_golden.__golden__))"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path / "ok", timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "2", p.stderr
+
+
+# ------------------------------------------------------------------ ATK entry ----
+def _emb_inputs():
+    rng = np.random.default_rng(5)
+    return rng.standard_normal((4, 3)).astype(np.float32), np.array([0, 2, 2, 1])
+
+
+@pytest.mark.parametrize("api, extra, param", [
+    ("aclnnEmbeddingDenseBackward", {"scaleGradByFreq": "False"}, "scaleGradByFreq"),
+    ("aclnnScaledMaskedSoftmaxBackward", {"fixTriuMask": "False"}, "fixTriuMask"),
+    ("aclnnFusedLinearOnlineMaxSum", {"vocabParallelLogitsOutFlag": "False"}, "vocabParallelLogitsOutFlag"),
+])
+def test_atk_a_string_for_a_bool_attribute_is_refused(api, extra, param):
+    # bool("False") is True: the golden would silently be that of the other setting
+    from fastgrad.ascend import atk_golden
+
+    g, i = _emb_inputs()
+    rng = np.random.default_rng(6)
+    args = {
+        "aclnnEmbeddingDenseBackward": dict(grad=g, indices=i, numWeights=3),
+        "aclnnScaledMaskedSoftmaxBackward": dict(gradOutput=rng.random((1, 1, 2, 32)).astype(np.float16),
+                                                 y=rng.random((1, 1, 2, 32)).astype(np.float16), scale=1.0),
+        "aclnnFusedLinearOnlineMaxSum": dict(input=rng.random((8, 4)).astype(np.float16),
+                                             weight=rng.random((6, 4)).astype(np.float16),
+                                             target=np.arange(8) % 6, vocabStartIndex=0, vocabEndIndex=6),
+    }[api]
+    with pytest.raises(AclnnError) as e:
+        atk_golden(api, **args, **extra)
+    assert e.value.status == 161002 and param in str(e.value)
+
+
+def test_atk_and_ttk_bool_attributes_read_bools_numbers_and_numpy_bools():
+    from fastgrad.ascend import atk_golden, ttk
+
+    g, i = _emb_inputs()
+    want = {f: np.asarray(fg.embedding_dense_backward(g, i, 3, -1, f)) for f in (False, True)}
+    assert not np.array_equal(want[False], want[True])  # the flag matters on these inputs
+    for v, f in ((False, False), (np.bool_(True), True), (0, False), (1, True)):
+        assert np.array_equal(atk_golden("aclnnEmbeddingDenseBackward", g, i, 3, -1, v), want[f])
+        (r,) = ttk.embedding_dense_grad_golden(g, i, num_weights=3, scale_grad_by_freq=v)
+        assert np.array_equal(r, want[f])
+    with pytest.raises(AclnnError) as e:
+        ttk.embedding_dense_grad_golden(g, i, num_weights=3, scale_grad_by_freq="False")
+    assert "scale_grad_by_freq" in str(e.value)
+
+
+@pytest.mark.parametrize("api, args, missing", [
+    ("aclnnEmbeddingDenseBackward", "emb", "numWeights"),
+    ("aclnnFusedLinearOnlineMaxSum", "flom", "vocabStartIndex"),
+])
+def test_atk_a_missing_attribute_without_default_is_161001(api, args, missing):
+    from fastgrad.ascend import atk_golden
+
+    g, i = _emb_inputs()
+    rng = np.random.default_rng(7)
+    kwargs = {
+        "emb": dict(grad=g, indices=i),
+        "flom": dict(input=rng.random((8, 4)).astype(np.float16), weight=rng.random((6, 4)).astype(np.float16),
+                     target=np.arange(8) % 6, vocabEndIndex=6),
+    }[args]
+    with pytest.raises(AclnnError) as e:  # (was a bare KeyError)
+        atk_golden(api, **kwargs)
+    assert e.value.status == 161001 and missing in str(e.value)

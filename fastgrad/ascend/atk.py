@@ -48,6 +48,7 @@ class AclnnApi:
     outputs: tuple
     call: Callable[[dict], list]
     aliases: dict = field(default_factory=dict)
+    required_attrs: tuple = ()  # attributes without a default (a missing one is 161001)
 
 
 def _norm(name: str) -> str:
@@ -62,11 +63,9 @@ def _fg():
 
 
 def _flom(a: dict) -> list:
-    flag = a.get("vocabParallelLogitsOutFlag")
-    if flag is None:
-        flag = False
+    flag = as_flag(_or(a.get("vocabParallelLogitsOutFlag"), False), "vocabParallelLogitsOutFlag")
     r = _fg().fused_linear_online_max_sum(
-        a["input"], a["weight"], a["target"], a["vocabStartIndex"], a["vocabEndIndex"], return_logits=bool(flag)
+        a["input"], a["weight"], a["target"], a["vocabStartIndex"], a["vocabEndIndex"], return_logits=flag
     )
     out = list(r)
     return out if flag else out[:5]
@@ -118,7 +117,11 @@ def _ce(a: dict) -> list:
 def _sms(a: dict) -> list:
     return [
         _fg().scaled_masked_softmax_backward(
-            a["gradOutput"], a["y"], a.get("mask"), _or(a.get("scale"), 1.0), bool(_or(a.get("fixTriuMask"), False))
+            a["gradOutput"],
+            a["y"],
+            a.get("mask"),
+            _or(a.get("scale"), 1.0),
+            as_flag(_or(a.get("fixTriuMask"), False), "fixTriuMask"),
         )
     ]
 
@@ -138,13 +141,25 @@ def _emb(a: dict) -> list:
             a["indices"],
             _int(a["numWeights"], "numWeights"),
             _int(_or(a.get("paddingIdx"), -1), "paddingIdx"),
-            bool(_or(a.get("scaleGradByFreq"), False)),
+            as_flag(_or(a.get("scaleGradByFreq"), False), "scaleGradByFreq"),
         )
     ]
 
 
 def _or(v, default):
     return default if v is None else v
+
+
+def as_flag(v: Any, name: str, op: str = OP) -> bool:
+    """A bool attribute: a bool, NumPy bool, number or one-element array/tensor, read as Python's
+    ``bool``; a string (``"False"`` is truthy in Python) or a many-element array is AclnnError
+    161002 naming ``name``."""
+    if isinstance(v, (str, bytes)):
+        raise invalid(name, "a bool (True/False)", repr(v), op)
+    try:
+        return bool(v)
+    except (TypeError, ValueError, RuntimeError):  # many elements (NumPy: ValueError, torch: RuntimeError)
+        raise invalid(name, "a bool (True/False)", repr(v), op) from None
 
 
 def _int(v, name: str) -> int:
@@ -174,6 +189,7 @@ APIS = {
                 "vocabParallelLogitsOutOptional",
             ),
             _flom,
+            required_attrs=("vocabStartIndex", "vocabEndIndex"),
         ),
         AclnnApi(
             "aclnnFusedCrossEntropyLossWithMaxSum",
@@ -253,6 +269,7 @@ APIS = {
             ("numWeights", "paddingIdx", "scaleGradByFreq"),
             ("out",),
             _emb,
+            required_attrs=("numWeights",),
         ),
     )
 }
@@ -303,6 +320,7 @@ def call_api(api: AclnnApi, bound: dict, soc_version: str | None = None) -> list
     fg = _fg()
     missing = [p for p in api.params if p not in api.attrs and not p.endswith("Optional") and p != "mask"]
     missing = [p for p in missing if bound.get(p) is None and p not in ("vocabParallelLogitsOutFlag",)]
+    missing += [p for p in api.required_attrs if bound.get(p) is None]
     if missing:
         from ..errors import null_error
 
@@ -339,8 +357,10 @@ def atk_golden(aclnn_name: str, *args: Any, soc_version: str | None = None, **kw
     Raises
     ------
     AclnnError
-        161001 when a required input is missing or None; 161002 for an unknown API or
-        parameter name, and whatever the op itself raises (its status codes).
+        161001 when a required input, or an attribute without a default (``numWeights``,
+        ``vocabStartIndex``/``vocabEndIndex``), is missing or None; 161002 for an unknown API or
+        parameter name, a bool attribute given as a string (``"False"``) or many values, and
+        whatever the op itself raises (its status codes).
     ValueError
         An unknown ``soc_version``.
     """

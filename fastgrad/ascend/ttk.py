@@ -64,6 +64,10 @@ from typing import Any
 
 import numpy as np
 
+from .atk import as_flag
+
+OP = "ttk_golden"
+
 __golden__ = {
     "kernel": {
         "fused_linear_online_max_sum": "fused_linear_online_max_sum_golden",
@@ -175,7 +179,7 @@ def fused_linear_online_max_sum_golden(
 ) -> list:
     """FusedLinearOnlineMaxSum: logits_max_local, sum_exp_logits_local, predicted_logits_local,
     target_mask, masked_target (+ vocab_parallel_logits_out with the flag)."""
-    flag = bool(vocab_parallel_logits_out_flag)
+    flag = as_flag(vocab_parallel_logits_out_flag, "vocab_parallel_logits_out_flag", OP)
     r = _run(
         lambda fg: list(
             fg.fused_linear_online_max_sum(
@@ -292,7 +296,8 @@ def scaled_masked_softmax_grad_v2_golden(
     **ctx: Any,
 ) -> list:
     """ScaledMaskedSoftmaxGradV2: xGrad."""
-    r = _run(lambda fg: [fg.scaled_masked_softmax_backward(yGrad, y, mask, float(scale), bool(fixed_triu_mask))], ctx)
+    fixed = as_flag(fixed_triu_mask, "fixed_triu_mask", OP)
+    r = _run(lambda fg: [fg.scaled_masked_softmax_backward(yGrad, y, mask, float(scale), fixed)], ctx)
     return _cast(r, ctx)
 
 
@@ -315,6 +320,7 @@ def embedding_dense_grad_v2_golden(
     **ctx: Any,
 ) -> list:
     """EmbeddingDenseGradV2: y, from the sorted indices and their positions (module docstring)."""
+    freq = as_flag(scale_grad_by_freq, "scale_grad_by_freq", OP)
     s = np.asarray(sort_indices)
     flat = np.zeros(s.size, s.dtype)
     flat[np.asarray(pos_idx).reshape(-1).astype(np.int64)] = s.reshape(-1)
@@ -322,9 +328,7 @@ def embedding_dense_grad_v2_golden(
     g = np.asarray(grad)
     g = g.reshape(tuple(s.shape) + (g.shape[-1],))
     r = _run(
-        lambda fg: [
-            fg.embedding_dense_backward(g, indices, int(num_weights), int(padding_idx), bool(scale_grad_by_freq))
-        ],
+        lambda fg: [fg.embedding_dense_backward(g, indices, int(num_weights), int(padding_idx), freq)],
         ctx,
     )
     return _cast(r, ctx)
@@ -340,12 +344,13 @@ def embedding_dense_grad_golden(
     **ctx: Any,
 ) -> list:
     """EmbeddingDenseGrad (the arch35 kernel of aclnnEmbeddingDenseBackward): grad_weight."""
+    freq = as_flag(scale_grad_by_freq, "scale_grad_by_freq", OP)
     g = np.asarray(grad)
     i = np.asarray(indices)
     if g.ndim != i.ndim + 1:
         g = g.reshape(tuple(i.shape) + (g.shape[-1],))
     r = _run(
-        lambda fg: [fg.embedding_dense_backward(g, i, int(num_weights), int(padding_idx), bool(scale_grad_by_freq))],
+        lambda fg: [fg.embedding_dense_backward(g, i, int(num_weights), int(padding_idx), freq)],
         ctx,
     )
     return _cast(r, ctx)
