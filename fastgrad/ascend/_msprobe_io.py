@@ -20,6 +20,28 @@ class DumpError(ValueError):
     """The directory is not a readable msprobe dump (the CLI reports it as a usage error)."""
 
 
+class NoData(Exception):
+    """A tensor the golden needs is a record without ``data_name`` (statistics only): the entry's reason."""
+
+
+def empty_or_no_data(rec: dict) -> np.ndarray:
+    """The array of a tensor record without ``data_name``: msprobe saves no file for an empty
+    tensor (its storage pointer is null), so one with a 0 in its shape is that empty array;
+    any other raises :class:`NoData`."""
+    import torch
+
+    shape = rec.get("shape")
+    what = f"an input tensor ({rec.get('dtype')} {shape})"
+    if isinstance(shape, list) and 0 in shape:
+        dt = getattr(torch, str(rec.get("dtype")).removeprefix("torch."), None)
+        if isinstance(dt, torch.dtype):
+            return to_numpy(torch.empty(shape, dtype=dt))
+    raise NoData(
+        f"{what} has no data in the dump (no data_name: task 'statistics', or left out by the dump's "
+        "'list' / 'data_mode'); fastgrad needs it"
+    )
+
+
 @dataclass
 class Dump:
     """One rank's msprobe dump: ``path`` (the directory of ``dump.json``), its ``data`` records."""
@@ -104,10 +126,12 @@ def read_dump(path: str) -> Dump:
     """Read one rank's dump (``path``: ``step<N>/rank<R>/``, ``proc<pid>/`` or its ``dump.json``)."""
     dj = find_dump_json(path)
     try:
-        with open(dj) as f:
+        with open(dj, encoding="utf-8") as f:  # msprobe writes UTF-8, whatever the locale
             d = json.load(f)
     except json.JSONDecodeError as e:
         raise DumpError(f"{dj}: not JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise DumpError(f"{dj}: not UTF-8 JSON (byte {e.start})") from None
     if not isinstance(d, dict) or not isinstance(d.get("data"), dict):
         raise DumpError(f"{dj}: not an msprobe dump.json (no 'data' object)")
     if d.get("framework") not in (None, "pytorch"):

@@ -22,7 +22,8 @@ What maps (entry → fastgrad op: the recorded outputs compared):
   ``output.1`` (d target = -d input);
 * ``Functional.embedding.N.backward`` → ``embedding_dense_backward``: ``output.0`` (d weight);
 * ``Torch|Functional|Tensor.softmax.N.backward`` over the last dim → ``scaled_masked_softmax_backward``
-  (scale 1, no mask): ``output.0``;
+  (scale 1, no mask): ``output.0`` (with ``dtype=``, as Hugging Face's ``softmax(x, -1,
+  dtype=torch.float32)``: when that gradient is in the softmax's dtype, the softmax node's);
 * ``NPU.npu_scaled_masked_softmax.N.backward`` and ``NPU.npu_scaled_masked_softmax_backward.N.forward``
   → ``scaled_masked_softmax_backward``: ``output.0``;
 * ``NPU.npu_cross_entropy_loss.N.backward`` and ``NPU.npu_cross_entropy_loss_backward.N.forward`` →
@@ -34,6 +35,10 @@ What maps (entry → fastgrad op: the recorded outputs compared):
   ``fused_linear_cross_entropy_loss_grad``: ``output.0-1``;
 * ``Aten.smooth_l1_loss_backward*`` / ``Aten.embedding_dense_backward*`` forward records → the same
   ops: ``output.0``.
+
+A tensor record without ``data_name`` is an empty tensor (msprobe saves no file for a null
+storage pointer: the empty array) or one kept as statistics only (the entry's reason); a dump
+whose ``data_mode`` left out the inputs is reported per entry.
 
 Traps (each reported by name, never guessed):
 
@@ -64,12 +69,34 @@ from typing import Any
 
 import numpy as np
 
-from ._msprobe_io import Dump, DumpError, find_dump_json, load_pt, read_dump, to_numpy, to_torch
+from ._msprobe_io import (
+    Dump,
+    DumpError,
+    NoData,
+    empty_or_no_data,
+    find_dump_json,
+    load_pt,
+    read_dump,
+    to_numpy,
+    to_torch,
+)
 
 #: The seven ops' family: API names (after the prefix) whose records are not silently skipped.
 _FAMILY = re.compile(r"smooth_l1|embedding|softmax|cross_entropy|nll_loss|npu_")
 
 _ENTRY = re.compile(r"^(?P<api>.+)\.(?P<n>\d+)\.(?P<dir>forward|backward)$")
+
+#: The entries :func:`map_entry` recomputes: backward records, forward records (and Aten ops).
+_BACKWARD_APIS = frozenset(
+    ("Functional.smooth_l1_loss", "Functional.embedding", "Torch.embedding", "Torch.softmax", "Functional.softmax")
+    + ("Tensor.softmax", "NPU.npu_scaled_masked_softmax", "NPU.npu_cross_entropy_loss")
+)
+_FORWARD_APIS = frozenset(
+    ("NPU.npu_fused_linear_online_max_sum", "NPU.npu_fused_cross_entropy_loss_with_max_sum")
+    + ("NPU.npu_fused_linear_cross_entropy_loss_with_max_sum_backward", "NPU.npu_cross_entropy_loss_backward")
+    + ("NPU.npu_scaled_masked_softmax_backward",)
+)
+_ATEN_OPS = frozenset(("smooth_l1_loss_backward", "embedding_dense_backward"))
 
 CROSS_ENTROPY_TRAP = (
     "Functional.cross_entropy trap: msprobe hooks the functional API's last autograd node (nll_loss), "
@@ -129,7 +156,7 @@ def _arg(fwd: dict, pos: int | None, kw: str, default: Any = None) -> Any:
 
 
 def _is_tensor(rec: Any) -> bool:
-    return isinstance(rec, dict) and rec.get("type", "").endswith("Tensor")
+    return isinstance(rec, dict) and str(rec.get("type") or "").endswith("Tensor")
 
 
 def _outputs(rec_list: Any, names: tuple) -> list:
@@ -177,8 +204,19 @@ def map_entry(dump: Dump, name: str) -> Mapped | Unmapped | None:  # noqa: C901 
     short = api.split(".", 1)[1] if "." in api else api
     if api.startswith("Aten."):
         short = short.split(".")[0]  # Aten.<op>.<overload>
+    family = _FAMILY.search(short) is not None
+    if not isinstance(rec, dict) or not isinstance(fwd, dict):
+        return Unmapped(name, "record not understood (not a JSON object)", family)
+    aten = api.startswith("Aten.") and short in _ATEN_OPS
+    mapped_here = api in _BACKWARD_APIS if direction == "backward" else api in _FORWARD_APIS or aten
+    if mapped_here and fwd and "input_args" not in fwd and "input_kwargs" not in fwd:
+        return Unmapped(name, f"{api}.{n}.forward records no inputs (a dump whose data_mode leaves out 'input')")
+    if mapped_here and direction == "backward" and "input" not in rec:
+        return Unmapped(name, "records no incoming gradient (a dump whose data_mode leaves out 'input')")
 
     def t(r):
+        if _is_tensor(r) and not r.get("data_name"):
+            return empty_or_no_data(r)  # an empty tensor, or _NoData (the dump kept only statistics)
         return dump.tensor(r)
 
     if direction == "backward":
@@ -187,7 +225,7 @@ def map_entry(dump: Dump, name: str) -> Mapped | Unmapped | None:  # noqa: C901 
         if api == "Functional.cross_entropy":
             return Unmapped(name, CROSS_ENTROPY_TRAP)
         if not fwd:
-            return Unmapped(name, f"no {api}.{n}.forward record (fastgrad needs the forward's inputs)")
+            return Unmapped(name, f"no {api}.{n}.forward record (fastgrad needs the forward's inputs)", family)
         if api == "Functional.smooth_l1_loss":
             red = _legacy_reduction(
                 _val(_arg(fwd, 2, "size_average")),
@@ -231,8 +269,12 @@ def map_entry(dump: Dump, name: str) -> Mapped | Unmapped | None:  # noqa: C901 
             y_rec = (fwd.get("output") or [None])[0]
             shape = (y_rec or {}).get("shape") or []
             dim, dtype = _softmax_dim(api, fwd, len(shape))
-            if dtype is not None:
-                return Unmapped(name, f"softmax with dtype={dtype}: input and output dtypes differ")
+            g_rec = (outs or [None])[0]
+            if dtype is not None and not (_is_tensor(g_rec) and g_rec.get("dtype") == (y_rec or {}).get("dtype")):
+                # softmax(x, dtype=) casts x, then softmaxes: the recorded gradient is the softmax
+                # node's (in dtype) unless the kernel took the cast in (half_to_float: x's dtype)
+                got = g_rec.get("dtype") if isinstance(g_rec, dict) else None
+                return Unmapped(name, f"softmax with dtype={dtype}: its recorded gradient is {got}, not the softmax's")
             if dim is None or int(dim) not in (-1, len(shape) - 1):
                 return Unmapped(name, f"softmax over dim {dim} of a {len(shape)}-D tensor: fastgrad's is the last dim")
             mshape = (1,) * max(0, len(shape) - 2) + tuple(shape[-2:]) if shape else ()
@@ -389,7 +431,9 @@ def map_dump(dump: Dump) -> tuple[list, list]:
     for name in dump.data:
         try:
             r = map_entry(dump, name)
-        except (KeyError, IndexError, TypeError, ValueError) as e:
+        except NoData as e:
+            r = Unmapped(name, str(e))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, DumpError):
                 raise
             r = Unmapped(name, f"record not understood ({type(e).__name__}: {e})")
