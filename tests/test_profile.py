@@ -226,9 +226,12 @@ def test_cli_report(tmp_path, path):
     assert [u["types"] for u in rep["unmapped"]] == [["MatMulV2"], ["FusedCrossEntropyLossWithMaxSum"]]
     for e in EXPECTED:
         assert e[1] in r.stdout
-    assert "not mapped (2)" in r.stdout and "MatMulV2" in r.stdout
+    assert [u["family"] for u in rep["unmapped"]] == [False, True]  # MatMulV2 is no call of the seven
+    assert "not mapped (1)" in r.stdout and "FusedCrossEntropyLossWithMaxSum" in r.stdout
+    assert "other ops (not among the seven, not timed): 1 groups, 35.1 us — MatMulV2 x1 (35.1 us)" in r.stdout
     md = (tmp_path / "r.md").read_text()
     assert md.startswith("| line | OP Type") and md.count("\n| ") == len(EXPECTED) and "Not mapped" in md
+    assert "MatMulV2 x1" in md and "`aclnnMm_MatMulCommon_MatMulV2`" not in md
     assert os.path.getsize(tmp_path / "png" / "profile_compare.png") > 1000
 
 
@@ -293,3 +296,59 @@ def test_destinations_are_checked_before_the_cpu_runs(tmp_path, flag):
     assert r.returncode == 2, r.stdout + r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(f"fastgrad bench: {flag}")
     assert "CPU" not in r.stdout and "line " not in r.stderr and bad.read_text() == "keep"
+
+
+def test_a_training_steps_other_ops_are_summed_by_type_not_listed(tmp_path):
+    """Found by fuzzing: every group outside the seven ops was one line of "not mapped", so a
+    training step's profile (thousands of MatMul, HCCL, Cast rows) flooded the terminal.  Now the
+    seven ops' not-mapped calls are listed one by one and the other ops are one line, summed by
+    op type (all of them still in the JSON report's ``unmapped``)."""
+    lines = _op_summary_lines()
+    (mm,) = [x for x in lines if x.split(",")[5] == "MatMulV2"]
+    (ce,) = [x for x in lines if x.split(",")[4].startswith("aclnnCrossEntropyLossGrad_")]
+    other = [mm.replace(",100,", f",{1000 + i},") for i in range(300)]
+    other += [mm.replace("aclnnMm_MatMulCommon_MatMulV2,MatMulV2", "HcomAllReduce_1,HcomAllReduce") for _ in range(40)]
+    p = tmp_path / "op_summary_step.csv"
+    p.write_text("\n".join([lines[0], *other, ce.replace('";128,512;128"', '"-1,512;-1"')]) + "\n")
+    r = fastgrad_inprocess(
+        "bench", "--from-profile", p, "--repeat", "1", "--budget", "1", "-q", "--json", tmp_path / "r.json"
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(tmp_path / "r.json") as f:
+        rep = json.load(f)
+    assert len(rep["unmapped"]) == 341 and sum(not u["family"] for u in rep["unmapped"]) == 340
+    assert len(r.stdout.splitlines()) < 12, r.stdout
+    assert "not mapped (1):" in r.stdout and "CrossEntropyLossGrad: shape" in r.stdout
+    assert "other ops (not among the seven, not timed): 340 groups" in r.stdout
+    assert "MatMulV2 x300 (10536.0 us), HcomAllReduce x40 (1404.8 us)" in r.stdout
+
+
+def test_back_to_back_calls_of_one_api_are_separate_calls(tmp_path):
+    """Found by fuzzing: an op profiled in a loop gives rows of the same names back to back (msprof
+    has no call id); they were one group — three 4.1 us smooth-L1 calls reported as one 12.3 us
+    call, two embedding backwards as one call of eight rows.  A run now splits into its calls."""
+    lines = _op_summary_lines()
+
+    def rows_of(api):
+        return [x for x in lines if x.split(",")[4].startswith(api + "_")]
+
+    sl1, emb = rows_of("aclnnSmoothL1LossBackward"), rows_of("aclnnEmbeddingDenseBackward")
+    assert (len(sl1), len(emb)) == (1, 4)
+    p = tmp_path / "op_summary_loop.csv"
+    p.write_text("\n".join([lines[0], *(sl1 * 3), *(emb * 2)]) + "\n")
+    groups = P.group_rows(P.read_profile(str(p)).rows)
+    assert [(g.api, len(g.rows)) for g in groups] == [("aclnnSmoothL1LossBackward", 1)] * 3 + [
+        ("aclnnEmbeddingDenseBackward", 4)
+    ] * 2
+    assert [g.duration_us for g in groups] == pytest.approx(
+        [4.10] * 3 + [DURATIONS_US["aclnnEmbeddingDenseBackward"]] * 2
+    )
+    assert all(isinstance(P.match_group(g), P.Match) for g in groups)
+    # a run that no period tiles (the first call launched one row more): each main kernel row ends a call
+    q = tmp_path / "op_summary_ragged.csv"
+    q.write_text("\n".join([lines[0], *emb[:3], *emb]) + "\n")
+    groups = P.group_rows(P.read_profile(str(q)).rows)
+    assert [[r.type for r in g.rows] for g in groups] == [
+        ["Cast", "Sort", "EmbeddingDenseGradV2"],
+        ["Cast", "Sort", "EmbeddingDenseGradV2", "Cast"],
+    ]

@@ -23,10 +23,13 @@ ran: :class:`ProfileError` says so instead of guessing.
 
 One aclnn call may be several rows (``aclnnEmbeddingDenseBackward_Cast_Cast``,
 ``..._Sort_Sort``, ``..._EmbeddingDenseGradV2_EmbeddingDenseGradV2``, ``..._Cast_Cast``):
-consecutive rows whose Op Name carries the same ``aclnn<Api>`` prefix form one group; the group's
-NPU time is the sum of its rows' durations, and the row whose OP Type is one of
-:data:`OP_TYPES` names the fastgrad case (its input shapes and dtypes give the case's shape).
-Groups of other op types are listed as not mapped, with the reason.
+consecutive rows whose Op Name carries the same ``aclnn<Api>`` prefix form one group (calls of
+one API back to back — an op profiled in a loop — are cut into their calls where the rows'
+names repeat); the group's NPU time is the sum of its rows' durations, and the row whose OP
+Type is one of :data:`OP_TYPES` names the fastgrad case (its input shapes and dtypes give the
+case's shape).  A call of the seven ops that cannot be timed is listed as not mapped, with the
+reason; groups of other op types are summed by type in one line (all of them in the JSON
+report's ``unmapped``, ``family`` false).
 
 The CPU side runs the fastgrad op of the matching :mod:`fastgrad.benchmarks.cases` case (the
 cpu backend, the case's inputs at the profile's shapes) ``repeat`` times; the work (``flops`` of
@@ -263,22 +266,45 @@ def group_rows(rows: list) -> list:
     """Consecutive rows of one aclnn call (same ``aclnn<Api>_`` prefix, step and device) → :class:`Group`\\ s.
 
     msprof writes every device of a run into one op_summary, sorted by device then start time,
-    so the last call of device 0 and the first of device 1 are neighbours: never one group."""
-    groups: list = []
+    so the last call of device 0 and the first of device 1 are neighbours: never one group.
+    Calls of one API back to back (an op profiled in a loop) have the same names and no call id:
+    a run of them is cut into calls by :func:`_split_calls`."""
+    runs: list = []
     for r in rows:
         m = _ACLNN.match(r.name)
         api = m.group(1) if m else r.name
-        last = groups[-1].rows[-1] if groups else None
-        if m and last is not None and groups[-1].api == api and (last.step, last.device) == (r.step, r.device):
-            groups[-1].rows.append(r)
+        last = runs[-1].rows[-1] if runs else None
+        if m and last is not None and runs[-1].api == api and (last.step, last.device) == (r.step, r.device):
+            runs[-1].rows.append(r)
         else:
-            groups.append(Group(api, [r]))
+            runs.append(Group(api, [r]))
+    groups = [g for run in runs for g in _split_calls(run)]
     for g in groups:
         for r in g.rows:
             if r.type in OP_TYPES:
                 g.main = r
                 break
     return groups
+
+
+def _split_calls(run: Group) -> list:
+    """A run of one API's rows cut into its calls.  Each call launches the same kernels in the
+    same order, so the rows' names repeat with the call's length: the shortest period that
+    tiles the run is one call (``Cast, Sort, EmbeddingDenseGradV2, Cast`` twice: two calls of
+    four rows).  When no period tiles it (a call whose launch differs), a call of the seven
+    ops ends after each of its kernels' rows: each main kernel row ends a call, and the rows after
+    the last one belong to the last call."""
+    rows = run.rows
+    names = [r.name for r in rows]
+    n = len(rows)
+    for p in range(1, n // 2 + 1):
+        if n % p == 0 and names == names[:p] * (n // p):
+            return [Group(run.api, rows[i : i + p]) for i in range(0, n, p)]
+    mains = [i for i, r in enumerate(rows) if r.type in OP_TYPES]
+    if len(mains) <= 1:
+        return [run]
+    cuts = [0] + [i + 1 for i in mains[:-1]] + [n]
+    return [Group(run.api, rows[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def _numel(shape) -> int:
@@ -422,6 +448,7 @@ def compare_profile(
                     "types": sorted({r.type for r in g.rows}),
                     "npu_us": g.duration_us,
                     "reason": m,
+                    "family": g.main is not None,  # a call of the seven ops (else another op's rows)
                 }
             )
             continue
@@ -430,7 +457,7 @@ def compare_profile(
         except ProfileError as e:
             unmapped.append(
                 {"line": g.rows[0].line, "name": g.rows[0].name, "types": [g.main.type], "npu_us": g.duration_us,
-                 "reason": str(e)}
+                 "reason": str(e), "family": True}
             )  # fmt: skip
             continue
         cpu = time_cpu(case, repeat, budget_s)
@@ -503,6 +530,32 @@ def _table_rows(report: dict) -> list:
     return out
 
 
+def _split_unmapped(unmapped: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The not-mapped calls of the seven ops (listed one by one) and the other ops' groups
+    (summed by op type: a training step's profile holds thousands).  A report written before
+    ``family`` was recorded lists every group."""
+    family = [u for u in unmapped if u.get("family", True)]
+    return family, [u for u in unmapped if not u.get("family", True)]
+
+
+def _others_line(others: list[dict], top: int = 6) -> str:
+    """``other ops (not among the seven): N groups, T us — MatMulV2 x400 (1234.5 us), ...``."""
+    by_type: dict[str, list[float]] = {}
+    for u in others:
+        key = "+".join(u["types"])
+        by_type.setdefault(key, []).append(float(u["npu_us"] or 0.0))
+    ranked = sorted(by_type.items(), key=lambda kv: (-sum(kv[1]), kv[0]))
+    parts = [f"{k} x{len(v)} ({sum(v):.1f} us)" for k, v in ranked[:top]]
+    if len(ranked) > top:
+        parts.append(f"{len(ranked) - top} more types")
+    total = sum(sum(v) for v in by_type.values())
+    return (
+        f"other ops (not among the seven, not timed): {len(others)} groups, {total:.1f} us — "
+        + ", ".join(parts)
+        + " (each in the JSON report's unmapped[])"
+    )
+
+
 _HEAD = ("line", "OP Type", "fastgrad op", "dtype", "shape", "NPU us", "CPU ms", "NPU rate", "CPU rate", "CPU/NPU")
 
 
@@ -514,10 +567,13 @@ def format_table(report: dict) -> str:
     lines = [f"{src['kind']} {src['path']} (level {src['level']}, {src['n_rows']} rows); CPU: {cpu}"]
     lines.append("  ".join(h.ljust(x) for h, x in zip(_HEAD, w)))
     lines += ["  ".join(v.ljust(x) for v, x in zip(d, w)) for d in data]
-    if report["unmapped"]:
-        lines.append(f"not mapped ({len(report['unmapped'])}):")
+    family, others = _split_unmapped(report["unmapped"])
+    if family:
+        lines.append(f"not mapped ({len(family)}):")
         lines += [f"  line {u['line']} {u['name']} ({', '.join(u['types'])}, {u['npu_us']:.1f} us): {u['reason']}"
-                  for u in report["unmapped"]]  # fmt: skip
+                  for u in family]  # fmt: skip
+    if others:
+        lines.append(_others_line(others))
     lines.append("NPU us: the aclnn call's rows summed (kernel rows of one Op Name prefix); rates from the case's work")
     return "\n".join(lines)
 
@@ -525,13 +581,12 @@ def format_table(report: dict) -> str:
 def format_markdown(report: dict) -> str:
     lines = ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
     lines += ["| " + " | ".join(d) + " |" for d in _table_rows(report)]
-    if report["unmapped"]:
-        lines.append("")
-        lines.append("Not mapped:")
-        lines.append("")
-        lines += [
-            f"- line {u['line']} `{u['name']}` ({', '.join(u['types'])}): {u['reason']}" for u in report["unmapped"]
-        ]
+    family, others = _split_unmapped(report["unmapped"])
+    if family:
+        lines += ["", "Not mapped:", ""]
+        lines += [f"- line {u['line']} `{u['name']}` ({', '.join(u['types'])}): {u['reason']}" for u in family]
+    if others:
+        lines += ["", _others_line(others)]
     return "\n".join(lines) + "\n"
 
 
