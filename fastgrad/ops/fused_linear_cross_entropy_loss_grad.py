@@ -118,12 +118,15 @@ def _device_limits(c: Call) -> None:
             f"weight.shape[0] >= {MIN_V_HIGH_PERFORMANCE} in high-performance mode (strict mode)",
             f"shape {c.shape_of('weight')}",
         )
-    if c.a["softmax"] is not None and c.soc.fused_linear_ops:
+    empty = c.a["input"].size == 0 or c.a["weight"].size == 0
+    if c.a["softmax"] is not None and c.soc.fused_linear_ops and not empty:
         # high-performance mode has no range check: softmax[V*i + t] -= 1 for every unmasked
         # row (high_perf.h:177-197), out of bounds or in another row for t outside [0, V);
         # fastgrad skips such a row (as memory-saving mode does), strict mode rejects it.  On a
         # SoC without the kernel (950) the op_api's platform check (:317, after its parameter
-        # checks) answers 361001 first and nothing runs: no data check there (row 3g)
+        # checks) answers 361001 first and nothing runs: no data check there (row 3g).  An
+        # empty input or weight returns success before any kernel (op_api :289-294, ops-nn
+        # e5c3fa9): masked_target is never read, so no data check there either (row 3h)
         BT = c.a["grad"].shape[0]
         tm = c.a["target_mask"]
         bits = (
@@ -143,7 +146,7 @@ def _device_limits(c: Call) -> None:
             )
     if c.raw.get("filter_eps") is not None:
         c.bad("filter_eps", "None (the device has no gradient filtering; strict mode)", repr(c.raw["filter_eps"]))
-    if c.a["input"].size == 0 or c.a["weight"].size == 0:
+    if empty:
         c.skip_compute = True  # the device returns success without launching
         return
     # past the op_api's 161002 checks: the platform check, then the l0 op's tiling
