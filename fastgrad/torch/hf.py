@@ -233,11 +233,14 @@ def _bind(original: Callable, model: Any, args: tuple, kwargs: dict) -> dict:
     """The caller's arguments by name (positional ones bound to the original's signature)."""
     if not args:
         return dict(kwargs)
-    names = [p for p in inspect.signature(original).parameters][1:]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [n for n, p in inspect.signature(original).parameters.items() if p.kind in positional][1:]
     named = dict(zip(names, args))
     clash = set(named) & set(kwargs)
     if clash or len(args) > len(names):
-        raise TypeError(f"forward() got multiple values for {sorted(clash)}")
+        raise TypeError(
+            f"forward() got {len(args)} positional arguments for {len(names)}, or multiple values for {sorted(clash)}"
+        )
     return {**named, **kwargs}
 
 
@@ -253,9 +256,16 @@ def _make_forward(original: Callable) -> Callable:
         if vars(self).get(_BYPASS, False):  # reverted under a wrapper (accelerate's): the original
             return original(self, *args, **kwargs)
         fused_head = kwargs.pop("fused_lm_head", False)
-        if not fused_head and (kwargs.get("labels") is None or not self.training):
+        if not fused_head and not self.training:
             return original(self, *args, **kwargs)
-        return _training_forward(self, original, _bind(original, self, args, kwargs), fused_head)
+        # the labels may be positional (model(input_ids, attention_mask, ..., labels))
+        try:
+            kw = _bind(original, self, args, kwargs)
+        except TypeError:  # arguments the original does not take: its own TypeError
+            return original(self, *args, **kwargs)
+        if not fused_head and kw.get("labels") is None:
+            return original(self, *args, **kwargs)
+        return _training_forward(self, original, kw, fused_head)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]  # generate() reads the signature
     forward.__name__ = "forward"
