@@ -61,3 +61,25 @@ def test_flce_empty_high_performance_out_of_range_target_succeeds(soc, bt, h):
         soc,
     )
     assert st == (161002, "workspace")
+
+
+# --- row 9d: embedding backward, an empty grad (D = 0) with indices outside [0, num_weights) -----
+# aclnn_embedding_dense_backward.cpp:154-176 (CheckParams: dtypes, ranks, CheckDimension — which
+# returns true for D = 0, :105-107 — and out's shape; no value check), then :312-326: an empty
+# grad or indices zero-fills out (ZerosLike) and returns success; the indices are never read.
+
+
+@pytest.mark.parametrize("soc", ALL)
+def test_embedding_empty_grad_reads_no_index(soc):
+    grad = np.zeros((3, 0), F32)
+    idx = np.array([5, -7, 100], np.int64)  # num_weights = 2: every one out of range
+    out = np.zeros((2, 0), F32)
+    with fg.soc_version(soc), fg.strict():
+        r = fg.embedding_dense_backward(grad, idx, 2, out=out)
+    assert r is out and r.shape == (2, 0)
+    # D = 0 also skips the row-count relation (CheckDimension :105-107): 5 rows of grad, 3 indices
+    with fg.soc_version(soc), fg.strict():
+        assert fg.embedding_dense_backward(np.zeros((5, 0), F32), idx, 2).shape == (2, 0)
+    # D > 0: the values are read by the kernel; an out-of-range index stays refused (161002)
+    st = _status(lambda: fg.embedding_dense_backward(np.zeros((3, 4), F32), idx, 2), soc)
+    assert st == (161002, "workspace")

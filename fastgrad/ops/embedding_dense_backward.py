@@ -33,7 +33,12 @@ def _relations(c: Call) -> None:
             f"leading axes with {idx.size} elements in all (indices.size)",
             f"shape {tuple(g.shape)} for indices of shape {tuple(idx.shape)}",
         )
-    if idx.size:  # checked whatever D is: an index is never outside [0, num_weights)
+    if idx.size and (g.size or not c.strict):
+        # an index is never outside [0, num_weights) — but strict mode accepts what the device
+        # accepts: an empty grad (D = 0) takes the op_api's empty path
+        # (aclnn_embedding_dense_backward.cpp:311-326, ops-nn e5c3fa9: ZerosLike on out, the
+        # indices never read) after CheckParams (:154-176, no value check), so any index values
+        # succeed there; outside strict mode fastgrad keeps its own check (device_parity row 9d)
         if idx.dtype == BFLOAT16 or idx.dtype.kind == "f":
             with np.errstate(invalid="ignore"):
                 v = np.trunc(idx.astype(np.float64))
@@ -109,7 +114,8 @@ def embedding_dense_backward(
         Row of the table each grad row was read from.  int8 | uint8 | int16 | int32 | int64 |
         bool | float16 | float32 | float64 (the aclnn list; other integer dtypes and
         bfloat16 as extensions).  Floats are truncated toward zero (the device's Cast).
-        Every index must lie in ``[0, num_weights)``.
+        Every index must lie in ``[0, num_weights)`` (strict mode, as the device, does not
+        check them for an empty grad: D = 0 reads no index).
     num_weights : int
         Rows of the table (``numWeights``), ``>= 0``.
     padding_idx : int, default -1
@@ -171,8 +177,9 @@ def embedding_dense_backward(
         161002 when grad's dtype is not bf16/fp16/fp32, indices' dtype is not supported,
         ``prod(grad.shape[:-1]) != indices.size`` (checked when D > 0, as the device),
         ``num_weights`` is negative, an index is outside ``[0, num_weights)`` (NaN/Inf
-        included), ``out`` has the wrong shape/dtype or is read-only, an attribute has the
-        wrong type, or (strict mode) grad is not 1-8-D or indices not 0-8-D.
+        included; in strict mode not for an empty grad), ``out`` has the wrong shape/dtype or is
+        read-only, an attribute has the wrong type, or (strict mode) grad is not 1-8-D or
+        indices not 0-8-D.
 
     Source: the CANN doc aclnnEmbeddingDenseBackward.md; CANN ops-nn
     ``index/embedding_dense_grad_v2`` (op_api ``aclnn_embedding_dense_backward.cpp``).
