@@ -56,7 +56,12 @@ def test_flce_empty_high_performance_out_of_range_target_succeeds(soc, bt, h):
     x = np.zeros((4, 8), BF16)
     st = _status(
         lambda: fg.fused_linear_cross_entropy_loss_grad(
-            np.zeros(4, F32), x, np.zeros((V, 8), BF16), np.zeros(1, np.uint8), np.full(4, 999), softmax=np.zeros((4, V), F32)
+            np.zeros(4, F32),
+            x,
+            np.zeros((V, 8), BF16),
+            np.zeros(1, np.uint8),
+            np.full(4, 999),
+            softmax=np.zeros((4, V), F32),
         ),
         soc,
     )
@@ -83,3 +88,63 @@ def test_embedding_empty_grad_reads_no_index(soc):
     # D > 0: the values are read by the kernel; an out-of-range index stays refused (161002)
     st = _status(lambda: fg.embedding_dense_backward(np.zeros((3, 4), F32), idx, 2), soc)
     assert st == (161002, "workspace")
+
+
+# --- row 4n: CE grad with an empty x_grad (N = 0 or C = 0) ----------------------------------------
+# CrossEntropyLossGrad has no hand-written op_api: the generated aclnn API matches the dtype
+# combination (161002 when none matches, opbase aa3cd74 indv_executor.cpp:958-968) and, when
+# every output is empty, skips tiling and launch (indv_executor.cpp:1075-1082, :852-858,
+# indv_executor.h:400-403).  So the tiling's refusals (ops-nn e5c3fa9 op_host/
+# cross_entropy_loss_grad_tiling.cpp:247-267, cross_entropy_loss_grad_tiling_arch35.cpp:344-436)
+# and any read of target/weight never happen: success.
+
+
+def _ce_empty(n, c, **kw):
+    args = dict(
+        grad_loss=np.zeros((), F32),
+        log_prob=np.zeros((n, c), F32),
+        target=np.zeros(n, np.int64),
+        reduction="mean",
+    )
+    args.update(kw)
+    return lambda: fg.cross_entropy_loss_grad(**args)
+
+
+@pytest.mark.parametrize("soc", ALL)
+def test_ce_grad_empty_output_skips_the_tiling(soc):
+    # target length != N (tiling :247-254 / arch35 :368-376)
+    assert _status(_ce_empty(0, 5, target=np.zeros(3, np.int64)), soc) == (0, None)
+    # weight length != C (tiling :256-267 / arch35 :386-393)
+    assert _status(_ce_empty(0, 5, weight=np.ones(2, F32)), soc) == (0, None)
+    # grad_loss of no element for mean (arch35 :359-366; the A2 kernel would read element 0)
+    assert _status(_ce_empty(0, 5, grad_loss=np.zeros(0, F32)), soc) == (0, None)
+    # C = 0 with a weight: targets outside [0, C) are never looked up in weight
+    assert _status(_ce_empty(3, 0, target=np.array([0, 1, 2]), weight=np.zeros(0, F32)), soc) == (0, None)
+    # label smoothing: the A2/A3 kernel would write nothing (row 4i) — there is nothing to write;
+    # out of [0, 1] (arch35 :427-436) and a reduction spelling the arch35 strcmp refuses
+    # (:404-418) are tiling refusals too
+    assert _status(_ce_empty(0, 5, label_smoothing=0.5), soc) == (0, None)
+    assert _status(_ce_empty(0, 5, label_smoothing=2.0), soc) == (0, None)
+    assert _status(_ce_empty(0, 5, reduction="Mean"), soc) == (0, None)
+    # the generated API's dtype match still runs: grad_loss of another dtype, weight not fp32
+    assert _status(_ce_empty(0, 5, grad_loss=np.zeros((), np.float16)), soc) == (161002, "workspace")
+    assert _status(_ce_empty(0, 5, weight=np.ones(5, np.float16)), soc) == (161002, "workspace")
+    # out= untouched, nothing written
+    out = np.zeros((0, 5), F32)
+    with fg.soc_version(soc), fg.strict():
+        assert (
+            fg.cross_entropy_loss_grad(np.zeros((), F32), np.zeros((0, 5), F32), np.zeros(0, np.int64), out=out) is out
+        )
+
+
+def test_ce_grad_empty_output_target_dtype_is_still_matched():
+    # the A2/A3 binaries take int64 targets only (cross_entropy_loss_grad_def.cpp:44-49): the
+    # dtype match happens before the empty-output skip
+    assert _status(_ce_empty(0, 5, target=np.zeros(0, np.int32)), "Ascend910B") == (161002, "workspace")
+    assert _status(_ce_empty(0, 5, target=np.zeros(0, np.int32)), "Ascend950") == (0, None)
+    # non-empty: the tiling refusals stay (561002 in strict mode)
+    st = _status(
+        lambda: fg.cross_entropy_loss_grad(np.zeros((), F32), np.zeros((2, 5), F32), np.zeros(3, np.int64)),
+        "Ascend910B",
+    )
+    assert st == (561002, "workspace")
