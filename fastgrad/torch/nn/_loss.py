@@ -77,7 +77,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                 "label_smoothing",
                 "LinearCrossEntropyLoss",
             )
-        if reduction not in ("mean", "sum", "none"):
+        if not isinstance(reduction, str) or reduction not in ("mean", "sum", "none", "elementwise_mean"):
             raise invalid("reduction", "'mean', 'sum' or 'none'", repr(reduction), "LinearCrossEntropyLoss")
         resolve_options(options, "options", "LinearCrossEntropyLoss")
         super().__init__()

@@ -14,9 +14,12 @@ here: fastgrad never holds ``[N, C]``; a 16-bit ``acc_dtype`` is fastgrad's ``ac
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._checks import autocast_operands, values_of
@@ -101,7 +104,9 @@ def linear_cross_entropy(
     Class-probability targets and K-dimensional weights (``linear_weight`` of rank > 2) run
     PyTorch's reference path, with a warning — as PyTorch's chunked path does for what it does
     not support.  ``options`` is fastgrad's extension (keyword-only, as PyTorch's own); int32
-    targets are accepted too (PyTorch takes int64 and uint8).
+    targets are accepted too (PyTorch takes int64 and uint8).  An unbatched ``input`` takes a
+    ``()`` or ``(1,)`` target, as PyTorch's forward (whose backward then fails on ``(1,)``:
+    fastgrad's gradient is that of the ``()`` target).
 
     Raises
     ------
@@ -109,7 +114,8 @@ def linear_cross_entropy(
     (:mod:`fastgrad.torch._errors`), with PyTorch's message text:
         ``RuntimeError`` — input rank not 1 or 2, ``linear_weight`` rank < 2, unequal
         ``in_features``, a ``linear_bias`` or class ``weight`` of another shape, ``ignore_index``
-        with probabilities, dtypes that differ, a non-integer target dtype, ``label_smoothing``
+        with probabilities, dtypes that differ (a class ``weight`` not in the logits' dtype
+        included), a non-integer target dtype, a target of rank > 1, ``label_smoothing``
         outside [0, 1];
         ``ValueError`` — a target batch size other than the input's, a bad ``reduction``;
         ``IndexError`` — a target outside ``[0, C)`` that is not ``ignore_index``;
@@ -171,8 +177,8 @@ def linear_cross_entropy(
             stacklevel=2,
         )
         return _reference(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing)
-    target = _check_class_target(
-        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing
+    target, reduction, ignore_index, label_smoothing = _check_class_target(
+        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, autocast
     )
     loss = _fastgrad_lce(
         input,
@@ -192,17 +198,35 @@ def linear_cross_entropy(
     return loss.to(input.dtype)
 
 
-_TORCH_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+_TORCH_NAMES = {
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.int64: "Long",
+    torch.int32: "Int",
+    torch.int16: "Short",
+    torch.int8: "Char",
+    torch.uint8: "Byte",
+    torch.bool: "Bool",
+}
 
 
 def _tname(dtype: torch.dtype) -> str:
     return _TORCH_NAMES.get(dtype, str(dtype).replace("torch.", "").capitalize())
 
 
-def _check_class_target(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing):
+def _check_class_target(
+    input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, autocast=False
+):
     """The checks PyTorch's ``cross_entropy`` / ``linear`` make on class-index targets, with their
-    messages and exception types (:mod:`fastgrad.torch._errors`); returns the target fastgrad
-    takes (uint8 — PyTorch's ``Byte`` — widened to int64)."""
+    messages and exception types (:mod:`fastgrad.torch._errors`); returns ``(target, reduction,
+    ignore_index, label_smoothing)`` as fastgrad takes them: the target uint8 — PyTorch's
+    ``Byte`` — widened to int64, an unbatched ``(1,)`` target as ``()``; what PyTorch's argument
+    parser takes for the scalars (``reduction="elementwise_mean"``, its deprecated ``"mean"``,
+    with its warning; an ``ignore_index`` with ``__index__`` — a NumPy integer, an integer
+    tensor of one element; a ``label_smoothing`` that is a real number or a 0-d tensor without
+    grad) as Python ``str`` / ``int`` / ``float``."""
     if not input.dtype.is_floating_point:
         raise torch_error(
             NotImplementedError,
@@ -229,18 +253,24 @@ def _check_class_target(input, linear_weight, target, linear_bias, weight, reduc
         )
     if not isinstance(target, torch.Tensor):
         raise torch_error(TypeError, f"expected target to be a Tensor, got {type(target).__name__}", "target", _OP)
-    if input.dim() == 2 and tuple(target.shape) != (input.shape[0],):
-        n = target.shape[0] if target.dim() else 1
+    # PyTorch's nll_loss checks, in its order: the batch sizes, then the target's rank; an
+    # unbatched input takes a () or a one-element (1,) target (PyTorch's loss is () for both)
+    if input.dim() == 2 and (target.dim() == 0 or target.shape[0] != input.shape[0]):
+        n = target.shape[0] if target.dim() else 0
         raise torch_error(
             ValueError, f"Expected input batch_size ({input.shape[0]}) to match target batch_size ({n}).", "target", _OP
         )
-    if input.dim() == 1 and target.dim() != 0:
-        raise torch_error(
-            ValueError,
-            f"For 1D input, 1D target must have size 1, but got target size: {target.numel()}",
-            "target",
-            _OP,
-        )
+    if target.dim() > 1:
+        raise torch_error(RuntimeError, "0D or 1D target tensor expected, multi-target not supported", "target", _OP)
+    if input.dim() == 1 and target.dim() == 1:
+        if target.shape[0] != 1:
+            raise torch_error(
+                ValueError,
+                f"For 1D input, 1D target must have size 1, but got target size: {target.shape[0]}",
+                "target",
+                _OP,
+            )
+        target = target.reshape(())
     if target.dtype == torch.uint8:
         target = target.long()
     if target.dtype not in (torch.int64, torch.int32):
@@ -256,20 +286,27 @@ def _check_class_target(input, linear_weight, target, linear_bias, weight, reduc
             "weight",
             _OP,
         )
-    if reduction not in ("mean", "sum", "none"):
+    if weight is not None:
+        # cross_entropy's logits dtype: the input's (fp32 under autocast, which widens a 16-bit weight)
+        want, got = (torch.float32 if autocast else input.dtype), weight.dtype
+        if autocast and got in (torch.float16, torch.bfloat16):
+            got = torch.float32
+        if got != want:
+            raise torch_error(
+                RuntimeError, f"expected scalar type {_tname(want)} but found {_tname(got)} (weight)", "weight", _OP
+            )
+    if isinstance(reduction, str) and reduction == "elementwise_mean":  # torch.nn._reduction.get_enum
+        warnings.warn("reduction='elementwise_mean' is deprecated. Please use reduction='mean' instead.", stacklevel=3)
+        reduction = "mean"
+    if not isinstance(reduction, str) or reduction not in ("mean", "sum", "none"):
         raise torch_error(ValueError, f"{reduction} is not a valid value for reduction", "reduction", _OP)
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-        raise torch_error(
-            TypeError, f"label_smoothing must be a float, not {type(label_smoothing).__name__}", "label_smoothing", _OP
-        )
+    label_smoothing = _real(label_smoothing)
     if not 0.0 <= label_smoothing <= 1.0:
         raise torch_error(
             RuntimeError, f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}", "label_smoothing", _OP
         )
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise torch_error(
-            TypeError, f"ignore_index must be int, not {type(ignore_index).__name__}", "ignore_index", _OP
-        )
+    if ignore_index is not None:
+        ignore_index = _index(ignore_index)
     if ignore_index is not None and not -(2**63) <= ignore_index < 2**63:
         raise torch_error(ValueError, "Overflow when unpacking long long", "ignore_index", _OP)
     ii = -100 if ignore_index is None else ignore_index
@@ -277,4 +314,27 @@ def _check_class_target(input, linear_weight, target, linear_bias, weight, reduc
     bad = (tv != ii) & ((tv < 0) | (tv >= C))
     if bool(bad.any()):
         raise torch_error(IndexError, f"Target {int(tv[bad][0])} is out of bounds.", "target", _OP)
-    return target
+    return target, reduction, ignore_index, label_smoothing
+
+
+def _real(label_smoothing: Any) -> float:
+    """``label_smoothing`` as PyTorch's argument parser reads a ``float``: a real number (bool,
+    int, NumPy scalars included) or a 0-d tensor that does not require grad."""
+    t = label_smoothing
+    if isinstance(t, torch.Tensor) and t.dim() == 0 and not t.requires_grad:
+        return float(t)
+    if isinstance(t, numbers.Real) or isinstance(t, np.bool_):
+        return float(t)
+    raise torch_error(TypeError, f"label_smoothing must be a float, not {type(t).__name__}", "label_smoothing", _OP)
+
+
+def _index(ignore_index: Any) -> int:
+    """``ignore_index`` as PyTorch's argument parser reads an ``int``: anything with ``__index__``
+    (a NumPy integer, an integer tensor of one element) but a ``bool``."""
+    t = ignore_index
+    try:
+        if isinstance(t, (bool, np.bool_)) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
+            raise TypeError
+        return operator.index(t)
+    except TypeError:
+        raise torch_error(TypeError, f"ignore_index must be int, not {type(t).__name__}", "ignore_index", _OP) from None
