@@ -148,3 +148,35 @@ def test_ce_grad_empty_output_target_dtype_is_still_matched():
         "Ascend910B",
     )
     assert st == (561002, "workspace")
+
+
+# --- row 4o: CE grad on A2/A3, a reduction string that is not exactly none/mean/sum ---------------
+# op_host/cross_entropy_loss_grad_tiling.cpp:279-297 strcmp's "none"/"mean"/"sum" with no else,
+# and its caller initialises reductionKey = 0 (:323) = REDUCTION_NONE (op_kernel/
+# cross_entropy_loss_grad_base.h:25,163): "Mean" or " sum" runs the kernel's 'none' reduction,
+# one grad_loss element per row.
+
+
+@pytest.mark.parametrize("soc", A2A3)
+@pytest.mark.parametrize("spelling", ["Mean", " sum", "SUM ", "None"])
+def test_ce_grad_a2_other_reduction_spelling_is_none(soc, spelling):
+    rng = np.random.default_rng(3)
+    lp = np.log(rng.dirichlet(np.ones(5), 4)).astype(F32)
+    t = np.array([0, 3, 1, 4])
+    g = np.array([0.5, -2.0, 1.25, 3.0], F32)
+    p = np.exp(lp)
+    want = p * g[:, None]  # the 'none' reduction: row i scaled by grad_loss[i]
+    want[np.arange(4), t] = (p[np.arange(4), t] * g) - g
+    with fg.soc_version(soc), fg.strict():
+        got = fg.cross_entropy_loss_grad(g, lp, t, reduction=spelling)
+        exact = fg.cross_entropy_loss_grad(g, lp, t, reduction="none")
+    np.testing.assert_array_equal(got, exact)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    # a 0-d grad_loss under it: the 'none' kernel reads grad_loss[i] past its end (fastgrad's 161002)
+    st = _status(lambda: fg.cross_entropy_loss_grad(F32(1.0), lp, t, reduction=spelling), soc)
+    assert st == (161002, "workspace")
+    # the exact spellings keep their meaning
+    with fg.soc_version(soc), fg.strict():
+        m = fg.cross_entropy_loss_grad(F32(1.0), lp, t, reduction="mean")
+    onehot = np.eye(5, dtype=F32)[t]
+    np.testing.assert_allclose(m, (p - onehot) / 4, rtol=1e-6, atol=1e-7)

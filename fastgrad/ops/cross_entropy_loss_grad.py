@@ -51,8 +51,16 @@ def _tiling_refuses(c: Call, param: str, expected: str, got: Any) -> None:
 def _relations(c: Call) -> None:
     lp, tg, w = c.a["log_prob"], c.a["target"], c.a["weight"]
     n, cc = c.shape_of("log_prob")
-    red, ign = c.attrs["reduction"], c.attrs["ignore_index"]
     arch35 = c.soc.name == "Ascend950"
+    raw_red = c.raw.get("reduction")
+    if c.strict and not arch35 and isinstance(raw_red, str) and raw_red not in _RED_SPELLINGS:
+        # the A2/A3 tiling compares the C string exactly and has no else: any other spelling
+        # ("Mean", " sum") leaves reductionKey at its initial 0 = none (ops-nn e5c3fa9
+        # op_host/cross_entropy_loss_grad_tiling.cpp:279-297,323; REDUCTION_NONE = 0,
+        # op_kernel/cross_entropy_loss_grad_base.h:25,163): the device runs reduction 'none'
+        # (device_parity row 4o; the arch35 tiling refuses it instead, below)
+        c.attrs["reduction"] = "none"
+    red, ign = c.attrs["reduction"], c.attrs["ignore_index"]
     if c.strict and n * cc == 0:
         # an empty x_grad: the generated aclnn API matches the dtypes (161002; _device_limits)
         # and then skips tiling and launch when every output is empty (opbase aa3cd74
@@ -76,7 +84,6 @@ def _relations(c: Call) -> None:
             _tiling_refuses(c, "label_smoothing", "a value in [0, 1]", ls)
         else:
             c.bad("label_smoothing", "a value in [0, 1]", ls)
-    raw_red = c.raw.get("reduction")
     if c.strict and arch35 and not (isinstance(raw_red, str) and raw_red in _RED_SPELLINGS):
         # the arch35 tiling compares the C string exactly (strcmp, :404-418): "Mean", " sum" or
         # an integer (no C string at all) are refused
@@ -227,7 +234,10 @@ def cross_entropy_loss_grad(
         Class weights (default all ones).  float16/bfloat16 are accepted outside strict mode
         (widened exactly to fp32).
     reduction : {"mean", "sum", "none"} or {1, 2, 0}
-        The forward's reduction.
+        The forward's reduction (case and surrounding blanks ignored).  Strict mode reads it
+        as the device: on ``"Ascend910B"``/``"Ascend910_93"`` a string other than exactly
+        ``"none"``/``"mean"``/``"sum"`` (``"Mean"``) is reduction ``"none"`` (the A2 tiling's
+        strcmp has no else), on ``"Ascend950"`` it is refused (561002).
     ignore_index : int
         Rows whose target equals it contribute nothing (their gradient row is 0).  Which rows
         that is follows the SoC profile (``fg.soc_version``): on ``"Ascend910B"``/
