@@ -146,3 +146,25 @@ def test_scalar_arguments_pytorch_accepts():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.testing.assert_close(m(x, t), r(x, t), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# fastgrad.torch.LinearCrossEntropyLoss (Liger's and CCE's form: loss_fn(hidden, weight, target))
+# ------------------------------------------------------------------------------------------------
+def test_liger_module_refuses_what_the_function_refuses():
+    """``loss_fn(hidden, None, target)`` raised AttributeError ('NoneType' object has no
+    attribute 'shape', read for the shard layout before any check) and ``process_group='world'``
+    a bare TypeError from the layout's all-gather; the function raises 161002 naming the argument
+    for both.  Now the module raises what the function raises."""
+    import fastgrad.torch as ft
+
+    x, w, t = _data(torch.float32)
+    t = t.clamp(min=0)
+    for bad in (None, [[1.0] * H] * C):
+        ref = _raised(ft.linear_cross_entropy, x, bad, t)
+        got = _raised(ft.LinearCrossEntropyLoss(), x, bad, t)
+        assert type(got) is type(ref) and isinstance(got, fg.AclnnError) and got.param == "weight", got
+    ref = _raised(ft.linear_cross_entropy, x, w, t, process_group="world")
+    got = _raised(ft.LinearCrossEntropyLoss(process_group="world"), x, w, t)
+    assert type(got) is type(ref) and isinstance(got, TypeError), got
+    assert isinstance(got, fg.AclnnError) and got.param == "process_group"

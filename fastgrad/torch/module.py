@@ -8,6 +8,7 @@ import torch
 
 from ..errors import invalid
 from . import distributed as _vp
+from ._errors import torch_error
 from .functional import LinearCrossEntropyOutput, linear_cross_entropy
 
 if TYPE_CHECKING:
@@ -102,6 +103,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         if self.process_group is None or (self.vocab_start_index is not None and self.vocab_size is not None):
             return self.vocab_start_index, self.vocab_size
         if self._layout is None:
+            try:
+                _vp.check_group(self.process_group)
+            except TypeError as e:  # 161002 that is still the TypeError, as linear_cross_entropy's
+                raise torch_error(TypeError, str(e), "process_group", "LinearCrossEntropyLoss") from None
             start, _, V = _vp.vocab_shard_range(local_vocab, self.process_group)
             self._layout = (local_vocab, start, V)
         elif self._layout[0] != local_vocab:
@@ -122,7 +127,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | LinearCrossEntropyOutput:
-        start, V = self._shard_layout(weight.shape[0])
+        if isinstance(weight, torch.Tensor):
+            start, V = self._shard_layout(weight.shape[0])
+        else:  # refused by linear_cross_entropy (161002 naming weight) before any collective
+            start, V = self.vocab_start_index, self.vocab_size
         return linear_cross_entropy(
             hidden,
             weight,
