@@ -180,3 +180,50 @@ def test_ce_grad_a2_other_reduction_spelling_is_none(soc, spelling):
         m = fg.cross_entropy_loss_grad(F32(1.0), lp, t, reduction="mean")
     onehot = np.eye(5, dtype=F32)[t]
     np.testing.assert_allclose(m, (p - onehot) / 4, rtol=1e-6, atol=1e-7)
+
+
+# --- row 10a: attributes the device holds as a C float ----------------------------------------
+# aclnnSmoothL1LossBackwardGetWorkspaceSize(..., float beta, ...) checks beta >= 0 on the float
+# (op_api/aclnn_smooth_l1_loss_backward.cpp:141-145,178-181); the FLCE grad and fused CE max-sum
+# APIs take float labelSmoothing and refuse != 0 (aclnn_fused_linear_cross_entropy_loss_grad.cpp
+# :133-141,260-262; aclnn_fused_cross_entropy_loss_with_max_sum.cpp:114-117,122-123); the CE grad
+# attribute is a GE Float (cross_entropy_loss_grad_def.cpp:77) read as float by both tilings
+# (cross_entropy_loss_grad_tiling.cpp:301-303, _arch35.cpp:427-436).  A Python float reaches
+# them rounded to fp32: -1e-50 is -0.0 (>= 0, == 0), 1e-50 is 0, 1 + 1e-9 is 1.
+
+
+@pytest.mark.parametrize("soc", ALL)
+def test_c_float_attributes_are_checked_after_rounding_to_fp32(soc):
+    x = np.zeros(4, F32)
+    for beta in (-1e-50, -1e-46):
+        assert _status(lambda: fg.smooth_l1_loss_backward(x, x, x, "none", beta), soc) == (0, None)
+    assert _status(lambda: fg.smooth_l1_loss_backward(x, x, x, "none", -1e-40), soc) == (161002, "workspace")
+    stats = (np.zeros(4, F32), np.ones(4, F32), np.zeros(4, F32))
+    for ls in (1e-50, -1e-50):
+        assert _status(lambda: fg.fused_cross_entropy_loss_with_max_sum(*stats, label_smoothing=ls), soc) == (0, None)
+    assert _status(lambda: fg.fused_cross_entropy_loss_with_max_sum(*stats, label_smoothing=1e-30), soc)[0] == 161002
+    lp = np.zeros((2, 3), F32)
+    t = np.array([0, 2])
+    ce = [(1e-50, (0, None))]  # fp32 0: computed as 0 on every SoC (A2/A3 accept only 0, row 4i)
+    ce.append((1.0 + 1e-9, (0, None) if soc == "Ascend950" else (161002, "workspace")))  # fp32 1.0
+    for ls, want in ce:
+        assert _status(lambda: fg.cross_entropy_loss_grad(F32(1.0), lp, t, label_smoothing=ls), soc) == want
+    with fg.soc_version(soc), fg.strict():
+        a = fg.cross_entropy_loss_grad(F32(1.0), lp, t, label_smoothing=1e-50)
+        b = fg.cross_entropy_loss_grad(F32(1.0), lp, t)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("soc", A2A3)
+def test_flce_label_smoothing_is_checked_as_a_c_float(soc):
+    BT, H, V = 4, 8, 128
+    args = (np.ones(BT, F32), np.ones((BT, H), BF16), np.ones((V, H), BF16), np.zeros(1, np.uint8), np.arange(BT))
+    kw = dict(logits_max=np.ones(BT, F32), sum_exp_logits=np.full(BT, float(V), F32))
+    for ls in (1e-50, -1e-50):
+        with fg.soc_version(soc), fg.strict():
+            gi, gw = fg.fused_linear_cross_entropy_loss_grad(*args, label_smoothing=ls, **kw)
+            gi0, gw0 = fg.fused_linear_cross_entropy_loss_grad(*args, **kw)
+        np.testing.assert_array_equal(gi.astype(F32), gi0.astype(F32))
+        np.testing.assert_array_equal(gw.astype(F32), gw0.astype(F32))
+    st = _status(lambda: fg.fused_linear_cross_entropy_loss_grad(*args, label_smoothing=1e-30, **kw), soc)
+    assert st == (161002, "workspace")

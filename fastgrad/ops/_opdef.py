@@ -84,6 +84,7 @@ class AttrDef:
     device_why: str = ""
     optional: bool = False  # None is accepted (and passed on as None)
     choices: tuple = ()  # "choice": the accepted values (strings)
+    c_float: bool = False  # floats: the device holds it as a C float (strict mode rounds it to fp32 first)
 
 
 @dataclass
@@ -225,6 +226,11 @@ def parse_attr(d: AttrDef, value: Any, call: Call) -> Any:
         except OverflowError:
             call.bad(name, "a real number in the float64 range", repr(value))
             return None
+        if d.c_float and call.strict:
+            # the aclnn API takes (or the op's attribute stores) a C float: the device checks
+            # and uses fp32(v) — -1e-50 is -0.0 there, 1e-50 is 0, 1 + 1e-9 is 1
+            with np.errstate(over="ignore"):
+                v = float(np.float32(v))
         if d.finite and not math.isfinite(v):
             call.bad(name, "a finite number", v)
             return None

@@ -183,7 +183,9 @@ DECL = OpDef(
     attrs=(
         AttrDef("reduction", "reduction"),
         AttrDef("ignore_index", "int"),
-        AttrDef("label_smoothing", "float", finite=False),  # [0, 1]: _relations; per SoC in strict mode: _device_limits
+        AttrDef(
+            "label_smoothing", "float", finite=False, c_float=True
+        ),  # [0, 1]: _relations; per SoC in strict mode: _device_limits
         AttrDef("lse_square_scale_for_zloss", "float"),  # accepted, ignored
     ),
     outputs=("out",),

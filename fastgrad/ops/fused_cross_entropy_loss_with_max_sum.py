@@ -73,7 +73,9 @@ DECL = OpDef(
     aclnn="aclnnFusedCrossEntropyLossWithMaxSum",
     inputs=tuple(TensorDef(n, (FLOAT32,), ndim=(1, 1)) for n in _STATS)
     + (TensorDef("vocab_parallel_logits", FLOAT_DTYPES, ndim=(2, 2), optional=True),),
-    attrs=(AttrDef("label_smoothing", "float", lo=0.0, hi=1.0, device=(0.0,), device_why="0 (strict mode)"),),
+    attrs=(
+        AttrDef("label_smoothing", "float", lo=0.0, hi=1.0, device=(0.0,), device_why="0 (strict mode)", c_float=True),
+    ),
     outputs=("loss", "softmax"),
     relations=_relations,
     source="ops-nn loss/fused_cross_entropy_loss_with_max_sum; Megatron _VocabParallelCrossEntropy",

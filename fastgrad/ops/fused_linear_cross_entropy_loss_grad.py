@@ -230,6 +230,7 @@ DECL = OpDef(
             hi=1.0,
             device=(0.0,),
             device_why="0 (the device supports only 0; strict mode)",
+            c_float=True,
         ),
     ),
     outputs=("grad_input", "grad_weight"),

@@ -34,7 +34,7 @@ DECL = OpDef(
     inputs=tuple(
         TensorDef(n, FLOAT_DTYPES, ndim=(0, MAX_DIMS), ext_ndim=(0, None)) for n in ("grad_out", "input", "target")
     ),
-    attrs=(AttrDef("reduction", "reduction"), AttrDef("beta", "float", lo=0.0, finite=False)),
+    attrs=(AttrDef("reduction", "reduction"), AttrDef("beta", "float", lo=0.0, finite=False, c_float=True)),
     outputs=("grad_input",),
     relations=_relations,
     source=(
