@@ -1,6 +1,7 @@
 """float64 golden of ``smooth_l1_loss_backward`` (obvious, slow, independent of the kernel).
 
-Computes in float64 on the broadcast inputs and rounds once to the promoted dtype (then casts
+Computes ``d = input - target`` in fp32 (as the device), the rest in float64 on the broadcast
+inputs, and rounds once to the promoted dtype (then casts
 to ``out``'s dtype when that differs, as the device's final Cast does).  ``beta`` is taken as
 the fp32 value the device receives, and the quadratic zone multiplies by the device's fp32
 constant ``1/beta`` (ops-nn ``arch35/smooth_l1_loss_grad_v2_tiling.cpp:145``; NaN for
@@ -54,8 +55,10 @@ def smooth_l1_loss_backward(
         inv = float(np.float32(np.float32(1.0) / b32))
     # the tensor DAG (grad_out of more than one element) compares strictly, the scalar DAG not
     strict = np.asarray(grad_out).size != 1
-    with np.errstate(invalid="ignore", divide="ignore"):
-        d = x - t
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        # d = input - target in fp32, as the device (docs/spec.md): a difference beyond FLT_MAX is
+        # ±inf there (±1 at beta = inf on the TBE, NaN on the tensor DAG), finite in float64
+        d = (x.astype(np.float32) - t.astype(np.float32)).astype(np.float64)
         lin = (np.abs(d) <= b) if strict else (np.abs(d) < b)
         s = np.where(lin, d * inv + 0.0, np.sign(d))  # sign(0) = 0; NaN stays NaN
         if smooth_l1_kernel == "tbe":
