@@ -436,6 +436,22 @@ def test_thread_counts_give_the_same_bits_on_hostile_values(dtype):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("soc", SOCS)
+@pytest.mark.parametrize("ls", [0.0, 0.1])
+def test_reference_ce_grad_exp_overflows_in_fp32_as_the_device(soc, ls):
+    """An ignored row whose ``exp(log_prob)`` overflows fp32 (log_prob 89 > log(FLT_MAX)) is
+    ``p·0 = NaN`` there on the device (docs/device_parity.md row 4e); with label smoothing the
+    reference took exp in float64 (finite) and gave 0."""
+    lp = np.array([[89.0, 0.0, -1.0], [0.0, -1.0, -2.0]], np.float32)
+    t = np.array([0, 1])
+    with fg.soc_version(soc), fg.use_backend("reference"):
+        got = fg.cross_entropy_loss_grad(np.float32(1.0), lp, t, None, "sum", 0, ls)
+    exp, mag = oracle_ce_grad(np.float32(1.0), lp, t, None, "sum", 0, ls, soc)
+    assert np.isnan(got[0, 0]) and np.isnan(exp[0, 0])
+    assert (got[0, 1:] == 0).all()
+    close_specials_exact(got, exp, F32, mag)
+
+
+@pytest.mark.parametrize("soc", SOCS)
 @pytest.mark.parametrize("n", [1, 2], ids=["scalar_grad", "tensor_grad"])
 def test_reference_smooth_l1_difference_is_fp32(soc, n):
     """``d = input − target`` in fp32 (docs/spec.md): 3e38 − (−3e38) is +inf, so at β = inf the

@@ -107,6 +107,9 @@ def cross_entropy_loss_grad_reference(
         s = g.reshape(n)
     ls = float(label_smoothing)
     p = np.exp(lp)
+    with np.errstate(over="ignore"):
+        # the device's fp32 exp: +inf above log(FLT_MAX) ~ 88.72 where float64's stays finite
+        p32 = _fl(p)
     onehot = np.zeros((n, c))
     onehot[np.nonzero(inside)[0], t[inside]] = 1.0  # a target outside [0, C) matches no column
     with np.errstate(invalid="ignore"):
@@ -119,9 +122,11 @@ def cross_entropy_loss_grad_reference(
     # Rows with a non-finite operand: the kernels' own operations, so that inf/NaN land where
     # they do on the device (finite rows keep the formula above, unchanged).
     with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(s * m) | ~np.isfinite(p).all(axis=1) | (not np.isfinite(wc).all())
+        bad = ~np.isfinite(s * m) | ~np.isfinite(p32).all(axis=1) | (not np.isfinite(wc).all())
     if bad.any():
-        res[bad] = _smooth_nonfinite_rows(s, m, p, t, wc, weight is not None, ls, smooth_arch35)[bad]
+        # p32: a row whose fp32 exp overflows is inf there on the device (an ignored row's p·0 is
+        # NaN, docs/device_parity.md row 4e), not the float64 exp's finite value
+        res[bad] = _smooth_nonfinite_rows(s, m, p32, t, wc, weight is not None, ls, smooth_arch35)[bad]
     out[...] = res.astype(out.dtype)
     return out
 
