@@ -179,6 +179,8 @@ def _row_sum(prod):
 
 def oracle_softmax_backward(go, y, mask, scale, triu):
     shape = go.shape
+    if go.size == 0:
+        return np.zeros(shape, go.dtype)
     s2 = shape[-1]
     s1 = shape[-2] if len(shape) >= 2 else 1
     G, Y = w32(go).reshape(-1, s2), w32(y).reshape(-1, s2)
@@ -463,3 +465,36 @@ def test_reference_smooth_l1_difference_is_fp32(soc, n):
             xs, ts, gs = np.full(n, x, np.float32), np.full(n, t, np.float32), np.full(n, -2.0, np.float32)
             got = fg.smooth_l1_loss_backward(gs, xs, ts, "none", beta)
             bits_equal(got, oracle_smooth_l1(gs, xs, ts, "none", beta, soc))
+
+
+def _both_backends(call):
+    """``call()`` on the cpu and the reference backend: (kind, value) each, kind "ok" or the
+    AclnnError's status; any other exception propagates (a crash is a failure)."""
+    res = []
+    for backend in ("cpu", "reference"):
+        with fg.use_backend(backend):
+            try:
+                res.append(("ok", call()))
+            except fg.AclnnError as e:
+                res.append((e.status, None))
+    return res
+
+
+@FUZZ
+@given(shape=st.lists(st.sampled_from([0, 1, 2, 3, 5]), min_size=1, max_size=5), triu=st.booleans(),
+       mask_from=st.integers(0, 5), dtype=st.sampled_from(DTYPES), soc=st.sampled_from(SOCS))
+def test_reference_softmax_backward_takes_every_shape_the_cpu_backend_takes(shape, triu, mask_from, dtype, soc):
+    """Ranks 1 to 5 and empty axes (fix_triu_mask with a 1-D input: row i = 0 of the causal mask;
+    the reference raised a bare ValueError broadcasting its (S1, S2) triangle into (S2,))."""
+    rng = np.random.default_rng(len(shape) * 31 + sum(shape))
+    go, y = (rng.standard_normal(tuple(shape)).astype(np.float32).astype(dtype) for _ in range(2))
+    mask = None if triu and mask_from == 5 else rng.random(tuple(shape)[min(mask_from, len(shape)):]) < 0.4
+    with fg.soc_version(soc):
+        (k1, cpu), (k2, ref) = _both_backends(lambda: fg.scaled_masked_softmax_backward(go, y, mask, 0.5, triu))
+    assert k1 == k2
+    if k1 == "ok":
+        exp = oracle_softmax_backward(go, y, mask, 0.5, triu)
+        bits_equal(cpu, exp)
+        masked = np.asarray(exp).astype(np.float32) == 0
+        assert (np.asarray(ref).astype(np.float32)[masked & (np.asarray(cpu).astype(np.float32) == 0)] == 0).all()
+        np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(cpu, np.float32), rtol=2e-2, atol=1e-6)

@@ -48,7 +48,8 @@ def scaled_masked_softmax_backward_reference(
         masked |= np.broadcast_to(np.asarray(mask) != 0, go.shape)
     if fix_triu_mask:
         s1 = go.shape[-2] if go.ndim >= 2 else 1
-        masked |= np.triu(np.ones((s1, s2), dtype=bool), k=1)
+        tri = np.triu(np.ones((s1, s2), dtype=bool), k=1)
+        masked |= tri if go.ndim >= 2 else tri[0]  # a 1-D row is row i = 0 of its causal mask
     res[masked] = 0.0
     out[...] = res.astype(np.float32).astype(out.dtype)
     return out
