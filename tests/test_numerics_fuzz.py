@@ -498,3 +498,22 @@ def test_reference_softmax_backward_takes_every_shape_the_cpu_backend_takes(shap
         masked = np.asarray(exp).astype(np.float32) == 0
         assert (np.asarray(ref).astype(np.float32)[masked & (np.asarray(cpu).astype(np.float32) == 0)] == 0).all()
         np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(cpu, np.float32), rtol=2e-2, atol=1e-6)
+
+
+@FUZZ
+@given(n=st.sampled_from([0, 1, 3]), c=st.sampled_from([0, 1, 3]), red=st.sampled_from(["none", "mean", "sum"]),
+       weighted=st.booleans(), ls=st.sampled_from([0.0, 0.3]), ii=st.sampled_from([-100, 0]),
+       soc=st.sampled_from(SOCS))
+def test_reference_ce_grad_takes_every_shape_the_cpu_backend_takes(n, c, red, weighted, ls, ii, soc):
+    """Empty N or C, every reduction, weight and label smoothing (C = 0 with a weight, label
+    smoothing and all rows ignored: the reference indexed the empty weight, a bare IndexError)."""
+    t = np.full(n, ii, np.int64)
+    w = np.ones(c, np.float32) if weighted else None
+    g = np.ones(n if red == "none" else (), np.float32)
+    lp = np.full((n, c), -1.0, np.float32)
+    with fg.soc_version(soc):
+        (k1, cpu), (k2, ref) = _both_backends(lambda: fg.cross_entropy_loss_grad(g, lp, t, w, red, ii, ls))
+    assert k1 == k2
+    if k1 == "ok":
+        assert cpu.shape == ref.shape == (n, c)
+        np.testing.assert_allclose(ref, cpu, rtol=1e-6)

@@ -87,6 +87,8 @@ def cross_entropy_loss_grad_reference(
 ) -> np.ndarray:
     """The z-loss inputs are not read (the device ignores them)."""
     n, c = log_prob.shape
+    if n == 0 or c == 0:  # nothing to write (a C = 0 row has no column to index weight with)
+        return out
     if float(label_smoothing) == 0.0:
         return _device_path(grad_loss, log_prob, target, weight, reduction, ignore_index, out, ignore_any_sign)
     lp = _f64(log_prob)
