@@ -43,6 +43,13 @@ def _online_tile(lo, hi, L, row0, col0, code, m_run, s_run, tcol, picked):
             mnew = np.float32(np.nan)
         if mnew == -np.inf:
             s_run[r] = s_run[r] + st
+        elif mt == -np.inf:
+            # a tile of -inf logits only (st is exp(-inf + inf) = NaN) adds exp(-inf - mnew) = 0
+            # per column: the running sum stays (m0 == mnew, the factor 1)
+            pass
+        elif m0 == -np.inf:
+            # only -inf logits before this tile (s_run NaN, or 0 on the first tile): each adds 0
+            s_run[r] = st * exp_f32(mt - mnew)
         else:
             s_run[r] = s_run[r] * exp_f32(m0 - mnew) + st * exp_f32(mt - mnew)
         m_run[r] = mnew
