@@ -554,3 +554,33 @@ def test_training_loss_fuzz_against_torch_autograd(
     within(np.asarray(r.loss, np.float32), loss, 8 * K * U32 * lmag, "loss")
     within(np.asarray(r.entropy, np.float32), ent, 8 * K * U32 * lmag, "entropy")
     within(r.lse, lse, 8 * K * U32 * (np.abs(lse) + 8 / temperature), "lse")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dt", [F32, BF16])
+def test_training_loss_nan_logits_make_the_row_nan_whatever_the_chunk(dt, grad):
+    """Found here: logits NaN over a whole vocabulary chunk before the row's first other logit
+    (a NaN in the weight's rows 0..2047, the first chunk of 2048 columns) were dropped from the
+    row's statistics — the chunk's max is -inf (a NaN never becomes the max) and its sums were
+    skipped — so ``lse``, the loss and the entropy came out finite without ``return_grad`` (NaN
+    with it), and a row of NaN logits only gave ``lse`` -inf; PyTorch (float64) gives NaN, as
+    the contract's "NaN propagates through the sums".  Now such a chunk makes the row's sums NaN."""
+    rng = np.random.default_rng(5)
+    BT, H, V = 3, 2, 2100
+    x = rng.standard_normal((BT, H)).astype(dt)
+    w = rng.standard_normal((V, H)).astype(dt)
+    w[:2048, 0] = np.nan
+    x[2] = [0, 1]  # row 2: 0·NaN = NaN too (every logit of the chunk NaN, the rest finite)
+    t = np.array([2050, 2090, 2099])
+    xr = x.copy()
+    xr[1] = np.nan  # a row of NaN logits only
+    for xx in (x, xr):
+        with np.errstate(all="ignore"):
+            r = fg.linear_cross_entropy(xx, w, t, reduction="none", return_grad=grad, return_entropy=True)
+            loss, ent, lse, gi, gw, _ = torch_ce(xx, w, None, t, "none", 0.0, -100, np.ones(BT), None, 1.0, 0.0)
+        for got, ref, what in ((r.lse, lse, "lse"), (r.loss, loss, "loss"), (r.entropy, ent, "entropy")):
+            same_specials(got, ref, what)
+        assert np.isnan(f64(r.lse)).all()
+        if grad:
+            same_specials(r.grad_input, gi, "grad_input")
+            same_specials(r.grad_weight, gw, "grad_weight")

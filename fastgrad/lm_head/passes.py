@@ -128,7 +128,7 @@ def _stats_chunk(
         r = L[off + i * width : off + (i + 1) * width]
         if transform:
             _row_transform(r, bias[v0 : v0 + width] if flags[F_BIAS] else bias, par, flags)
-        cm = row_max_nan(r, ninf)[0]  # a NaN never becomes the max
+        cm, n_nan = row_max_nan(r, ninf)  # a NaN never becomes the max
         m = m_io[i]
         s = s_io[i]
         sz = sz_io[i] if flags[F_ENTROPY_STAT] else zero
@@ -144,6 +144,11 @@ def _stats_chunk(
             s += row_sum_exp(r, m, zero)
             if flags[F_ENTROPY_STAT]:
                 sz += _row_sum_exp_dz(r, m, zero)
+        elif n_nan:
+            # NaN logits and no other but -inf so far: the sums skipped here are NaN (a later
+            # chunk's max then keeps them NaN, as the NaN terms do where a max exists)
+            s = s + (ninf - ninf)
+            sz = sz + (ninf - ninf)
         m_io[i] = m
         s_io[i] = s
         if flags[F_ENTROPY_STAT]:
