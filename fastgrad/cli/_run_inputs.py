@@ -85,19 +85,31 @@ def resolve(args) -> Job:
     if args.model is not None:
         md = ck.open_model_dir(args.model)
         name = args.tensor or md.head
+        if name is None and md.candidates:
+            raise CliError(
+                "--model",
+                "one LM head in the checkpoint",
+                f"{args.model!r} with {len(md.candidates)} ({ck._list(md.candidates)})",
+                hint="name it with --tensor",
+            )
         if name is None:
             raise CliError(
                 "--model",
                 "an LM head in the checkpoint (lm_head.weight, or a tied input embedding "
                 "such as model.embed_tokens.weight / embeddings.word_embeddings.weight)",
                 f"{args.model!r} with {ck._list(md.tensors)}",
-                hint="name it with --tensor",
+                hint="; ".join([*md.notes, "name it with --tensor"]),
             )
         if name not in md.tensors:
             raise CliError("--tensor", f"a tensor of {args.model!r} ({ck._list(md.tensors)})", repr(name))
         w = ck.load_tensor(md.tensors[name], "--model")
-        arch = ",".join(md.config.get("architectures") or []) or md.config.get("model_type", "?")
+        arch = ck.model_arch(md)
         tied = " (tied input embedding)" if md.tied and not args.tensor else ""
+        for what in ck.head_transforms(md, name):
+            notes.append(
+                f"{what} is not applied: the op's loss is the cross-entropy of the plain logits "
+                "x·Wᵀ (the model's own loss differs)"
+            )
         sources["weight"] = f"{args.model} ({arch}): {name}{tied} from {os.path.basename(md.tensors[name].file)}"
         cv, ch = ck.model_dims(md)
         if w.ndim == 2 and ch is not None and ch != w.shape[1]:

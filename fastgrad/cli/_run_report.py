@@ -298,6 +298,10 @@ def list_tensors(path: str) -> int:
     for i in infos:
         print(f"{i.name}\t{i.dtype}\t{list(i.shape)}\t{os.path.basename(i.file)}")
     if md is not None:
-        head = md.head or "none found (name it with --tensor)"
+        head = md.head or (
+            f"several ({', '.join(md.candidates)}): name one with --tensor"
+            if md.candidates
+            else "none found (name it with --tensor)"
+        )
         print(f"# LM head: {head}{' (tied input embedding)' if md.tied else ''}", file=sys.stderr)
     return 0

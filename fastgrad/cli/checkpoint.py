@@ -214,11 +214,21 @@ INPUT_NAMES = ("hidden_states", "last_hidden_state", "input", "x")
 TARGET_NAMES = ("target", "targets", "labels", "input_ids", "target_ids", "ids")
 
 
-def load_array_arg(spec: str, flag: str, conventional: tuple = ()) -> tuple[np.ndarray, str]:
-    """``FILE.npy``, ``FILE.safetensors`` or ``FILE.safetensors:NAME`` -> (array, description)."""
-    path, name = spec, None
+def _split_spec(spec: str) -> tuple[str, str | None]:
     if ":" in spec and not os.path.exists(spec):
         path, name = spec.rsplit(":", 1)
+        return path, name
+    return spec, None
+
+
+def spec_path(spec: str) -> str:
+    """The file of ``FILE``, ``FILE.safetensors`` or ``FILE.safetensors:NAME``."""
+    return _split_spec(spec)[0]
+
+
+def load_array_arg(spec: str, flag: str, conventional: tuple = ()) -> tuple[np.ndarray, str]:
+    """``FILE.npy``, ``FILE.safetensors`` or ``FILE.safetensors:NAME`` -> (array, description)."""
+    path, name = _split_spec(spec)
     if path.lower().endswith(".safetensors"):
         st = SafetensorsFile(path, flag)
         names = st.names()
@@ -259,6 +269,16 @@ TIED_NAMES = (
     "transformer.embedding.word_embeddings.weight",
 )
 TIED_SUFFIXES = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight")
+#: model_type values whose transformers config defaults to ``tie_word_embeddings=False``: when
+#: config.json leaves it out, the model does not tie its head to the input embedding (a checkpoint
+#: without an untied head then has no head; transformers initializes one at random).
+UNTIED_BY_DEFAULT = frozenset(
+    "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe phi phi3 gpt_neox granite granitemoe olmo2 "
+    "glm4 stablelm deepseek_v3 gpt_oss exaone4".split()
+)
+#: An untied head under a wrapper's prefix (``language_model.lm_head.weight``: LLaVA-style
+#: checkpoints), looked for before any tied embedding: the model uses it, not the embedding.
+HEAD_SUFFIXES = (".lm_head.weight", ".embed_out.weight")
 
 
 @dataclass
@@ -270,6 +290,7 @@ class ModelDir:
     head: str | None = None
     tied: bool = False
     notes: list = field(default_factory=list)
+    candidates: list = field(default_factory=list)  # untied heads found under a prefix
 
 
 def _text_config(cfg: dict) -> dict:
@@ -289,25 +310,18 @@ def open_model_dir(path: str, flag: str = "--model") -> ModelDir:
         )
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
-        raise CliError(flag, "a Hugging Face model directory with a config.json", repr(path), hint="no config.json")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CliError(flag, "a config.json holding a JSON object", f"{cfg_path!r} ({_short(e)})") from None
+        raise CliError(
+            flag, "a Hugging Face model directory with a config.json", repr(path), hint=_no_config_hint(path)
+        )
+    cfg = _read_json(cfg_path, flag, "a config.json holding a JSON object")
     md = ModelDir(path, cfg)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                wmap = json.load(f)["weight_map"]
-            files = sorted(set(wmap.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CliError(
-                flag, "a model.safetensors.index.json with a weight_map", f"{index!r} ({_short(e)})"
-            ) from None
+        what = "a model.safetensors.index.json with a weight_map of tensor name -> file name"
+        wmap = _read_json(index, flag, what).get("weight_map")
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) and v for v in wmap.values()):
+            raise CliError(flag, what, f"{index!r} (weight_map: {_short(repr(wmap))})")
+        files = sorted(set(wmap.values()))
     else:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
@@ -328,7 +342,20 @@ def open_model_dir(path: str, flag: str = "--model") -> ModelDir:
     tie_cfg = tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
     names = md.tensors
     head = next((n for n in HEAD_NAMES if n in names), None)
-    if head is None and tie_cfg is not False:  # transformers' default is tied
+    if head is None:  # an untied head under a wrapper's prefix (language_model.lm_head.weight)
+        md.candidates = [n for n in names if n.endswith(HEAD_SUFFIXES)]
+        if len(md.candidates) == 1:
+            head = md.candidates[0]
+        elif md.candidates:  # several: the user names one (--tensor), never a guess
+            md.head = None
+            return md
+    untied_family = tie_cfg is None and tc.get("model_type") in UNTIED_BY_DEFAULT
+    if head is None and untied_family:
+        md.notes.append(
+            f"config.json has no tie_word_embeddings and model_type {tc.get('model_type')!r} is untied by "
+            "default: transformers would not use the input embedding as the head"
+        )
+    if head is None and tie_cfg is not False and not untied_family:  # transformers' default is tied
         head = next((n for n in TIED_NAMES if n in names), None) or next(
             (n for n in names if n.endswith(TIED_SUFFIXES)), None
         )
@@ -337,18 +364,89 @@ def open_model_dir(path: str, flag: str = "--model") -> ModelDir:
     return md
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def model_dims(md: ModelDir) -> tuple[int | None, int | None]:
     """(vocab_size, hidden_size) declared by config.json, when it declares them."""
     tc = _text_config(md.config)
-    h = next((tc[k] for k in ("hidden_size", "n_embd", "d_model", "dim") if isinstance(tc.get(k), int)), None)
-    v = tc.get("vocab_size") if isinstance(tc.get("vocab_size"), int) else None
+    h = next((tc[k] for k in ("hidden_size", "n_embd", "d_model", "dim") if _is_int(tc.get(k))), None)
+    v = tc.get("vocab_size") if _is_int(tc.get("vocab_size")) else None
     return v, h
+
+
+def model_arch(md: ModelDir) -> str:
+    """config.json's ``architectures`` (else ``model_type``), as text whatever their JSON type."""
+    arch = md.config.get("architectures")
+    if isinstance(arch, list):
+        arch = ",".join(str(a) for a in arch)
+    return str(arch or md.config.get("model_type") or "?")
+
+
+#: config.json keys by which a model transforms its logits after ``x·Wᵀ`` (the families of
+#: docs/torch.md's table and Falcon-H1), with the value that leaves them unchanged.
+HEAD_TRANSFORMS = {
+    "final_logit_softcapping": None,  # Gemma-2/3: c·tanh(z/c)
+    "logit_scale": 1,  # Cohere: z·s
+    "logits_scaling": 1,  # Granite: z/s
+    "lm_head_multiplier": 1,  # Falcon-H1: z·m
+}
+
+
+def head_transforms(md: ModelDir, head: str) -> list[str]:
+    """What the model adds to the plain logits ``x·Wᵀ`` of ``head`` that the op does not compute:
+    a head bias in the checkpoint, a softcap or scale in config.json (one phrase each)."""
+    tc = _text_config(md.config)
+    found = []
+    for key, identity in HEAD_TRANSFORMS.items():
+        v = tc.get(key)
+        if v is not None and v != identity and not (identity is None and v == 0):
+            found.append(f"config.json's {key}={v}")
+    base = head[: -len("weight")] if head.endswith("weight") else None
+    for bias in ([base + "bias"] if base else []) + ["final_logits_bias"]:
+        if bias in md.tensors:
+            found.append(f"the head bias {bias}")
+    return found
 
 
 # ----------------------------------------------------------------------------- helpers ----
 
 
-def _short(e: BaseException) -> str:
+def _read_json(path: str, flag: str, what: str) -> dict:
+    """A JSON object from ``path``, decoded as UTF-8 whatever the locale (JSON's encoding, and
+    transformers'); anything else is one line naming ``flag`` and the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CliError(flag, what, f"{path!r} ({_short(e)})") from None
+    except OSError as e:
+        raise CliError(flag, what, repr(path), hint=e.strerror or _short(e)) from None
+    return obj
+
+
+def _no_config_hint(path: str) -> str:
+    """Why a directory without config.json is not a model: a PEFT adapter says so."""
+    adapter = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(adapter):
+        return "no config.json"
+    base = ""
+    try:
+        with open(adapter, encoding="utf-8") as f:
+            name = json.load(f).get("base_model_name_or_path")
+        base = f" ({name})" if isinstance(name, str) and name else ""
+    except (OSError, ValueError, AttributeError):
+        pass
+    return (
+        "no config.json: a PEFT adapter (adapter_config.json); give its base model's directory"
+        f"{base}, or merge the adapter into it first (merge_and_unload, save_pretrained)"
+    )
+
+
+def _short(e: object) -> str:
     return " ".join(str(e).split())[:160]
 
 
