@@ -6,6 +6,7 @@ tensor (NumPy); the slow sweep builds the checkpoints with transformers' ``save_
 takes the head from ``model.get_output_embeddings()``."""
 
 import builtins
+import hashlib
 import json
 
 import numpy as np
@@ -183,6 +184,51 @@ def test_peft_adapter_folder_says_what_it_is(tmp_path):
                                                        "peft_type": "LORA"}))
     ck.save_safetensors(str(a / "adapter_model.safetensors"), {"x.lora_A.weight": np.ones((2, 8), np.float32)})
     one_line(fastgrad("--model", a), "--model", "config.json", "PEFT adapter", "Qwen/Qwen2.5-0.5B", "merge")
+
+
+def _md5(p):
+    return hashlib.md5(p.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("fmt, flag, spec", [
+    ("safetensors", "--input", "results.safetensors:grad_input"),
+    ("safetensors", "--target", "results.safetensors:target"),
+    ("npy", "--target", "target.npy"),
+    ("npy", "--weight", "grad_weight.npy"),
+])
+def test_out_never_replaces_an_input_file(tmp_path, fmt, flag, spec):
+    """Chaining runs (`--input OUT/results.safetensors:grad_input --out OUT`) replaced the user's
+    input file with the new results; now refused before any work, the file unchanged."""
+    out = tmp_path / "out"
+    p = fastgrad("--bt", 6, "--hidden", 8, "--vocab", 40, "--dtype", "fp32", "--samples", 0, "--no-progress",
+                 "--out", out, "--out-format", fmt)
+    assert p.returncode == 0, p.stderr
+    f = out / spec.split(":")[0]
+    before = _md5(f), sorted(x.name for x in out.iterdir())
+    shape = ("--vocab", 40, "--hidden", 8) if flag != "--weight" else ()
+    common = (flag, f"{out}/{spec}", *shape, "--bt", 6, "--samples", 0, "--no-progress", "--out-format", fmt)
+    one_line(fastgrad(*common, "--out", out), "--out", str(f))
+    assert (_md5(f), sorted(x.name for x in out.iterdir())) == before
+    # another --out holding a symlink to the input: the same file
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / f.name).symlink_to(f)
+    one_line(fastgrad(*common, "--out", tmp_path / "other"), "--out")
+    assert _md5(f) == before[0]
+
+
+def test_failed_run_removes_the_parents_it_made_for_out(data, tmp_path):
+    """--out a/b/out (none existing) and a run refused after --out was made: a/ and a/b/ were
+    left behind (only out/ was removed)."""
+    d, emb, head, x, t = data
+    bad = tmp_path / "nan.npy"
+    np.save(bad, np.full((BT, H), np.nan, np.float32))
+    (tmp_path / "keep").mkdir()
+    one_line(fastgrad("--input", bad, "--vocab", V, "--hidden", H, "--out", tmp_path / "a" / "b" / "out", "--no-progress"),
+             "--input", "finite")
+    one_line(fastgrad("--input", bad, "--vocab", V, "--hidden", H, "--out", tmp_path / "keep" / "c" / "out", "--no-progress"),
+             "--input")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep", "nan.npy"]
+    assert list((tmp_path / "keep").iterdir()) == []
 
 
 # ------------------------------------------------------------------ transformers' own checkpoints

@@ -44,6 +44,7 @@ class Job:
     bounds: list = field(default_factory=list)
     estimate: dict = field(default_factory=dict)
     out_created: bool = False  # --out did not exist before this run (removed if nothing is written)
+    out_dirs_made: list = field(default_factory=list)  # --out and its parents this run created
 
 
 def _float_matrix(a: np.ndarray, flag: str, what: str) -> None:
@@ -81,6 +82,7 @@ def resolve(args) -> Job:
     if args.tensor is not None and srcs[:1] not in (["model"], ["safetensors"]):
         raise CliError("--tensor", "--safetensors CKPT or --model DIR to name a tensor of", "no checkpoint")
     sources, notes = {}, []
+    files: list[str] = []  # the files the inputs are read from (--out must not replace one)
     w = None
     if args.model is not None:
         md = ck.open_model_dir(args.model)
@@ -103,6 +105,7 @@ def resolve(args) -> Job:
         if name not in md.tensors:
             raise CliError("--tensor", f"a tensor of {args.model!r} ({ck._list(md.tensors)})", repr(name))
         w = ck.load_tensor(md.tensors[name], "--model")
+        files += [md.tensors[name].file]
         arch = ck.model_arch(md)
         tied = " (tied input embedding)" if md.tied and not args.tensor else ""
         for what in ck.head_transforms(md, name):
@@ -132,8 +135,10 @@ def resolve(args) -> Job:
             raise CliError("--tensor", f"a tensor of {args.safetensors!r} ({ck._list(st.names())})", repr(name))
         w = st.load(name, "--safetensors")
         sources["weight"] = f"{args.safetensors}:{name}"
+        files.append(args.safetensors)
     elif args.weight is not None:
         w, sources["weight"] = ck.load_array_arg(args.weight, "--weight")
+        files.append(ck.spec_path(args.weight))
     wflag = "--" + (srcs[0] if srcs else "weight")
     if w is not None:
         _float_matrix(w, wflag, "[V, H] matrix")
@@ -165,6 +170,7 @@ def resolve(args) -> Job:
     x = None
     if args.input is not None:
         x, sources["input"] = ck.load_array_arg(args.input, "--input", ck.INPUT_NAMES)
+        files.append(ck.spec_path(args.input))
         _float_matrix(x, "--input", "[BT, H] array")
         if x.ndim < 2 or x.shape[-1] != H:
             raise CliError(
@@ -185,6 +191,7 @@ def resolve(args) -> Job:
     t = None
     if args.target is not None:
         t, sources["target"] = ck.load_array_arg(args.target, "--target", ck.TARGET_NAMES)
+        files.append(ck.spec_path(args.target))
         if t.dtype.kind not in "iu":
             raise CliError("--target", "integer token ids", f"dtype {t.dtype}")
         t = t.reshape(-1)
@@ -229,9 +236,55 @@ def resolve(args) -> Job:
         )
     if args.check and args.samples == 0:
         raise CliError("--check", "--samples >= 1 (the check compares sampled rows with the golden)", "--samples 0")
+    if args.out is not None:
+        _refuse_out_over_inputs(args, files)
+    made = _missing_dirs(args.out) if args.out is not None else []
     created = _prepare_out(args.out) if args.out is not None else False
     bounds = [int(b) for b in np.linspace(0, V, args.shards + 1).round()]
-    return Job(args, np.dtype(dtype), BT, H, V, w, x, t, sources, notes, bounds, out_created=created)
+    job = Job(args, np.dtype(dtype), BT, H, V, w, x, t, sources, notes, bounds, out_created=created)
+    job.out_dirs_made = made if created else []
+    return job
+
+
+def out_file_names(args) -> list[str]:
+    """The files ``--out`` receives (each written as ``NAME.part``, then renamed)."""
+    names = ["results.safetensors"] if args.out_format == "safetensors" else [n + ".npy" for n in OUTPUT_TENSORS]
+    return names + ["report.json"]
+
+
+def _refuse_out_over_inputs(args, files: list[str]) -> None:
+    """``--out`` must not replace a file the job reads (``--input OUT/results.safetensors:grad_input
+    --out OUT``): the user's file would be overwritten by the results."""
+    inputs = [f for f in files if os.path.isfile(f)]
+    for name in out_file_names(args):
+        for p in (os.path.join(args.out, name), os.path.join(args.out, name + ".part")):
+            hit = next((f for f in inputs if os.path.exists(p) and os.path.samefile(p, f)), None)
+            if hit is not None:
+                raise CliError(
+                    "--out",
+                    "a directory whose results do not replace an input file",
+                    repr(args.out),
+                    hint=f"{p!r} would overwrite {hit!r}, which this job reads: choose another --out",
+                )
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The directories of ``path`` (itself included) that do not exist yet, deepest first."""
+    made = []
+    d = os.path.abspath(path)
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        made.append(d)
+        d = os.path.dirname(d)
+    return made
+
+
+def remove_made_dirs(job: Job) -> None:
+    """Remove ``--out`` and the parents this run made for it, deepest first, while empty."""
+    for d in job.out_dirs_made or [job.args.out]:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 def _prepare_out(path: str) -> bool:
@@ -239,10 +292,12 @@ def _prepare_out(path: str) -> bool:
     created.  Returns True when this call created it (removed again if the job never writes)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError("--out", "a directory (created when missing)", repr(path), hint="an existing file")
-    created = not os.path.exists(path)
+    made = _missing_dirs(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
+        for d in made:  # the parents made before the failure
+            _remove_dir_if_empty(d)
         raise CliError("--out", "a directory that can be created", repr(path), hint=e.strerror or str(e)) from None
     probe = os.path.join(path, f".fastgrad-write-test-{os.getpid()}")
     try:  # os.access says yes to root on a read-only mount: try it
@@ -250,10 +305,10 @@ def _prepare_out(path: str) -> bool:
             pass
         os.remove(probe)
     except OSError as e:
-        if created:
-            _remove_dir_if_empty(path)
+        for d in made:
+            _remove_dir_if_empty(d)
         raise CliError("--out", "a writable directory", repr(path), hint=e.strerror or str(e)) from None
-    return created
+    return bool(made)
 
 
 def check_writable_file(path: str, flag: str) -> None:
@@ -296,8 +351,7 @@ def check_out_files(job: Job) -> None:
     path = job.args.out
     if path is None:
         return
-    names = ["results.safetensors"] if job.args.out_format == "safetensors" else [n + ".npy" for n in OUTPUT_TENSORS]
-    for name in names + ["report.json"]:
+    for name in out_file_names(job.args):
         f = os.path.join(path, name)
         for p in (f, f + ".part"):
             if os.path.isdir(p):

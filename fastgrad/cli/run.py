@@ -79,6 +79,7 @@ from ._run_inputs import (  # noqa: F401  (re-exported)
     load_inputs,
     measure_blas_gflops,
     output_bytes,
+    remove_made_dirs,
     resolve,
 )
 from ._run_report import (  # noqa: F401  (re-exported)
@@ -501,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _main(job)
         finally:
-            if job.out_created:  # nothing written (refused, interrupted, failed): leave no empty dir
-                _remove_dir_if_empty(args.out)
+            if job.out_created:  # nothing written (refused, interrupted, failed): leave no empty dir,
+                remove_made_dirs(job)  # nor the parents made for it
 
 
 def _interrupted(e: BaseException, ph: Phases, say: Say, what: str) -> int:
