@@ -3,6 +3,7 @@ exit 2, before any work (--attr values are tried on a small case of the op first
 Ctrl-C or a failed write leaves no --out folder and no partial case; --force replaces an older
 case's files; reduction="none" gives the CE grad a (N,) grad_loss."""
 
+import importlib
 import json
 import os
 import signal
@@ -86,7 +87,7 @@ def test_force_refuses_a_folder_that_is_no_case(tmp_path):
 
 
 def test_a_failed_write_leaves_no_partial_case(tmp_path, monkeypatch):
-    import fastgrad.compare as C
+    C = importlib.import_module("fastgrad.compare")  # the module: fg.compare, once read, is its function
 
     real, calls = C.save_array, []
 
