@@ -41,7 +41,7 @@ def test_bench_refuses_empty_list_items(flag, value):
     one_line(fastgrad("bench", "--quick", "--ops", "ce", flag, value), flag, repr(value))
 
 
-@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("existing", [False, True, "nested"])
 def test_msprobe_golden_that_fails_mid_write_leaves_nothing_behind(tmp_path, monkeypatch, existing):
     """Found by fuzzing: a full disk while ``golden --from-msprobe`` wrote its results left the
     files written so far (only an empty folder it had made was removed).  Now what it wrote is
@@ -51,8 +51,8 @@ def test_msprobe_golden_that_fails_mid_write_leaves_nothing_behind(tmp_path, mon
 
     compare = importlib.import_module("fastgrad.compare")  # the module (fastgrad.compare is its function)
 
-    out = tmp_path / "out"
-    if existing:
+    out = tmp_path / "a" / "b" / "out" if existing == "nested" else tmp_path / "out"
+    if existing is True:
         out.mkdir()
         (out / "mine.txt").write_text("the user's")
     real, calls = compare.save_array, []
@@ -66,8 +66,8 @@ def test_msprobe_golden_that_fails_mid_write_leaves_nothing_behind(tmp_path, mon
     monkeypatch.setattr(compare, "save_array", save_array)
     one_line(fastgrad("golden", "--from-msprobe", DUMP, "--out", out, "-q"), "--out", "No space left on device")
     assert len(calls) == 4
-    if existing:
+    if existing is True:
         assert sorted(p.name for p in out.rglob("*")) == ["mine.txt"]
         assert (out / "mine.txt").read_text() == "the user's"
-    else:
-        assert not out.exists()
+    else:  # found by fuzzing: a/ and a/b/, made for --out a/b/out, were left behind
+        assert sorted(tmp_path.iterdir()) == []

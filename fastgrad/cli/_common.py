@@ -245,10 +245,22 @@ class OutputFolder:
             ...
     """
 
-    def __init__(self, path: str, created: bool, flag: str = "--out"):
+    def __init__(self, path: str, created: bool, flag: str = "--out", made: list[str] | None = None):
         self.path, self.created, self.flag = path, created, flag
+        self.made = list(made or [])  # the folders made for path (itself and parents), deepest first
         self.files: list[str] = []
         self.current: str | None = None
+
+    @classmethod
+    def prepared(cls, path: str, flag: str = "--out") -> OutputFolder:
+        """``path`` checked before any work (a writable directory, created with its parents when
+        missing: ``_run_inputs._prepare_out``), as the folder that removes on failure what the
+        command wrote there and every folder it made for it."""
+        from ._run_inputs import _missing_dirs, _prepare_out
+
+        made = _missing_dirs(path)
+        created = _prepare_out(path)
+        return cls(path, created, flag, made if created else [])
 
     def add(self, *paths: str) -> None:
         """Record ``paths`` before writing them (the first is the file named when a write fails)."""
@@ -290,8 +302,8 @@ class OutputFolder:
                 except OSError:
                     break
                 d = os.path.dirname(d)
-        if self.created:
+        for d in self.made or ([self.path] if self.created else []):  # deepest first, while empty
             try:
-                os.rmdir(self.path)
+                os.rmdir(d)
             except OSError:
-                pass
+                break

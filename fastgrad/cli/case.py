@@ -471,14 +471,12 @@ def main(argv: list[str]) -> int:
     _check_memory(op, dims, args.shape)
     import fastgrad as fg
 
-    from .run import _prepare_out
-
     with contextlib.ExitStack() as stack:
         device = enter_device(stack, args)
         refuse_missing_kernel(op, device["soc_version"])
         stack.enter_context(fg.use_backend("reference"))
         _check_attrs(op, dims, dt, args.mode, overrides, args.attr)  # before the (long) generation
-        out = stack.enter_context(OutputFolder(args.out, _prepare_out(args.out)))
+        out = stack.enter_context(OutputFolder.prepared(args.out))
         chain_note = " (the online max-sum's golden first)" if op in (FCE, FLCE) else ""
         print(
             f"fastgrad case: {ACLNN_OF[op]} {args.shape} {dtype_name(dt)} on {device['soc_version']}: generating the "

@@ -384,7 +384,6 @@ def main(argv: list[str]) -> int:
     import fastgrad as fg
 
     from ._common import OutputFolder
-    from .run import _prepare_out
 
     if args.backend not in fg.available_backends():
         raise CliError(
@@ -395,7 +394,7 @@ def main(argv: list[str]) -> int:
         refuse_missing_kernel(op, device["soc_version"])
         kwargs, unused = load_inputs(op, args.inputs, attrs, dtypes, shapes)  # read and checked before any work
         # writable before any work (a CliError: one line, exit 2); removed again if nothing is written
-        out = stack.enter_context(OutputFolder(args.out, _prepare_out(args.out)))
+        out = stack.enter_context(OutputFolder.prepared(args.out))
         try:
             outputs = compute(
                 op, kwargs, unused, args.out, fmt=args.format, backend=args.backend, device=device, out=out

@@ -70,10 +70,9 @@ def _run(args) -> int:
         except M.DumpError as e:
             raise CliError(f"--bench-dump: {e}") from None
     from ._common import OutputFolder
-    from .run import _prepare_out
 
     # --out writable before any work; what it wrote there removed again when the command fails
-    with OutputFolder(args.out, _prepare_out(args.out)) as out:
+    with OutputFolder.prepared(args.out) as out:
         return _judge(args, dump, out)
 
 
