@@ -43,6 +43,18 @@ _STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fastgrad_
 _strict_global: bool | None = None
 
 
+def _check_flag(enabled: object, op: str | None, param: str = "enabled") -> bool:
+    """``enabled`` as a bool (a Python or NumPy bool); else 161002 naming ``param``: a string
+    such as ``"false"`` or a number is refused, never read by its truth value."""
+    import numpy as np
+
+    if not isinstance(enabled, (bool, np.bool_)):
+        from .errors import invalid
+
+        raise invalid(param, "a bool (True or False)", repr(enabled), op)
+    return bool(enabled)
+
+
 def is_strict() -> bool:
     """True when strict device-parity mode is on (context > set_strict > FASTGRAD_STRICT)."""
     v = _STRICT.get()
@@ -54,9 +66,10 @@ def is_strict() -> bool:
 
 
 def set_strict(enabled: bool | None) -> None:
-    """Turn strict mode on/off for the process (None: back to ``FASTGRAD_STRICT``)."""
+    """Turn strict mode on/off for the process (None: back to ``FASTGRAD_STRICT``).  Raises
+    ``AclnnParamError`` (161002) for anything but a bool or None."""
     global _strict_global
-    _strict_global = None if enabled is None else bool(enabled)
+    _strict_global = None if enabled is None else _check_flag(enabled, "set_strict")
 
 
 @contextlib.contextmanager
@@ -66,7 +79,7 @@ def strict(enabled: bool = True) -> Iterator[None]:
     >>> with fg.strict():
     ...     fg.cross_entropy_loss_grad(..., label_smoothing=0.1)   # AclnnError 161002
     """
-    token = _STRICT.set(bool(enabled))
+    token = _STRICT.set(_check_flag(enabled, "strict"))
     try:
         yield
     finally:
@@ -93,15 +106,16 @@ def is_deterministic() -> bool:
 
 
 def set_deterministic(enabled: bool | None) -> None:
-    """Turn deterministic mode on/off for the process (None: back to ``FASTGRAD_DETERMINISTIC``)."""
+    """Turn deterministic mode on/off for the process (None: back to ``FASTGRAD_DETERMINISTIC``).
+    Raises ``AclnnParamError`` (161002) for anything but a bool or None."""
     global _deterministic_global
-    _deterministic_global = None if enabled is None else bool(enabled)
+    _deterministic_global = None if enabled is None else _check_flag(enabled, "set_deterministic")
 
 
 @contextlib.contextmanager
 def deterministic(enabled: bool = True) -> Iterator[None]:
     """Context manager: follow the device's deterministic-mode kernels (see :func:`is_deterministic`)."""
-    token = _DETERMINISTIC.set(bool(enabled))
+    token = _DETERMINISTIC.set(_check_flag(enabled, "deterministic"))
     try:
         yield
     finally:
@@ -762,7 +776,7 @@ class Options:
                 raise invalid("options.workspace_bytes", "an int >= 1 (bytes)", repr(wb))
             changes["workspace_bytes"] = wb
         if self.prefer_onednn is not None:
-            changes["prefer_onednn"] = bool(self.prefer_onednn)
+            changes["prefer_onednn"] = _check_flag(self.prefer_onednn, None, "options.prefer_onednn")
         return replace(s, **changes) if changes else s
 
 
