@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --------------------------------------------------------------------------- fixtures/helpers
 @pytest.fixture(scope="session")
 def libdir(tmp_path_factory):
-    return fakeacl.build(str(tmp_path_factory.mktemp("fake_cann") / "lib64"))
+    return fakeacl.build_once(tmp_path_factory)
 
 
 @contextlib.contextmanager

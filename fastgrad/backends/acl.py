@@ -227,25 +227,37 @@ class Call:
         self.executor: int | None = None
         self.executor_consumed = False
         self.workspace_size: int | None = None
+        self.stage_one_done = False  # the first call succeeded: later failures are the "run" phase
         self.launched = False  # stage two was called: work may be on the stream
         self.synced = False  # ... and the stream was synchronised since
         self.foreign_streams: list[int] = []  # producers' streams (torch_npu), synced before launch
 
+    def check(self, ret: int, what: str, name: str | None = None) -> None:
+        """``Runtime.check`` for this op: the message starts with the aclnn API (and names the
+        operand, when there is one); anything after a successful first call is the ``"run"`` phase
+        (the workspace allocation, the launch, the synchronisation that reports the launch's
+        asynchronous errors, the copies back)."""
+        self.rt.check(ret, what, op=self.op, phase="run" if self.stage_one_done else None, param=name)
+
     # device memory
-    def malloc(self, nbytes: int) -> int:
+    def malloc(self, nbytes: int, name: str) -> int:
         p = c_void_p()
-        self.rt.check(self.rt.fn("aclrtMalloc")(byref(p), int(nbytes), _rt.ACL_MEM_MALLOC_HUGE_FIRST), "aclrtMalloc")
+        ret = self.rt.fn("aclrtMalloc")(byref(p), int(nbytes), _rt.ACL_MEM_MALLOC_HUGE_FIRST)
+        self.check(ret, f"aclrtMalloc ({name}, {int(nbytes)} bytes)", name)
         ptr = int(p.value or 0)
         self.device_ptrs.append(ptr)
         return ptr
 
-    def _create(self, shape, dtype, strides, offset, storage, data) -> int:
+    def _acl_dtype(self, dtype, name: str) -> int:
         try:
-            acl_dtype = _rt.ACL_DTYPE[np.dtype(dtype)]
+            return _rt.ACL_DTYPE[np.dtype(dtype)]
         except KeyError:
             raise AclnnError(
-                ACLNN_ERR_PARAM_INVALID, f"{self.op}: dtype {np.dtype(dtype)} has no aclDataType"
+                ACLNN_ERR_PARAM_INVALID, f"{self.op}: {name}: dtype {np.dtype(dtype)} has no aclDataType", name
             ) from None
+
+    def _create(self, shape, dtype, strides, offset, storage, data, name: str) -> int:
+        acl_dtype = self._acl_dtype(dtype, name)
         t = self.rt.fn("aclCreateTensor")(
             _i64(shape),
             len(shape),
@@ -261,58 +273,62 @@ class Call:
             msg = self.rt.recent_error()
             raise AclnnError(
                 ACLNN_ERR_RUNTIME_ERROR,
-                "aclCreateTensor returned nullptr" + (f": {msg}" if msg else ""),
-                "aclCreateTensor",
+                f"{self.op}: aclCreateTensor ({name}) returned nullptr" + (f": {msg}" if msg else ""),
+                name,
             )
         self.tensors.append(t)
         return t
 
-    def _device_tensor(self, a: DeviceArray) -> int:
+    def _device_tensor(self, a: DeviceArray, name: str) -> int:
         if a.device_index is not None and self.rt.device is not None and int(a.device_index) != int(self.rt.device):
             raise AclnnError(
                 ACLNN_ERR_PARAM_INVALID,
-                f"{self.op}: an operand is on NPU {a.device_index} but the acl backend opened "
+                f"{self.op}: {name} is on NPU {a.device_index} but the acl backend opened "
                 f"device {self.rt.device} (set {_rt.ENV_DEVICE}={a.device_index})",
+                name,
             )
         if a.stream and a.stream != self.rt.stream and a.stream not in self.foreign_streams:
             self.foreign_streams.append(a.stream)
-        return self._create(a.shape, a.dtype, a.strides, a.offset, [a.storage_elems], a.ptr or None)
+        return self._create(a.shape, a.dtype, a.strides, a.offset, [a.storage_elems], a.ptr or None, name)
 
-    def input(self, a: npt.ArrayLike | DeviceArray | None) -> int | None:
-        """aclTensor for an input (None -> nullptr)."""
+    def _h2d(self, dev: int, src: np.ndarray, nbytes: int, name: str) -> None:
+        ret = self.rt.fn("aclrtMemcpy")(dev, nbytes, src.ctypes.data, nbytes, _rt.ACL_MEMCPY_HOST_TO_DEVICE)
+        self.check(ret, f"aclrtMemcpy ({name}, host to device, {nbytes} bytes)", name)
+
+    def input(self, a: npt.ArrayLike | DeviceArray | None, name: str) -> int | None:
+        """aclTensor for the input ``name`` (the aclnn parameter; None -> nullptr)."""
         if a is None:
             return None
         if isinstance(a, DeviceArray):
-            return self._device_tensor(a)
+            return self._device_tensor(a, name)
         a = np.asarray(a)
+        self._acl_dtype(a.dtype, name)  # refused before any device memory is taken
         if a.size == 0:
-            return self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), None)
+            return self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), None, name)
         src, strides, storage = strided_layout(a)
         nbytes = int(math.prod(storage)) * a.itemsize
-        dev = self.malloc(nbytes)
-        self.rt.check(
-            self.rt.fn("aclrtMemcpy")(dev, nbytes, src.ctypes.data, nbytes, _rt.ACL_MEMCPY_HOST_TO_DEVICE),
-            "aclrtMemcpy",
-        )
-        return self._create(a.shape, a.dtype, strides, 0, storage, dev)
+        dev = self.malloc(nbytes, name)
+        self._h2d(dev, src, nbytes, name)
+        return self._create(a.shape, a.dtype, strides, 0, storage, dev, name)
 
-    def output(self, a: Operand | None) -> int | None:
-        """aclTensor for an output (None -> nullptr); copied back after the sync."""
+    def output(self, a: Operand | None, name: str) -> int | None:
+        """aclTensor for the output ``name`` (None -> nullptr); copied back after the sync."""
         if a is None:
             return None
         if isinstance(a, DeviceArray):
-            return self._device_tensor(a)
+            return self._device_tensor(a, name)
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.flags.writeable:
-            raise AclnnError(ACLNN_ERR_RUNTIME_ERROR, f"{self.op}: outputs must be writable C-contiguous arrays")
+            raise AclnnError(
+                ACLNN_ERR_RUNTIME_ERROR, f"{self.op}: {name}: outputs must be writable C-contiguous arrays", name
+            )
+        self._acl_dtype(a.dtype, name)
         if a.size == 0:
-            return self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), None)
+            return self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), None, name)
         nbytes = a.nbytes
-        dev = self.malloc(nbytes)
-        self.rt.check(
-            self.rt.fn("aclrtMemcpy")(dev, nbytes, a.ctypes.data, nbytes, _rt.ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy"
-        )
-        t = self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), dev)
-        self.copy_back.append((a, dev, nbytes))
+        dev = self.malloc(nbytes, name)
+        self._h2d(dev, a, nbytes, name)
+        t = self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), dev, name)
+        self.copy_back.append((a, dev, nbytes, name))
         return t
 
     def run(self, *args: int | float | bytes | None) -> None:
@@ -322,21 +338,20 @@ class Call:
         executor = c_void_p()
         stage_one = f"{self.op}GetWorkspaceSize"
         for s in self.foreign_streams:  # the producers' pending writes (torch_npu) land first
-            rt.check(rt.fn("aclrtSynchronizeStream")(s), "aclrtSynchronizeStream")
-        rt.check(rt.fn(stage_one)(*args, byref(ws), byref(executor)), stage_one)
+            self.check(rt.fn("aclrtSynchronizeStream")(s), "aclrtSynchronizeStream (a producer's stream)")
+        self.check(rt.fn(stage_one)(*args, byref(ws), byref(executor)), stage_one)
         self.executor = executor.value
         self.workspace_size = int(ws.value)
-        workspace = self.malloc(self.workspace_size) if self.workspace_size > 0 else None
+        self.stage_one_done = True
+        workspace = self.malloc(self.workspace_size, "workspace") if self.workspace_size > 0 else None
         self.executor_consumed = True  # stage two takes ownership, whatever it returns
         self.launched = True  # ... and may have queued work, whatever it returns
-        rt.check(rt.fn(self.op)(workspace, self.workspace_size, self.executor, rt.stream), self.op)
-        rt.check(rt.fn("aclrtSynchronizeStream")(rt.stream), "aclrtSynchronizeStream")
+        self.check(rt.fn(self.op)(workspace, self.workspace_size, self.executor, rt.stream), self.op)
+        self.check(rt.fn("aclrtSynchronizeStream")(rt.stream), "aclrtSynchronizeStream")
         self.synced = True
-        for host, dev, nbytes in self.copy_back:
-            rt.check(
-                rt.fn("aclrtMemcpy")(host.ctypes.data, nbytes, dev, nbytes, _rt.ACL_MEMCPY_DEVICE_TO_HOST),
-                "aclrtMemcpy",
-            )
+        for host, dev, nbytes, name in self.copy_back:
+            ret = rt.fn("aclrtMemcpy")(host.ctypes.data, nbytes, dev, nbytes, _rt.ACL_MEMCPY_DEVICE_TO_HOST)
+            self.check(ret, f"aclrtMemcpy ({name}, device to host, {nbytes} bytes)", name)
 
     def close(self) -> list[str]:
         """Destroy every tensor, free every allocation; returns the failures (never raises)."""
@@ -420,17 +435,17 @@ def fused_linear_online_max_sum(
     lmax, sumexp, pred, mask, masked, logits = out
     with op_call("aclnnFusedLinearOnlineMaxSum") as c:
         c.run(
-            c.input(input),
-            c.input(weight),
-            c.input(target),
+            c.input(input, "input"),
+            c.input(weight, "weight"),
+            c.input(target, "target"),
             int(vocab_start_index),
             int(vocab_end_index),
-            c.output(lmax),
-            c.output(sumexp),
-            c.output(pred),
-            c.output(mask),
-            c.output(masked),
-            c.output(logits),
+            c.output(lmax, "logitsMaxLocalOut"),
+            c.output(sumexp, "sumExpLogitsLocalOut"),
+            c.output(pred, "predictedLogitsLocalOut"),
+            c.output(mask, "targetMaskOut"),
+            c.output(masked, "maskedTargetOut"),
+            c.output(logits, "vocabParallelLogitsOutOptional"),
         )
 
 
@@ -465,15 +480,15 @@ def fused_cross_entropy_loss_with_max_sum(
         )
     with op_call("aclnnFusedCrossEntropyLossWithMaxSum") as c:
         c.run(
-            c.input(logits_max),
-            c.input(sum_exp_logits),
-            c.input(predicted_logits),
+            c.input(logits_max, "logitsMax"),
+            c.input(sum_exp_logits, "sumExpLogits"),
+            c.input(predicted_logits, "predictedLogits"),
             0.0,
             None,
             None,
-            c.input(vocab_parallel_logits),
-            c.output(loss),
-            c.output(softmax),
+            c.input(vocab_parallel_logits, "vocabParallelLogitsOptional"),
+            c.output(loss, "lossOut"),
+            c.output(softmax, "softMaxOutOptional"),
         )
     if label_smoothing != 0.0:
         from ..vocab_parallel import smoothed_loss
@@ -503,17 +518,17 @@ def fused_linear_cross_entropy_loss_grad(
     grad_input, grad_weight = out
     with op_call("aclnnFusedLinearCrossEntropyLossGrad") as c:
         c.run(
-            c.input(grad),
-            c.input(input),
-            c.input(weight),
-            c.input(target_mask),
-            c.input(masked_target),
+            c.input(grad, "grad"),
+            c.input(input, "input"),
+            c.input(weight, "weight"),
+            c.input(target_mask, "targetMask"),
+            c.input(masked_target, "maskedTarget"),
             float(label_smoothing),
-            c.input(logits_max),
-            c.input(sum_exp_logits),
-            c.input(softmax),
-            c.output(grad_input),
-            c.output(grad_weight),
+            c.input(logits_max, "logitsMaxOptional"),
+            c.input(sum_exp_logits, "sumExpLogitsOptional"),
+            c.input(softmax, "softmaxOptional"),
+            c.output(grad_input, "inputGradOut"),
+            c.output(grad_weight, "weightGradOut"),
         )
 
 
@@ -539,17 +554,17 @@ def cross_entropy_loss_grad(
     red = reduction if isinstance(reduction, str) else {v: k for k, v in REDUCTION_INT.items()}[int(reduction)]
     with op_call("aclnnCrossEntropyLossGrad") as c:
         c.run(
-            c.input(grad_loss),
-            c.input(log_prob),
-            c.input(target),
-            c.input(weight),
-            c.input(grad_zloss),
-            c.input(lse_for_zloss),
+            c.input(grad_loss, "gradLoss"),
+            c.input(log_prob, "logProb"),
+            c.input(target, "target"),
+            c.input(weight, "weightOptional"),
+            c.input(grad_zloss, "gradZlossOptional"),
+            c.input(lse_for_zloss, "lseForZlossOptional"),
             red.encode("ascii"),
             int(ignore_index),
             float(label_smoothing),
             float(lse_square_scale_for_zloss),
-            c.output(out),
+            c.output(out, "out"),
         )
 
 
@@ -564,7 +579,14 @@ def scaled_masked_softmax_backward(
 ) -> None:
     """aclnnScaledMaskedSoftmaxBackward (scale as C double, fixTriuMask as C bool)."""
     with op_call("aclnnScaledMaskedSoftmaxBackward") as c:
-        c.run(c.input(grad_output), c.input(y), c.input(mask), float(scale), bool(fix_triu_mask), c.output(out))
+        c.run(
+            c.input(grad_output, "gradOutput"),
+            c.input(y, "y"),
+            c.input(mask, "mask"),
+            float(scale),
+            bool(fix_triu_mask),
+            c.output(out, "out"),
+        )
 
 
 def smooth_l1_loss_backward(
@@ -582,7 +604,14 @@ def smooth_l1_loss_backward(
     ``smooth_l1_kernel`` (the CPU kernels' SoC choice) is not passed: the device runs its own."""
     red = REDUCTION_INT[reduction] if isinstance(reduction, str) else int(reduction)
     with op_call("aclnnSmoothL1LossBackward") as c:
-        c.run(c.input(grad_out), c.input(input), c.input(target), red, float(beta), c.output(out))
+        c.run(
+            c.input(grad_out, "gradOut"),
+            c.input(input, "self"),
+            c.input(target, "target"),
+            red,
+            float(beta),
+            c.output(out, "gradInput"),
+        )
 
 
 def embedding_dense_backward(
@@ -602,12 +631,12 @@ def embedding_dense_backward(
     itself (its deterministic mode is the context's ``ACL_OPT_DETERMINISTIC``)."""
     with op_call("aclnnEmbeddingDenseBackward") as c:
         c.run(
-            c.input(grad),
-            c.input(indices),
+            c.input(grad, "grad"),
+            c.input(indices, "indices"),
             int(num_weights) & _U64,
             int(padding_idx) & _U64,
             bool(scale_grad_by_freq),
-            c.output(out),
+            c.output(out, "out"),
         )
 
 

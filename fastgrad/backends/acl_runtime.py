@@ -393,16 +393,23 @@ class Runtime:
             return ""
         return msg.decode("utf-8", "replace").strip() if msg else ""
 
-    def check(self, ret: int, what: str) -> None:
-        """Raise ``AclnnError(ret, ...)`` with the runtime's message when ``ret`` is non-zero."""
+    def check(
+        self, ret: int, what: str, *, op: str | None = None, phase: str | None = None, param: str | None = None
+    ) -> None:
+        """Raise ``AclnnError(ret, ...)`` with the runtime's message when ``ret`` is non-zero.
+
+        ``op``: the aclnn API being called, put before ``what`` in the message; ``phase``: which of
+        its two calls the failure belongs to (default: ``"run"`` for the launch ``aclnnXxx``, else
+        ``"workspace"``); ``param``: the operand concerned (default: ``what``)."""
         if ret != ACL_SUCCESS:
             msg = self.recent_error()
-            err = AclnnError(int(ret), f"{what} returned {int(ret)}" + (f": {msg}" if msg else ""), what)
+            where = f"{op}: " if op and not what.startswith(op) else ""
+            text = f"{where}{what} returned {int(ret)}" + (f": {msg}" if msg else "")
             # which of an aclnn API's two calls failed (fastgrad.ops._opdef.PHASES): its first,
             # aclnnXxxGetWorkspaceSize, or its second, the launch aclnnXxx
-            if what.startswith("aclnn"):
-                err.phase = "workspace" if what.endswith("GetWorkspaceSize") else "run"  # type: ignore[attr-defined]
-            raise err
+            if phase is None:
+                phase = "run" if what.startswith("aclnn") and not what.endswith("GetWorkspaceSize") else "workspace"
+            raise AclnnError(int(ret), text, what if param is None else param, phase=phase)
 
     # --- set-up ------------------------------------------------------------------------
     def init_acl(self) -> None:

@@ -58,6 +58,18 @@ def build(dest: str) -> str:
     return dest
 
 
+_BUILT: str | None = None
+
+
+def build_once(tmp_path_factory) -> str:
+    """The one build of the fake for this process (every test module's ``libdir`` fixture): a
+    second copy, with the same sonames, would be wired to the first one's state by the loader."""
+    global _BUILT
+    if _BUILT is None or not os.path.isfile(os.path.join(_BUILT, "libascendcl.so")):
+        _BUILT = build(str(tmp_path_factory.mktemp("fake_cann") / "lib64"))
+    return _BUILT
+
+
 class Fake:
     """The fake's query/control API (``fake_*`` in libascendcl.so), through ctypes.
 
