@@ -133,7 +133,8 @@ def check_protocol(fk, op, n_outputs=None):
         assert between == [] and two["workspace"] == 0
     # tensors created before stage one, the sync right after stage two, then copies back,
     # then every tensor destroyed and every allocation freed
-    setup = ("aclrtSetDevice", "aclrtCreateStream", "aclrtGetCurrentContext", "aclrtSetCurrentContext")
+    setup = ("aclrtGetDeviceCount", "aclrtSetDevice", "aclrtCreateStream", "aclrtGetCurrentContext",
+             "aclrtSetCurrentContext")
     pre = [n for n in names[:i1] if n not in setup]
     assert set(pre) <= {"aclrtMalloc", "aclrtMemcpy", "aclCreateTensor"}, pre
     assert all(n not in setup for n in names[i1:])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -96,3 +97,69 @@ def test_a_dtype_without_acl_type_is_refused_by_name_before_device_memory(fake):
     assert str(ei.value).startswith(SL1 + ": self: dtype complex64")
     # gradOut (the operand before it) was copied; self took no device memory
     assert [r["size"] for r in fake.log() if r["fn"] == "aclrtMalloc"] == [24]
+
+
+# --------------------------------------------------------------------------- set-up failing half-way
+def test_set_up_failing_after_set_device_does_not_set_it_twice(fake, rng):
+    """aclrtCreateStream fails once: the retry must not call aclrtSetDevice again (each call takes
+    a device reference; the one aclrtResetDevice at exit would leave the second behind)."""
+    x = rand(rng, (2, 3), F32)
+    fake.fail("aclrtCreateStream", 107002, 1)
+    with pytest.raises(fg.AclnnError) as ei:
+        _sl1(x)
+    assert ei.value.status == 107002 and "aclrtCreateStream" in str(ei.value)
+    _sl1(x)
+    _sl1(x)
+    names = [r["fn"] for r in fake.log()]
+    assert names.count("aclrtSetDevice") == 1
+    reset0 = fake.counter("reset_device")
+    base.acl_runtime._reset_for_tests()                 # the exit-time teardown
+    assert fake.counter("reset_device") == reset0 + 1
+    assert [r["fn"] for r in fake.log()].count("aclrtSetDevice") == 1
+
+
+def test_context_failure_leaves_no_half_set_up_stream(fake, rng):
+    """aclrtGetCurrentContext fails once: the stream made just before is destroyed and the next
+    call sets up again, so that the context is known and other threads bind it."""
+    x = rand(rng, (2, 3), F32)
+    s0, d0 = fake.counter("stream_create"), fake.counter("stream_destroy")
+    fake.fail("aclrtGetCurrentContext", 107002, 1)
+    with pytest.raises(fg.AclnnError) as ei:
+        _sl1(x)
+    assert ei.value.status == 107002 and "aclrtGetCurrentContext" in str(ei.value)
+    assert fake.counter("stream_destroy") == d0 + 1        # not kept without its context
+    _sl1(x)
+    assert fake.counter("stream_create") == s0 + 2
+    errors = []
+
+    def work():
+        try:
+            _sl1(x)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert not errors
+    sets = [r for r in fake.log() if r["fn"] == "aclrtSetCurrentContext"]
+    assert len(sets) == 1                                  # the other thread bound the context
+
+
+@pytest.mark.parametrize("value", ["1", "7", "4294967296", "4294967297"])
+def test_device_id_out_of_range_is_refused_naming_the_variable(libdir, rng, value):
+    """FASTGRAD_ACL_DEVICE beyond aclrtGetDeviceCount: 4294967296 went through aclrtSetDevice's
+    int32_t as device 0 (the op ran on another NPU than asked), 1 or 7 failed with the runtime's
+    107001 without naming the variable."""
+    fk = fakeacl.Fake(libdir)
+    with base.acl_env(libdir, FASTGRAD_ACL_DEVICE=value):
+        fk.clear_log()
+        with pytest.raises(fg.AclnnError) as ei:
+            _sl1(rand(rng, (2, 3), F32))
+        assert ei.value.status == 161002 and ei.value.param == "FASTGRAD_ACL_DEVICE"
+        assert "FASTGRAD_ACL_DEVICE" in str(ei.value) and value in str(ei.value) and "below 1" in str(ei.value)
+        assert "aclrtSetDevice" not in [r["fn"] for r in fk.log()]
+    with base.acl_env(libdir, FASTGRAD_ACL_DEVICE="1", FAKE_ACL_DEVICE_COUNT="2"):
+        fk.clear_log()
+        _sl1(rand(rng, (2, 3), F32))
+        assert [r["device"] for r in fk.log() if r["fn"] == "aclrtSetDevice"] == [1]

@@ -60,7 +60,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import _config
-from ..errors import ACLNN_ERR_RUNTIME_ERROR, AclnnError
+from ..errors import ACLNN_ERR_RUNTIME_ERROR, AclnnError, invalid
 
 if TYPE_CHECKING:
     from _ctypes import CFuncPtr
@@ -442,24 +442,40 @@ class Runtime:
             self._atexit = True
 
     def ensure_device(self) -> None:
-        """Set device, create the stream (once per process), and bind this thread's context."""
+        """Set device, create the stream (once per process), and bind this thread's context.
+
+        All or nothing: the device is set once (``aclrtSetDevice`` takes a reference that only
+        one ``aclrtResetDevice`` at exit gives back), and a stream whose context could not be
+        read is destroyed, so that a failed set-up is retried whole by the next call."""
         if self.stream is None:
             with self.lock:
                 if self.stream is None:
                     if self.finalized:
                         raise AclnnError(ACLNN_ERR_RUNTIME_ERROR, "the acl runtime was finalized")
                     self.init_acl()
-                    dev = _config.acl_device_id()
-                    self.check(self.fn("aclrtSetDevice")(dev), "aclrtSetDevice")
-                    self.device = dev
-                    self._register_atexit()
+                    if self.device is None:
+                        dev = _config.acl_device_id()
+                        n = self.device_count()
+                        if dev >= n:  # (aclrtSetDevice's int32_t would also wrap 2**32 to device 0)
+                            raise invalid(
+                                ENV_DEVICE,
+                                f"a device id below {n} (aclrtGetDeviceCount = {n}; environment variable)",
+                                repr(os.environ.get(ENV_DEVICE)),
+                            )
+                        self.check(self.fn("aclrtSetDevice")(dev), "aclrtSetDevice")
+                        self.device = dev
+                        self._register_atexit()
                     stream = c_void_p()
                     self.check(self.fn("aclrtCreateStream")(byref(stream)), "aclrtCreateStream")
+                    ctx = c_void_p()
+                    try:
+                        if self.has("aclrtGetCurrentContext"):
+                            self.check(self.fn("aclrtGetCurrentContext")(byref(ctx)), "aclrtGetCurrentContext")
+                    except BaseException:
+                        self.fn("aclrtDestroyStream")(stream)
+                        raise
+                    self.context = ctx.value
                     self.stream = stream.value
-                    if self.has("aclrtGetCurrentContext"):
-                        ctx = c_void_p()
-                        self.check(self.fn("aclrtGetCurrentContext")(byref(ctx)), "aclrtGetCurrentContext")
-                        self.context = ctx.value
                     self._ctx_generation += 1
                     self._tls.generation = self._ctx_generation  # set-up thread already bound
         if self.context is not None and getattr(self._tls, "generation", None) != self._ctx_generation:

@@ -385,6 +385,8 @@ static int ctx_token = 0x1234;
 FAKE_API int aclrtGetCurrentContext(void **ctx) {
     fake_logf("{\"fn\":\"aclrtGetCurrentContext\"}");
     REQUIRE_INIT("aclrtGetCurrentContext");
+    int f = fake_check_fail("aclrtGetCurrentContext");
+    if (f) return f;
     if (S.device < 0) { fake_set_errmsg("no current context"); return 107002; }
     *ctx = &ctx_token;
     return 0;
