@@ -71,6 +71,7 @@ def fake(libdir):
     """The fake runtime, selected and probed; after the test: nothing leaked, no violation."""
     fk = fakeacl.Fake(libdir)
     fk.fail(None)
+    fk.interrupt(None)
     fk.set_workspace(4096)
     v0 = fk.counter("violations")
     with acl_env(libdir):
@@ -78,6 +79,7 @@ def fake(libdir):
         fk.clear_log()
         yield fk
         fk.fail(None)
+        fk.interrupt(None)
         assert fk.counter("live_tensor") == 0
         assert fk.counter("live_executor") == 0
         assert fk.live_allocations() == 0

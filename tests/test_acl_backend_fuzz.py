@@ -163,3 +163,29 @@ def test_device_id_out_of_range_is_refused_naming_the_variable(libdir, rng, valu
         fk.clear_log()
         _sl1(rand(rng, (2, 3), F32))
         assert [r["device"] for r in fk.log() if r["fn"] == "aclrtSetDevice"] == [1]
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+@pytest.mark.parametrize("fail,interrupt", [
+    (None, ("aclrtSynchronizeStream", 1)),            # while the op's own sync waits
+    ((SL1, 561103), ("aclrtSynchronizeStream", 1)),   # while the error path's sync waits
+    ((SL1, 561103), ("aclrtFree", 1)),                # during the release itself
+    (None, ("aclrtFree", 2)),
+])
+def test_keyboard_interrupt_releases_everything(fake, rng, fail, interrupt):
+    """Ctrl-C while a synchronisation (or a release) waits: KeyboardInterrupt reaches the caller,
+    after every tensor, executor and allocation was released; out= untouched; the next call runs.
+    (The error path's release stopped at the interrupt: 3 buffers and 4 tensors stayed.)"""
+    x = rand(rng, (3, 4), F32)
+    out = np.full((3, 4), 7.0, F32)
+    n0 = fake.counter("interrupts")
+    if fail:
+        fake.fail(*fail)
+    fake.interrupt(*interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _sl1(x, out)
+    assert fake.counter("interrupts") == n0 + 1
+    _assert_released(fake)
+    if fail or interrupt[0] == "aclrtSynchronizeStream":
+        assert (out == 7.0).all()
+    np.testing.assert_allclose(_sl1(x), sl1_expected(np.ones_like(x), x, np.zeros_like(x), "none", 1.0), rtol=1e-6)

@@ -354,30 +354,43 @@ class Call:
             self.check(ret, f"aclrtMemcpy ({name}, device to host, {nbytes} bytes)", name)
 
     def close(self) -> list[str]:
-        """Destroy every tensor, free every allocation; returns the failures (never raises)."""
-        errors = []
+        """Destroy every tensor, free every allocation; returns the failures.
+
+        Raises only an interrupt (``KeyboardInterrupt``: Ctrl-C while a synchronisation waits),
+        after every resource was released: each release step runs whatever the others did."""
+        errors: list[str] = []
+        interrupt: BaseException | None = None
         rt = self.rt
         if self.launched and not self.synced:
             # acl_rt.h: memory a queued task may still use must not be freed before the stream
-            # is synchronised -- so on an error path after the launch, synchronise first.
-            ret = rt.sync()
+            # is synchronised -- so on an error path after the launch, synchronise first (again,
+            # when an interrupt may have come before the call: the sync itself cannot be cut short)
+            while True:
+                try:
+                    ret = rt.sync()
+                    break
+                except BaseException as e:
+                    interrupt = interrupt or e
             self.synced = True
             if ret:
                 errors.append(f"aclrtSynchronizeStream (before freeing) returned {ret}")
+        steps: list[tuple[str, object]] = []
         if self.executor and not self.executor_consumed and rt.has("aclDestroyAclOpExecutor"):
-            ret = rt.fn("aclDestroyAclOpExecutor")(self.executor)
-            if ret:
-                errors.append(f"aclDestroyAclOpExecutor returned {ret}")
-        for t in reversed(self.tensors):
-            ret = rt.fn("aclDestroyTensor")(t)
-            if ret:
-                errors.append(f"aclDestroyTensor returned {ret}")
-        for p in reversed(self.device_ptrs):
-            ret = rt.fn("aclrtFree")(p)
-            if ret:
-                errors.append(f"aclrtFree returned {ret}")
+            steps.append(("aclDestroyAclOpExecutor", self.executor))
+        steps += [("aclDestroyTensor", t) for t in reversed(self.tensors)]
+        steps += [("aclrtFree", p) for p in reversed(self.device_ptrs)]
         self.tensors.clear()
         self.device_ptrs.clear()
+        for fn, handle in steps:
+            try:
+                ret = rt.fn(fn)(handle)
+            except BaseException as e:  # an interrupt: release the rest first
+                interrupt = interrupt or e
+                continue
+            if ret:
+                errors.append(f"{fn} returned {ret}")
+        if interrupt is not None:
+            raise interrupt
         return errors
 
 

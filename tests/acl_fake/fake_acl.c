@@ -28,6 +28,7 @@
  * once to the output dtype.
  */
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -135,6 +136,7 @@ static struct {
     Alloc allocs[8192]; int nallocs;
     FakeStream *streams[16]; int nstreams;
     char fail_fn[128]; int fail_code; int fail_nth; int fail_seen;
+    char sigint_fn[128]; int sigint_nth; int sigint_seen;
     char errmsg[1024];
     char violation[1024];
     uint64_t workspace;        /* what stage one returns */
@@ -218,7 +220,21 @@ FAKE_API void fake_fail(const char *fn, int code, int nth) {
     S.fail_seen = 0;
 }
 
+/* Deliver SIGINT to the process (Ctrl-C while the call waits) during the nth next call of `fn`
+ * (once): Python raises KeyboardInterrupt when the call returns.  fn=NULL clears. */
+FAKE_API void fake_interrupt(const char *fn, int nth) {
+    if (!fn) { S.sigint_fn[0] = 0; return; }
+    snprintf(S.sigint_fn, sizeof S.sigint_fn, "%s", fn);
+    S.sigint_nth = nth < 1 ? 1 : nth;
+    S.sigint_seen = 0;
+}
+
 FAKE_API int fake_check_fail(const char *fn) {
+    if (S.sigint_fn[0] && strcmp(S.sigint_fn, fn) == 0 && ++S.sigint_seen >= S.sigint_nth) {
+        S.sigint_fn[0] = 0;
+        fake_count("interrupts", 1);
+        raise(SIGINT);
+    }
     if (!S.fail_fn[0] || strcmp(S.fail_fn, fn) != 0) return 0;
     if (++S.fail_seen < S.fail_nth) return 0;
     int code = S.fail_code;

@@ -86,6 +86,7 @@ class Fake:
         L.fake_counter.restype = ctypes.c_int64
         L.fake_counter.argtypes = [ctypes.c_char_p]
         L.fake_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        L.fake_interrupt.argtypes = [ctypes.c_char_p, ctypes.c_int]
         L.fake_set_workspace.argtypes = [ctypes.c_uint64]
         L.fake_live_allocations.restype = ctypes.c_int64
         L.aclInit.argtypes = [ctypes.c_char_p]
@@ -113,6 +114,10 @@ class Fake:
 
     def fail(self, fn: str | None, code: int = 0, nth: int = 1) -> None:
         self.lib.fake_fail(fn.encode() if fn else None, int(code), int(nth))
+
+    def interrupt(self, fn: str | None, nth: int = 1) -> None:
+        """SIGINT (Ctrl-C) during the nth next call of ``fn``: KeyboardInterrupt when it returns."""
+        self.lib.fake_interrupt(fn.encode() if fn else None, int(nth))
 
     def refcount(self) -> int:
         return int(self.lib.fake_refcount())
