@@ -189,3 +189,27 @@ def test_keyboard_interrupt_releases_everything(fake, rng, fail, interrupt):
     if fail or interrupt[0] == "aclrtSynchronizeStream":
         assert (out == 7.0).all()
     np.testing.assert_allclose(_sl1(x), sl1_expected(np.ones_like(x), x, np.zeros_like(x), "none", 1.0), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- copies back
+@pytest.mark.parametrize("nth", [7, 8])
+def test_a_failed_copy_back_leaves_every_output_untouched(fake, rng, nth):
+    """Two outputs (loss, softmax): the second device-to-host copy failing had already written the
+    first into the caller's array.  4 inputs + 2 outputs are 6 host-to-device copies; then 7, 8."""
+    BT, V = 3, 5
+    lmax, s, p = rand(rng, BT, F32), rand(rng, BT, F32, 1, 3), rand(rng, BT, F32, -1, 0)
+    vpl = rand(rng, (BT, V), F32)
+    loss, softmax = np.full(BT, 7.0, F32), np.full((BT, V), 7.0, F32)
+    fake.fail("aclrtMemcpy", 507899, nth)
+    with pytest.raises(fg.AclnnError) as ei:
+        dispatch("fused_cross_entropy_loss_with_max_sum", "acl")(
+            logits_max=lmax, sum_exp_logits=s, predicted_logits=p, vocab_parallel_logits=vpl, out=(loss, softmax))
+    assert ei.value.status == 507899 and ei.value.phase == "run"
+    assert (loss == 7.0).all() and (softmax == 7.0).all()
+    d2h = [r for r in fake.log() if r["fn"] == "aclrtMemcpy" and r["kind"] == 2]
+    assert len(d2h) == nth - 6
+    _assert_released(fake)
+    dispatch("fused_cross_entropy_loss_with_max_sum", "acl")(
+        logits_max=lmax, sum_exp_logits=s, predicted_logits=p, vocab_parallel_logits=vpl, out=(loss, softmax))
+    np.testing.assert_allclose(loss, np.log(s) - p, rtol=1e-6)
+    np.testing.assert_allclose(softmax, np.exp(vpl - lmax[:, None]) / s[:, None], rtol=1e-6)

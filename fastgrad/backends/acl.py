@@ -349,9 +349,18 @@ class Call:
         self.check(rt.fn(self.op)(workspace, self.workspace_size, self.executor, rt.stream), self.op)
         self.check(rt.fn("aclrtSynchronizeStream")(rt.stream), "aclrtSynchronizeStream")
         self.synced = True
-        for host, dev, nbytes, name in self.copy_back:
-            ret = rt.fn("aclrtMemcpy")(host.ctypes.data, nbytes, dev, nbytes, _rt.ACL_MEMCPY_DEVICE_TO_HOST)
+        # A failed copy must leave every output as it was: all but the largest are copied into
+        # scratch, the largest straight into its array, last; the scratch is committed after.
+        backs = sorted(self.copy_back, key=lambda b: b[2])
+        staged = []
+        for k, (host, dev, nbytes, name) in enumerate(backs):
+            dst = host if k == len(backs) - 1 else np.empty_like(host)
+            ret = rt.fn("aclrtMemcpy")(dst.ctypes.data, nbytes, dev, nbytes, _rt.ACL_MEMCPY_DEVICE_TO_HOST)
             self.check(ret, f"aclrtMemcpy ({name}, device to host, {nbytes} bytes)", name)
+            if dst is not host:
+                staged.append((host, dst))
+        for host, dst in staged:
+            np.copyto(host, dst)
 
     def close(self) -> list[str]:
         """Destroy every tensor, free every allocation; returns the failures.
