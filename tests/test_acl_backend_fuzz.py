@@ -8,8 +8,11 @@ without the op, odd array layouts, 16-bit round trips and concurrent threads.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+import textwrap
 import threading
 
 import ml_dtypes
@@ -213,3 +216,69 @@ def test_a_failed_copy_back_leaves_every_output_untouched(fake, rng, nth):
         logits_max=lmax, sum_exp_logits=s, predicted_logits=p, vocab_parallel_logits=vpl, out=(loss, softmax))
     np.testing.assert_allclose(loss, np.log(s) - p, rtol=1e-6)
     np.testing.assert_allclose(softmax, np.exp(vpl - lmax[:, None]) / s[:, None], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- fork
+FORK_SCRIPT = textwrap.dedent("""
+    import atexit, json, os, sys
+    sys.path.insert(0, os.path.join(os.environ["ROOT"], "tests"))
+    from acl_fake import fakeacl
+    fk = fakeacl.Fake(os.environ["FASTGRAD_ACL_LIB_DIR"])
+    KEYS = ("stream_destroy", "reset_device", "finalize", "finalize_reference", "violations", "tensor_create")
+    out = os.environ["OUT"]
+
+    def report():  # registered first: runs last, after fastgrad's own exit hook
+        with open(os.path.join(out, "exit-%d.json" % os.getpid()), "w") as f:
+            json.dump({k: fk.counter(k) for k in KEYS}, f)
+
+    atexit.register(report)
+    import numpy as np
+    import fastgrad as fg
+    from fastgrad.backends import dispatch
+
+    def op():
+        o = np.zeros(3, np.float32)
+        dispatch("smooth_l1_loss_backward", "acl")(grad_out=np.ones(3, np.float32), input=np.arange(3, dtype=np.float32),
+                 target=np.ones(3, np.float32), reduction="none", beta=1.0, out=o)
+        return o.tolist()
+
+    op()
+    pid = os.fork()
+    if pid == 0:
+        res = {"at_fork": {k: fk.counter(k) for k in KEYS}}
+        try:
+            res["op"] = op()
+        except fg.AclnnError as e:
+            res["error"] = [e.status, str(e)]
+        res["reason"] = fg.available_backends(with_reasons=True)["acl"]
+        fg.set_backend("auto")
+        res["auto"] = fg.get_backend()
+        with open(os.path.join(out, "child.json"), "w") as f:
+            json.dump(res, f)
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"child_pid": pid, "child_status": status, "parent": op()}))
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
+def test_fork_after_init_refuses_the_child_and_leaves_the_parents_device_alone(libdir, tmp_path):
+    """A fork after the runtime was initialised: the child ran ops on the parent's device,
+    context and stream (undefined on CANN, which, like torch_npu, does not support a forked
+    child), and its exit hook destroyed the parent's stream, reset its device and finalized acl."""
+    env = dict(os.environ, FASTGRAD_ACL_LIB_DIR=libdir, OUT=str(tmp_path), ROOT=base.ROOT, PYTHONPATH=base.ROOT)
+    r = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, env=env,
+                       cwd=base.ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    parent = json.loads(r.stdout.strip().splitlines()[-1])
+    assert parent["child_status"] == 0 and parent["parent"] == [-1.0, 0.0, 1.0]   # the parent still works
+    child = json.loads((tmp_path / "child.json").read_text())
+    assert "op" not in child, child
+    status, msg = child["error"]
+    assert status == 361001 and "fork" in msg and "spawn" in msg
+    assert child["reason"] and "fork" in child["reason"] and child["auto"] == "cpu"
+    child_exit = json.loads((tmp_path / f"exit-{parent['child_pid']}.json").read_text())
+    assert child_exit == child["at_fork"]                      # no teardown call from the child
+    parent_exit = [json.loads(p.read_text()) for p in tmp_path.glob("exit-*.json")
+                   if p.name != f"exit-{parent['child_pid']}.json"]
+    assert len(parent_exit) == 1 and parent_exit[0]["stream_destroy"] == 1 and parent_exit[0]["violations"] == 0

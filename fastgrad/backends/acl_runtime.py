@@ -316,6 +316,7 @@ class Runtime:
         self.acl_refcounted = False  # our aclInit took a reference (success or REPEAT) -> drop it
         self._version: str | None | bool = False  # False: not queried yet
         self._soc: str | None | bool = False  # False: not queried yet
+        self.pid = os.getpid()  # the process that loaded it (a forked child cannot use it)
 
     # --- symbols ---------------------------------------------------------------------
     def find_symbol(self, name: str) -> CFuncPtr | None:
@@ -621,6 +622,32 @@ def probe() -> str | None:
             reason = f"the CANN runtime could not be loaded: {e!r}"
         _runtime, _reason, _probed = rt, reason, True
         return reason
+
+
+def _after_fork_in_child() -> None:
+    """``os.fork()`` in a process whose acl runtime was initialised: CANN's device, context and
+    stream belong to the parent and cannot be used from the child (as with torch_npu, "cannot
+    re-initialize NPU in forked subprocess"), and the inherited exit hook must not destroy or
+    reset them.  The child's backend is unavailable, with that reason: ``"auto"`` runs on the
+    CPU, ``"acl"`` raises 361001 saying to start workers with the ``"spawn"`` method.  The locks
+    are new (one held by another thread of the parent at the fork would never be released)."""
+    global _state_lock, _reason, _probed
+    _state_lock = threading.Lock()
+    rt = _runtime
+    if rt is None or not rt.acl_initialized or rt.finalized:
+        return
+    rt.lock = threading.RLock()
+    rt.finalized = True  # nothing of the parent's is released from here
+    _reason = (
+        f"the CANN runtime was initialised in process {rt.pid} before this process was forked from it; "
+        "acl cannot be used in a forked child: start worker processes with the 'spawn' method "
+        "(multiprocessing.get_context('spawn')), or use acl only in the children"
+    )
+    _probed = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def runtime() -> Runtime:
