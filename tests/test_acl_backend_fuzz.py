@@ -282,3 +282,29 @@ def test_fork_after_init_refuses_the_child_and_leaves_the_parents_device_alone(l
     parent_exit = [json.loads(p.read_text()) for p in tmp_path.glob("exit-*.json")
                    if p.name != f"exit-{parent['child_pid']}.json"]
     assert len(parent_exit) == 1 and parent_exit[0]["stream_destroy"] == 1 and parent_exit[0]["violations"] == 0
+
+
+# --------------------------------------------------------------------------- an older op library
+@pytest.mark.parametrize("omit,missing", [("FAKE_OMIT_SMOOTH_L1", SL1 + "GetWorkspaceSize"),
+                                          ("FAKE_OMIT_SMOOTH_L1_LAUNCH", SL1)])
+def test_an_op_library_without_the_op(libdir, tmp_path, rng, omit, missing):
+    """A toolkit whose op library lacks the op (or its launch): 361001 naming the symbol, before
+    any device memory; the launch missing leaked the executor stage one had made (and queued a
+    synchronisation for a launch that never happened).  The other ops still run."""
+    d = fakeacl.build_op_library(libdir, str(tmp_path / "lib64"), omit)
+    fk = fakeacl.Fake(libdir)
+    with base.acl_env(d):
+        assert base.acl.unavailable_reason() is None
+        live = fk.counter("live_executor"), fk.counter("live_tensor"), fk.live_allocations()
+        fk.clear_log()
+        with pytest.raises(fg.AclnnError) as ei:
+            _sl1(rand(rng, (2, 3), F32))
+        assert ei.value.status == 361001 and f"symbol {missing} not found" in str(ei.value)
+        names = [r["fn"] for r in fk.log()]
+        assert "aclrtMalloc" not in names and "aclCreateTensor" not in names and SL1 + "GetWorkspaceSize" not in names
+        assert (fk.counter("live_executor"), fk.counter("live_tensor"), fk.live_allocations()) == live
+        out = np.zeros(3, F32)
+        dispatch("scaled_masked_softmax_backward", "acl")(grad_output=np.ones((1, 3), F32), y=np.ones((1, 3), F32),
+                                                          mask=np.zeros((1, 3), np.bool_), scale=1.0,
+                                                          fix_triu_mask=False, out=out.reshape(1, 3))
+        np.testing.assert_array_equal(out, [-2, -2, -2])

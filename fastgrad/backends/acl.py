@@ -411,6 +411,10 @@ def op_call(op: str) -> Iterator[Call]:
     """
     rt = _rt.runtime()
     with rt.lock:
+        # both calls of the API first: an op library without them (an older CANN) is refused before
+        # any device memory, and never after stage one made an executor that nothing would free
+        rt.fn(op + "GetWorkspaceSize")
+        rt.fn(op)
         rt.ensure_device()
         call = Call(rt, op)
         failed = False

@@ -1206,6 +1206,7 @@ FAKE_API int aclnnScaledMaskedSoftmaxBackward(void *workspace, uint64_t workspac
     return stage_two("aclnnScaledMaskedSoftmaxBackward", workspace, workspaceSize, executor, stream);
 }
 
+#ifndef FAKE_OMIT_SMOOTH_L1  /* an op library without the op (an older CANN) */
 FAKE_API int aclnnSmoothL1LossBackwardGetWorkspaceSize(
     const aclTensor *gradOut, const aclTensor *self, const aclTensor *target, int64_t reduction, float beta,
     aclTensor *gradInput, uint64_t *workspaceSize, aclOpExecutor **executor) {
@@ -1233,9 +1234,12 @@ FAKE_API int aclnnSmoothL1LossBackwardGetWorkspaceSize(
     return ret;
 }
 
+#ifndef FAKE_OMIT_SMOOTH_L1_LAUNCH  /* ... or with its first call only */
 FAKE_API int aclnnSmoothL1LossBackward(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, void *stream) {
     return stage_two("aclnnSmoothL1LossBackward", workspace, workspaceSize, executor, stream);
 }
+#endif
+#endif
 
 FAKE_API int aclnnEmbeddingDenseBackwardGetWorkspaceSize(
     const aclTensor *grad, const aclTensor *indices, uint64_t numWeights, uint64_t paddingIdx, bool scaleGradByFreq,

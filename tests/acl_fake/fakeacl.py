@@ -58,6 +58,28 @@ def build(dest: str) -> str:
     return dest
 
 
+def build_op_library(libdir: str, dest: str, *defines: str) -> str:
+    """A toolkit in ``dest`` whose op library (``libopapi_nn.so``) is the fake's built with
+    ``defines`` (e.g. ``FAKE_OMIT_SMOOTH_L1``: an older CANN without that op); its runtime is the
+    one of ``libdir`` (symlinked: the same loaded state).  Returns ``dest``."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler")
+    os.makedirs(dest, exist_ok=True)
+    for name in ("libascendcl.so", "libnnopbase.so"):
+        if not os.path.lexists(os.path.join(dest, name)):
+            os.symlink(os.path.join(libdir, name), os.path.join(dest, name))
+    tag = "_".join(d.lower() for d in defines) or "plain"
+    cmd = [cc, "-shared", "-fPIC", "-O1", "-std=gnu11", "-fvisibility=hidden", "-I" + PROTO_DIR, SOURCE,
+           "-DFAKE_PART_OPAPI", *("-D" + d for d in defines), f"-Wl,-soname,{SONAME_PREFIX}{tag}_libopapi_nn.so",
+           "-o", os.path.join(dest, "libopapi_nn.so"), "-L" + libdir, "-l:libnnopbase.so", "-l:libascendcl.so",
+           "-Wl,-rpath," + libdir, "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"compiling the fake op library failed:\n{r.stderr}")
+    return dest
+
+
 _BUILT: str | None = None
 
 
