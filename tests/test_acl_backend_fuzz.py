@@ -308,3 +308,26 @@ def test_an_op_library_without_the_op(libdir, tmp_path, rng, omit, missing):
                                                           mask=np.zeros((1, 3), np.bool_), scale=1.0,
                                                           fix_triu_mask=False, out=out.reshape(1, 3))
         np.testing.assert_array_equal(out, [-2, -2, -2])
+
+
+# --------------------------------------------------------------------------- libraries
+@pytest.mark.parametrize("broken", ["libopapi.so", "libnnopbase.so"])
+def test_a_library_found_but_not_loadable_is_named_with_the_loaders_error(libdir, tmp_path, broken):
+    """An op library (or libnnopbase.so) that is there but does not load (a dependency missing
+    because set_env.sh was not sourced, a wrong architecture): the reason said only "no aclnn op
+    library found" (or "lack aclCreateTensor, aclDestroyTensor"), hiding the file and the cause."""
+    d = tmp_path / "lib64"
+    d.mkdir()
+    for name in ("libascendcl.so", "libnnopbase.so", "libopapi.so"):
+        if name == broken:
+            (d / name).write_text("not an ELF file")
+        else:
+            os.symlink(os.path.join(libdir, name), d / name)
+    import ctypes
+
+    with pytest.raises(OSError) as loader:
+        ctypes.CDLL(str(d / broken))
+    with base.acl_env(str(d)):
+        reason = base.acl.unavailable_reason()
+        assert reason is not None and "not loadable" in reason
+        assert str(d / broken) in reason and str(loader.value) in reason       # the loader's own words

@@ -559,6 +559,7 @@ def load() -> Runtime:
             raise Unavailable(f"{name} not found (searched {where})")
     mode = getattr(os, "RTLD_GLOBAL", 0) | getattr(os, "RTLD_NOW", 0)
     libs: dict[str, ctypes.CDLL] = {}
+    load_errors: list[str] = []  # libraries found but not loadable (a missing dependency, ...)
     for name in LOAD_ORDER:
         p = paths.get(name)
         if p is None:
@@ -570,20 +571,23 @@ def load() -> Runtime:
             libs[name] = ctypes.CDLL(p, mode=mode)
         except OSError as e:
             paths.pop(name)
+            load_errors.append(str(e) if p in str(e) else f"{p}: {e}")
             if name in REQUIRED_LIBS:
                 raise Unavailable(
                     f"{name} not found or not loadable (searched {where}; set {ENV_LIB_DIR} or ASCEND_HOME_PATH): {e}"
                 ) from None
+    unloadable = f"; found but not loadable: {'; '.join(load_errors)}" if load_errors else ""
     if not any(n in libs for n in OPAPI_SPLIT_LIBS + (OPAPI_LEGACY_LIB,)):
         raise Unavailable(
             f"no aclnn op library found ({' or '.join(OPAPI_SPLIT_LIBS + (OPAPI_LEGACY_LIB,))}; searched {where})"
+            + unloadable
         )
     rt = Runtime(libs, {n: paths[n] for n in libs})
     missing = [s for s in REQUIRED_SYMBOLS if rt.find_symbol(s) is None]
     if missing:
         raise Unavailable(
             f"the CANN libraries in {os.path.dirname(paths['libascendcl.so']) or 'the loader path'} "
-            f"lack {', '.join(missing)}"
+            f"lack {', '.join(missing)}{unloadable}"
         )
     return rt
 
