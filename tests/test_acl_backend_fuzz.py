@@ -331,3 +331,82 @@ def test_a_library_found_but_not_loadable_is_named_with_the_loaders_error(libdir
         reason = base.acl.unavailable_reason()
         assert reason is not None and "not loadable" in reason
         assert str(d / broken) in reason and str(loader.value) in reason       # the loader's own words
+
+
+# --------------------------------------------------------------------------- layouts, 16-bit, threads
+def _views(rng, dtype):
+    b = rand(rng, (4, 6, 5), dtype, -0.9, 0.9)
+    yield b[1, 2, 3]                                   # 0-d (a NumPy scalar made an array below)
+    yield np.asarray(b[1, 2, 3])
+    yield b[:0]
+    yield b[:, :0, ::-1]                               # empty, negative stride
+    yield b.transpose(2, 0, 1)
+    yield b[:, ::-1]
+    yield b[::2, 1:5, ::2]
+    yield b[:1, :, 2:3]                                # size-1 dims
+    yield b[:, 3:4, :].transpose(1, 2, 0)
+    yield np.broadcast_to(b[0, 0], (3, 5))
+    yield b[..., 1:4].swapaxes(0, 2)
+    for _ in range(20):                                # random slices and permutations
+        sl = tuple(slice(int(rng.integers(0, n)), None, int(rng.choice([1, 2, -1, -2]))) for n in b.shape)
+        yield b[sl].transpose(rng.permutation(3))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_views_reach_the_device_as_described(fake, rng, dtype):
+    """Every view of an input: what aclCreateTensor receives (dims, strides, storage) describes
+    the bytes copied, and the device computes on the right elements."""
+    for x in _views(rng, dtype):
+        x = np.asarray(x)
+        fake.clear_log()
+        out = _sl1(x)
+        want = np.clip(x.astype(np.float64), -1, 1)          # |x| < 1: d/beta = x exactly
+        np.testing.assert_array_equal(out.astype(np.float64), want.astype(dtype).astype(np.float64))
+        one = [r for r in fake.log() if r["fn"] == SL1 + "GetWorkspaceSize"][0]
+        rec = creates(fake.log())[one["tensors"]["self"]]
+        assert rec["dims"] == list(x.shape) and rec["dtype"] == base.ACL[dtype.name] and rec["format"] == 2
+        if x.size == 0:
+            assert rec["data"] == 0
+            continue
+        h2d = [r for r in fake.log() if r["fn"] == "aclrtMemcpy" and r["dst"] == rec["data"]]
+        assert h2d[0]["count"] == int(np.prod(rec["storage"])) * dtype.itemsize
+        assert all(s > 0 for s in rec["strides"])
+        # the furthest element the view reaches lies inside the storage
+        assert sum((n - 1) * s for n, s in zip(rec["dims"], rec["strides"])) < int(np.prod(rec["storage"]))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_16_bit_values_round_trip_bit_exact(fake, dtype):
+    """Every finite 16-bit value of magnitude below 1 (subnormals and -0 included) goes to the
+    device and back unchanged (smooth L1 with beta 1, target 0 and grad 1 is the identity there)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    x = bits.view(dtype)
+    x = x[np.isfinite(x.astype(np.float32)) & (np.abs(x.astype(np.float32)) < 1)]
+    out = _sl1(x)
+    np.testing.assert_array_equal(out.view(np.uint16), x.view(np.uint16))
+
+
+def test_calls_from_several_threads_at_once(fake, rng):
+    xs = [rand(rng, (5, 7), F32, -0.9, 0.9) for _ in range(4)]
+    errors, results = [], {}
+    start = threading.Barrier(len(xs))
+
+    def work(k):
+        try:
+            start.wait()
+            results[k] = [_sl1(xs[k]) for _ in range(5)]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ths = [threading.Thread(target=work, args=(k,)) for k in range(len(xs))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert not errors
+    for k, x in enumerate(xs):
+        for out in results[k]:
+            np.testing.assert_array_equal(out, x)
+    names = [r["fn"] for r in fake.log()]
+    assert names.count("aclrtSetDevice") == 1 and names.count("aclrtCreateStream") == 1
+    assert names.count("aclrtSetCurrentContext") == len(xs) - 1       # each other thread binds once
