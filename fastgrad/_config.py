@@ -290,11 +290,14 @@ _GEMM: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastgrad_gem
 _AUTO_ONEDNN: contextvars.ContextVar[bool] = contextvars.ContextVar("fastgrad_auto_onednn", default=False)
 
 
-def _check_engine(name: str) -> str:
-    name = str(name).strip().lower()
-    if name not in GEMM_ENGINES:
-        raise ValueError(f"gemm engine must be one of {', '.join(GEMM_ENGINES)}; got {name!r}")
-    return name
+def _check_engine(name: object, op: str) -> str:
+    """``name`` as a GEMM engine (case and surrounding blanks ignored); else 161002 naming ``op``."""
+    v = name.strip().lower() if isinstance(name, str) else None
+    if v not in GEMM_ENGINES:
+        from .errors import invalid
+
+        raise invalid("name", "a gemm engine: " + ", ".join(GEMM_ENGINES), repr(name), op)
+    return v
 
 
 def gemm_setting() -> str:
@@ -316,15 +319,17 @@ def gemm_setting() -> str:
 
 def set_gemm_engine(name: str | None) -> None:
     """Choose the GEMM engine of the fused linear kernels for the process (None: back to
-    ``FASTGRAD_GEMM``, default ``"auto"``).  See :func:`gemm_engine`."""
+    ``FASTGRAD_GEMM``, default ``"auto"``).  See :func:`gemm_engine`.  Raises ``AclnnParamError``
+    (161002) for another name."""
     global _gemm_global
-    _gemm_global = None if name is None else _check_engine(name)
+    _gemm_global = None if name is None else _check_engine(name, "set_gemm_engine")
 
 
 @contextlib.contextmanager
 def gemm(name: str) -> Iterator[None]:
-    """Context manager: run the fused linear kernels' fp32 GEMMs on engine ``name``."""
-    token = _GEMM.set(_check_engine(name))
+    """Context manager: run the fused linear kernels' fp32 GEMMs on engine ``name`` (161002 for
+    another name)."""
+    token = _GEMM.set(_check_engine(name, "gemm"))
     try:
         yield
     finally:
@@ -423,12 +428,12 @@ _native_isa_global: str | None = None
 _NATIVE_ISA: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastgrad_native_isa", default=None)
 
 
-def _check_isa(name: object, what: str = "isa") -> str:
-    v = str(name).strip().lower()
+def _check_isa(name: object, what: str = "isa", op: str | None = "set_native_isa") -> str:
+    v = name.strip().lower() if isinstance(name, str) else None
     if v not in NATIVE_ISAS:
         from .errors import invalid
 
-        raise invalid(what, "auto, avx512 or avx2", repr(name), "set_native_isa")
+        raise invalid(what, "auto, avx512 or avx2", repr(name), op)
     return v
 
 
@@ -460,13 +465,13 @@ def native_isa() -> str:
     if _native_isa_global is not None:
         return _native_isa_global
     env = os.environ.get("FASTGRAD_NATIVE_ISA", "").strip()
-    return _check_isa(env, "FASTGRAD_NATIVE_ISA (environment variable)") if env else "auto"
+    return _check_isa(env, "FASTGRAD_NATIVE_ISA (environment variable)", None) if env else "auto"
 
 
 def set_native_isa(name: str | None) -> None:
     """Run the native GEMM kernel's variants of ISA ``name`` (``"auto"``, ``"avx512"``,
     ``"avx2"``; None: back to ``FASTGRAD_NATIVE_ISA``, default ``"auto"``) for the process.
-    See :func:`native_isa`.  Raises ``ValueError`` for any other name."""
+    See :func:`native_isa`.  Raises ``AclnnParamError`` (161002) for any other name."""
     global _native_isa_global
     _native_isa_global = None if name is None else _check_isa(name)
 
@@ -476,7 +481,7 @@ def use_native_isa(name: str) -> Iterator[None]:
     """Within the block (this thread or asyncio task only: a context variable), the LM-head calls
     run the native GEMM variants of ISA ``name`` (see :func:`native_isa`); restored afterwards.
     Raises ``ValueError`` (161002) for another name."""
-    token = _NATIVE_ISA.set(_check_isa(name))
+    token = _NATIVE_ISA.set(_check_isa(name, op="use_native_isa"))
     try:
         yield
     finally:
@@ -491,14 +496,22 @@ _SOC: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastgrad_soc_
 _soc_global: str | None = None
 
 
-def _check_soc(name: str, what: str = "soc_version") -> str:
-    from .soc import profile_name
+def _check_soc(name: object, what: str = "name", op: str | None = "set_soc_version") -> str:
+    """``name`` as a SoC fastgrad has a profile for (blanks around it dropped); else 161002 naming
+    ``what``."""
+    from .soc import SOC_VERSIONS, profile_name
 
     try:
-        profile_name(name)
-    except ValueError as e:
-        raise ValueError(str(e).replace("soc_version", what, 1)) from None
-    return name.strip()
+        profile_name(name)  # type: ignore[arg-type]
+    except ValueError:
+        from .errors import invalid
+
+        expected = (
+            f"one of {', '.join(SOC_VERSIONS)} (or a finer CANN name of one of them, e.g. Ascend910B3, "
+            "Ascend910_9391, Ascend950PR_9599)"
+        )
+        raise invalid(what, expected, repr(name), op) from None
+    return str(name).strip()
 
 
 def get_soc_version() -> str:
@@ -507,7 +520,8 @@ def get_soc_version() -> str:
     > ``FASTGRAD_SOC_VERSION`` > ``"Ascend910B"`` (Atlas A2).
 
     On the ``"acl"`` backend the ops follow the device's own SoC (``aclrtGetSocName``) instead.
-    Raises ``ValueError`` when ``FASTGRAD_SOC_VERSION`` holds a name fastgrad has no profile for.
+    Raises ``AclnnParamError`` (161002, a ``ValueError``) naming ``FASTGRAD_SOC_VERSION`` when it
+    holds a name fastgrad has no profile for.
     """
     v = _SOC.get()
     if v is not None:
@@ -516,7 +530,7 @@ def get_soc_version() -> str:
         return _soc_global
     env = os.environ.get("FASTGRAD_SOC_VERSION", "").strip()
     if env:
-        return _check_soc(env, "FASTGRAD_SOC_VERSION (environment variable)")
+        return _check_soc(env, "FASTGRAD_SOC_VERSION (environment variable)", None)
     from .soc import DEFAULT_SOC_VERSION
 
     return DEFAULT_SOC_VERSION
@@ -526,19 +540,20 @@ def set_soc_version(name: str | None) -> None:
     """Follow the kernels of SoC ``name`` for the process (None: back to ``FASTGRAD_SOC_VERSION``,
     default ``"Ascend910B"``).  Names as CANN writes them: ``"Ascend910B"`` (Atlas A2),
     ``"Ascend910_93"`` (A3), ``"Ascend950"``, or a finer name of one of them (``"Ascend910B3"``,
-    ``"Ascend910_9391"``).  Raises ``ValueError`` for any other name.  See ``fastgrad/soc.py``."""
+    ``"Ascend910_9391"``).  Raises ``AclnnParamError`` (161002) for any other name.  See ``fastgrad/soc.py``."""
     global _soc_global
     _soc_global = None if name is None else _check_soc(name)
 
 
 @contextlib.contextmanager
-def soc_version(name: str):
-    """Context manager: the ops follow the kernels of SoC ``name`` inside the block.
+def soc_version(name: str) -> Iterator[None]:
+    """Context manager: the ops follow the kernels of SoC ``name`` inside the block (161002 for a
+    name fastgrad has no profile for).
 
     >>> with fg.soc_version("Ascend950"):
     ...     fg.smooth_l1_loss_backward(...)      # the arch35 DAG, not the 910B TBE kernel
     """
-    token = _SOC.set(_check_soc(name))
+    token = _SOC.set(_check_soc(name, op="soc_version"))
     try:
         yield
     finally:
