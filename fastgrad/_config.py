@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -123,6 +125,8 @@ def deterministic(enabled: bool = True) -> Iterator[None]:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+#: a decimal number as environment variables write it: ASCII digits, an optional sign, point and exponent
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 def env_flag(name: str) -> bool:
@@ -145,19 +149,19 @@ def env_bytes(name: str, default_mib: float, minimum: int) -> int:
     when unset or empty.
 
     Raises ``AclnnParamError`` (161002, a ``ValueError``) naming the variable when the value is
-    not a number or is below ``minimum`` bytes: an invalid setting is refused, never replaced
-    by the default."""
+    not a plain decimal number (ASCII digits, optional sign, point and exponent: no ``1_000``,
+    hex, ``nan``/``inf`` or other scripts' digits), is below ``minimum`` bytes or is too large
+    to be a number of bytes: an invalid setting is refused, never replaced by the default."""
     mb = os.environ.get(name, "").strip()
     if not mb:
         return int(default_mib * 2**20)
     from .errors import invalid
 
     lo = "> 0" if 0 < minimum <= 1 else f">= {minimum / 2**20:g}"
-    try:
-        v = float(mb)
-    except ValueError:
-        v = float("nan")
-    if not (v == v and v * 2**20 >= minimum and v < float("inf")):
+    # a plain decimal number in ASCII: float() would also take "1_000", "nan", "inf" and digits of
+    # other scripts ("１２"), which no shell or C program reads as a number
+    v = float(mb) if _DECIMAL.fullmatch(mb) else float("nan")
+    if not (v == v and math.isfinite(v * 2**20) and v * 2**20 >= minimum):
         raise invalid(name, f"a number of MiB {lo} (environment variable)", repr(os.environ[name]))
     return int(v * 2**20)
 
@@ -628,8 +632,9 @@ _backend_global: str | None = None
 
 def backend_setting() -> str:
     """The backend the next op call runs on, as named: context (``use_backend``) >
-    ``set_backend`` > ``FASTGRAD_BACKEND`` > ``"cpu"`` (validated by the registry)."""
-    return _BACKEND.get() or _backend_global or os.environ.get("FASTGRAD_BACKEND") or "cpu"
+    ``set_backend`` > ``FASTGRAD_BACKEND`` > ``"cpu"`` (validated by the registry), in lower case
+    without surrounding blanks (a variable holding only blanks is unset, as every variable here)."""
+    return _BACKEND.get() or _backend_global or os.environ.get("FASTGRAD_BACKEND", "").strip().lower() or "cpu"
 
 
 def set_backend_setting(name: str | None) -> None:
@@ -685,7 +690,7 @@ def acl_device_id() -> int:
     v = os.environ.get(ENV_ACL_DEVICE, "").strip()
     if not v:
         return 0
-    if not (v.isdigit()):
+    if not (v.isascii() and v.isdigit()):  # ("²".isdigit(), "１２".isdigit() are true)
         from .errors import invalid
 
         raise invalid(ENV_ACL_DEVICE, "a device id >= 0 (environment variable)", repr(os.environ[ENV_ACL_DEVICE]))
@@ -701,9 +706,20 @@ def numba_cache_candidates() -> list[str] | None:
     """Where compiled kernels may be cached, in order of preference (``fastgrad/_jit.py`` takes
     the first writable one): ``NUMBA_CACHE_DIR``, ``""`` (the package's own ``__pycache__``,
     Numba's default), ``$XDG_CACHE_HOME/fastgrad/numba`` (``~/.cache``), the temp dir.  None:
-    caching off (``FASTGRAD_NUMBA_CACHE=0``)."""
-    if os.environ.get("FASTGRAD_NUMBA_CACHE", "1").strip() in ("0", "false", "no", "off"):
+    caching off (``FASTGRAD_NUMBA_CACHE`` ``0/false/no/off``; ``1/true/yes/on``, empty or unset:
+    on).  Raises ``AclnnParamError`` (161002) naming the variable for any other value: a typo
+    (``FASTGRAD_NUMBA_CACHE=of``) is refused, never read as "on"."""
+    v = os.environ.get("FASTGRAD_NUMBA_CACHE", "").strip().lower()
+    if v in _FALSE[1:]:  # (not "": unset or empty is on)
         return None
+    if v and v not in _TRUE:
+        from .errors import invalid
+
+        raise invalid(
+            "FASTGRAD_NUMBA_CACHE",
+            "one of 1, true, yes, on, 0, false, no, off (environment variable)",
+            repr(os.environ["FASTGRAD_NUMBA_CACHE"]),
+        )
     out = []
     env = os.environ.get("NUMBA_CACHE_DIR")
     if env:

@@ -90,3 +90,58 @@ def test_soc_version_variable_is_refused_with_161002(monkeypatch):
     monkeypatch.setenv("FASTGRAD_SOC_VERSION", "Ascend310P3")
     e = _refused(fg.settings, match=r"^FASTGRAD_SOC_VERSION \(environment variable\): expected one of")
     assert "'Ascend310P3'" in str(e)
+
+
+#: sizes no variable may hold: Python-only literals, other scripts' digits, overflow
+BAD_SIZES = ["1_000", "0x10", "1e400", "1e308", "nan", "inf", "-inf", "１２", "١٢", "²", "1,5", "12MB", "--1", "e5"]
+
+
+@pytest.mark.parametrize("var", ["FASTGRAD_WORKSPACE_MB", "FASTGRAD_OUTPUT_CACHE_MB"])
+def test_size_variables_take_only_plain_decimal_numbers(monkeypatch, var):
+    """Found by fuzzing: ``float()`` read ``FASTGRAD_WORKSPACE_MB=1_000`` as 1000 and ``１２`` (full
+    width) or ``١٢`` (Arabic-Indic) as 12, and ``1e308`` (finite MiB, infinite bytes) raised a bare
+    ``OverflowError``; now each is 161002 naming the variable."""
+    read = _config.workspace_budget if var == "FASTGRAD_WORKSPACE_MB" else _config.output_cache_env_limit
+    for bad in BAD_SIZES:
+        monkeypatch.setenv(var, bad)
+        e = _refused(read, match=f"^{var}: expected a number of MiB")
+        assert e.param == var and repr(bad) in str(e)
+    for good, nbytes in (("64", 64 << 20), (" 1.5 ", 3 << 19), ("+2", 2 << 20), ("1e1", 10 << 20), (".5", 1 << 19)):
+        monkeypatch.setenv(var, good)
+        assert read() == nbytes
+    monkeypatch.setenv(var, "\t ")  # blanks only: unset
+    assert read() == (256 << 20 if var == "FASTGRAD_WORKSPACE_MB" else _config.OUTPUT_CACHE_DEFAULT_MB << 20)
+
+
+def test_acl_device_takes_only_ascii_digits(monkeypatch):
+    """Found by fuzzing: ``str.isdigit`` let ``FASTGRAD_ACL_DEVICE=²`` through to ``int()`` (a bare
+    ``ValueError``) and read ``１`` (full width) as device 1; now 161002 naming the variable."""
+    for bad in ("²", "１", "١", "-1", "+1", "0x1", "1.0", "npu0"):
+        monkeypatch.setenv("FASTGRAD_ACL_DEVICE", bad)
+        assert _refused(_config.acl_device_id, match="FASTGRAD_ACL_DEVICE").param == "FASTGRAD_ACL_DEVICE"
+    monkeypatch.setenv("FASTGRAD_ACL_DEVICE", " 07 ")
+    assert _config.acl_device_id() == 7
+
+
+def test_numba_cache_variable_is_a_flag(monkeypatch):
+    """Found by fuzzing: only ``0/false/no/off`` in lower case turned the cache off; ``FALSE``,
+    ``Off`` and typos (``of``, ``disable``) silently kept it on.  Now case-insensitive like every
+    flag, and any other value is 161002 naming the variable."""
+    for off in ("0", "false", "FALSE", " Off ", "no"):
+        monkeypatch.setenv("FASTGRAD_NUMBA_CACHE", off)
+        assert _config.numba_cache_candidates() is None
+    for on in ("1", "TRUE", " on ", "", "  "):
+        monkeypatch.setenv("FASTGRAD_NUMBA_CACHE", on)
+        assert _config.numba_cache_candidates()
+    for bad in ("of", "disable", "2", "none"):
+        monkeypatch.setenv("FASTGRAD_NUMBA_CACHE", bad)
+        _refused(_config.numba_cache_candidates, match="FASTGRAD_NUMBA_CACHE")
+
+
+def test_backend_variable_is_read_like_the_others(monkeypatch):
+    """Found by fuzzing: ``FASTGRAD_BACKEND="  "`` was taken as the backend ``"  "`` (every other
+    variable holding only blanks is unset) and ``" Reference "`` stayed so in ``settings()``."""
+    monkeypatch.setenv("FASTGRAD_BACKEND", "  ")
+    assert fg.settings().backend == "cpu" and fg.get_backend() == "cpu"
+    monkeypatch.setenv("FASTGRAD_BACKEND", " Reference ")
+    assert fg.settings().backend == "reference" == fg.get_backend()
