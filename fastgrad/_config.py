@@ -401,7 +401,8 @@ _PROGRESS: contextvars.ContextVar = contextvars.ContextVar("fastgrad_progress", 
 
 @contextlib.contextmanager
 def progress(callback: Callable[[int, int], object] | None) -> Iterator[None]:
-    """Context manager: ops that run over a tile plan call ``callback(done, total)`` per tile.
+    """Context manager: ops that run over a tile plan call ``callback(done, total)`` per tile
+    (161002 for a ``callback`` that is not callable).
 
     ``fused_linear_cross_entropy_loss_grad`` and ``fused_linear_online_max_sum`` report tiles
     of their plan (``fastgrad.tiling.plan_linear_cross_entropy``) on the cpu backend;
@@ -412,6 +413,10 @@ def progress(callback: Callable[[int, int], object] | None) -> Iterator[None]:
     >>> with fg.progress(lambda done, total: print(done, "/", total)):
     ...     fg.fused_linear_cross_entropy_loss_grad(...)
     """
+    if callback is not None and not callable(callback):
+        from .errors import invalid
+
+        raise invalid("callback", "a callable (done, total) or None", repr(callback), "progress")
     token = _PROGRESS.set(callback)
     try:
         yield
@@ -577,12 +582,8 @@ def workspace_floor(nbytes: int) -> Iterator[None]:
     """Context manager: the workspace budget is at least ``nbytes`` inside the block
     (``fastgrad.torch``'s fused training step: its row blocks' scratch is recycled as the 16-bit
     ``grad_weight`` afterwards, so a scratch as large as that gradient costs no peak memory).
-    Raises 161002 for a negative size."""
-    n = int(nbytes)
-    if n < 0:
-        from .errors import invalid
-
-        raise invalid("nbytes", "a size >= 0", repr(nbytes))
+    Raises 161002 for anything but an int >= 0."""
+    n = _check_bytes(nbytes, 0, "workspace_floor")
     token = _WORKSPACE_FLOOR.set(n)
     try:
         yield
@@ -590,11 +591,24 @@ def workspace_floor(nbytes: int) -> Iterator[None]:
         _WORKSPACE_FLOOR.reset(token)
 
 
+def _check_bytes(nbytes: object, least: int, op: str | None, param: str = "nbytes") -> int:
+    """``nbytes`` as an int >= ``least`` (a Python or NumPy integer, not a bool); else 161002: a
+    float, a string or a negative size is refused, never truncated by ``int()``."""
+    import numbers
+
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or int(nbytes) < least:
+        from .errors import invalid
+
+        raise invalid(param, f"an int >= {least} (bytes)", repr(nbytes), op)
+    return int(nbytes)
+
+
 def set_workspace_budget(nbytes: int | None) -> None:
     """Set the scratch-memory budget (bytes) used by tile plans; None: back to
-    ``FASTGRAD_WORKSPACE_MB`` (default 256 MiB)."""
+    ``FASTGRAD_WORKSPACE_MB`` (default 256 MiB).  Raises ``AclnnParamError`` (161002) for anything
+    but an int >= 1 or None."""
     global _budget_override
-    _budget_override = None if nbytes is None else int(nbytes)
+    _budget_override = None if nbytes is None else _check_bytes(nbytes, 1, "set_workspace_budget")
 
 
 def workspace_budget_override() -> int | None:
@@ -802,10 +816,7 @@ class Options:
                 raise invalid("options.native_isa", "one of " + ", ".join(NATIVE_ISAS), repr(self.native_isa))
             changes["native_isa"] = isa
         if self.workspace_bytes is not None:
-            wb = self.workspace_bytes
-            if isinstance(wb, bool) or not isinstance(wb, int) or wb < 1:
-                raise invalid("options.workspace_bytes", "an int >= 1 (bytes)", repr(wb))
-            changes["workspace_bytes"] = wb
+            changes["workspace_bytes"] = _check_bytes(self.workspace_bytes, 1, None, "options.workspace_bytes")
         if self.prefer_onednn is not None:
             changes["prefer_onednn"] = _check_flag(self.prefer_onednn, None, "options.prefer_onednn")
         return replace(s, **changes) if changes else s

@@ -145,3 +145,49 @@ def test_backend_variable_is_read_like_the_others(monkeypatch):
     assert fg.settings().backend == "cpu" and fg.get_backend() == "cpu"
     monkeypatch.setenv("FASTGRAD_BACKEND", " Reference ")
     assert fg.settings().backend == "reference" == fg.get_backend()
+
+
+#: sizes in bytes no setter may take
+BAD_BYTES = [True, False, 1.5, 1.0, float("nan"), float("inf"), "64", "", -1, np.float64(8.0), np.bool_(True), [8], object()]
+
+
+@pytest.mark.parametrize("bad", BAD_BYTES, ids=[f"{type(v).__name__}{i}" for i, v in enumerate(BAD_BYTES)])
+def test_byte_sizes_are_ints(bad):
+    """Found by fuzzing: ``set_workspace_budget`` and ``workspace_floor`` passed their argument to
+    ``int()``: ``set_workspace_budget(1.5)`` planned with 1 byte, ``(True)`` with 1, ``("64")``
+    with 64, ``(-1)`` and ``(0)`` set a budget the plans never allow (FASTGRAD_WORKSPACE_MB,
+    ``Options.workspace_bytes`` and ``fg.plan(budget_bytes=)`` take >= 1), and ``nan``, ``"x"`` or
+    a list raised bare ``ValueError``/``TypeError``.  Now 161002 naming the setter, nothing set."""
+    before = _config.workspace_budget_override()
+    _refused(_config.set_workspace_budget, bad, match="set_workspace_budget: nbytes: expected an int >= 1")
+    assert _config.workspace_budget_override() == before
+    with pytest.raises(fg.AclnnParamError, match="workspace_floor: nbytes: expected an int >= 0"):
+        with _config.workspace_floor(bad):
+            pass
+    _refused(fg.Options(workspace_bytes=bad).resolve, fg.settings(), match="options.workspace_bytes")
+
+
+def test_byte_sizes_take_numpy_integers():
+    """NumPy integers are integers, as ``fg.plan(budget_bytes=)`` and ``set_num_threads`` take them
+    (``Options(workspace_bytes=np.int64(...))`` was refused)."""
+    try:
+        _config.set_workspace_budget(np.int64(4096))
+        assert _config.workspace_budget() == 4096 and type(_config.workspace_budget_override()) is int
+    finally:
+        _config.set_workspace_budget(None)
+    with _config.workspace_floor(np.int64(1 << 40)):
+        assert _config.workspace_budget() == 1 << 40
+    assert fg.Options(workspace_bytes=np.uint16(7)).resolve(fg.settings()).workspace_bytes == 7
+    for zero in (0, np.int8(0)):
+        _refused(_config.set_workspace_budget, zero)
+
+
+def test_progress_takes_a_callable():
+    """Found by fuzzing: ``fg.progress("bar")`` was taken, and the op called it after its first
+    tile (``TypeError: 'str' object is not callable`` in the middle of the work); now 161002 at
+    the ``with``."""
+    for bad in ("bar", 1, True, [print]):
+        with pytest.raises(fg.AclnnParamError, match="progress: callback: expected a callable"):
+            with fg.progress(bad):
+                pass
+    assert fg.settings().progress is None
