@@ -237,6 +237,9 @@ def get_num_threads() -> int:
 _thread_scopes: list[list[int]] = []
 _thread_scopes_base: int | None = None
 _thread_scopes_lock = threading.Lock()
+#: this Python thread's open ``num_threads()`` blocks (``.scopes``) and Numba's count before the first
+#: (``.base``): Numba's count is per thread
+_numba_scopes = threading.local()
 
 
 def _after_fork_in_child() -> None:
@@ -254,16 +257,24 @@ def num_threads(n: int) -> Iterator[None]:
     """Context manager running the kernels and BLAS on ``n`` threads, restoring afterwards (the
     BLAS's count as :func:`set_num_threads` sets it: never under another thread's call in flight).
 
-    Numba's count is the calling thread's own.  The BLAS's is the process's: while blocks of
-    several Python threads overlap, the newest open block's count is in force, and when the last
-    one ends the count before the first is restored — whatever order they end in."""
+    Numba's count is the calling thread's own, kept the same way per thread: blocks of several
+    asyncio tasks (or generators) of one thread that overlap — one entered, another entered, the
+    first ended — leave the newest open block's count, and the count before the first once all
+    have ended (restoring each block's "before" would leave the count of a block that ended).
+    The BLAS's is the process's: while blocks of several Python threads overlap, the newest open
+    block's count is in force, and when the last one ends the count before the first is restored —
+    whatever order they end in."""
     from .kernels._gemm import blas_threads, set_blas_threads
 
     global _thread_scopes_base
     numba = _numba()
     n = _check_threads(n, op="num_threads")
-    old = numba.get_num_threads()
     scope = [n]
+    mine: list[list[int]] | None = getattr(_numba_scopes, "scopes", None)
+    if not mine:
+        _numba_scopes.scopes = mine = []
+        _numba_scopes.base = numba.get_num_threads()
+    mine.append(scope)
     with _thread_scopes_lock:
         if not _thread_scopes:
             _thread_scopes_base = blas_threads()
@@ -273,7 +284,11 @@ def num_threads(n: int) -> Iterator[None]:
     try:
         yield
     finally:
-        numba.set_num_threads(old)
+        here = getattr(_numba_scopes, "scopes", None) or []
+        at = next((i for i, s in enumerate(here) if s is scope), None)
+        if at is not None:  # (None: ended on another thread than it began, whose count it never set)
+            del here[at]
+            numba.set_num_threads(here[-1][0] if here else _numba_scopes.base)
         with _thread_scopes_lock:
             del _thread_scopes[next(i for i, s in enumerate(_thread_scopes) if s is scope)]
             back = _thread_scopes[-1][0] if _thread_scopes else _thread_scopes_base

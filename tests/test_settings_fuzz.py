@@ -191,3 +191,45 @@ def test_progress_takes_a_callable():
             with fg.progress(bad):
                 pass
     assert fg.settings().progress is None
+
+
+def test_num_threads_blocks_of_interleaved_asyncio_tasks_restore_the_count():
+    """Found by fuzzing: two tasks of one event loop, ``A: with num_threads(1)``, then
+    ``B: with num_threads(2)``, A ends, B ends — each block restored the count it found, so B put
+    back A's 1 and the thread kept 1 thread after both (Numba's count is per OS thread, not per
+    task).  Now, as the BLAS's count across Python threads: the newest open block's count while
+    any is open, the count before the first when all have ended."""
+    import asyncio
+
+    if _config.max_threads() < 2:
+        pytest.skip("needs two threads to tell the counts apart")
+    events: list[tuple[str, int]] = []
+
+    async def block(name: str, n: int, enter_after: float, leave_after: float) -> None:
+        await asyncio.sleep(enter_after)
+        with fg.num_threads(n):
+            events.append((name + " in", fg.get_num_threads()))
+            await asyncio.sleep(leave_after)
+        events.append((name + " out", fg.get_num_threads()))
+
+    async def main() -> None:
+        # A enters, B enters, A leaves, B leaves
+        await asyncio.gather(block("A", 1, 0.0, 0.05), block("B", 2, 0.02, 0.1))
+
+    with fg.num_threads(2):
+        asyncio.run(main())
+        assert events == [("A in", 1), ("B in", 2), ("A out", 2), ("B out", 2)]
+        events.clear()
+        with fg.num_threads(1):  # the count before both is 1 now: B's 2 must not stay
+            asyncio.run(main())
+            assert events[-1] == ("B out", 1) and fg.get_num_threads() == 1
+        assert fg.get_num_threads() == 2
+
+
+def test_a_block_that_raises_restores_every_setting():
+    before = fg.settings()
+    with pytest.raises(KeyError):
+        with fg.strict(), fg.deterministic(), fg.gemm("blas"), fg.soc_version("Ascend950"):
+            with _config.use_native_isa("avx2"), fg.num_threads(1), fg.progress(print):
+                raise KeyError
+    assert fg.settings() == before
