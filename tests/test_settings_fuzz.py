@@ -233,3 +233,34 @@ def test_a_block_that_raises_restores_every_setting():
             with _config.use_native_isa("avx2"), fg.num_threads(1), fg.progress(print):
                 raise KeyError
     assert fg.settings() == before
+
+
+def test_training_loss_options_refuse_look_alikes():
+    """Found by fuzzing ``fastgrad.torch.LinearCrossEntropyOptions``: ``precision=np.array(["fast"])``
+    was taken (the array equals "fast" element-wise; the loss then ran "fast", and the options were
+    unhashable), ``filter_eps=np.array([0.1, 0.2])`` raised NumPy's bare "truth value is
+    ambiguous", ``accum_dtype=torch.int64`` or ``torch.bool`` was taken (refused only at the
+    call), and ``preset(["fast"])`` raised ``TypeError: unhashable type``.  Now each is 161002
+    naming the field (``options`` for the preset)."""
+    torch = pytest.importorskip("torch")
+    from fastgrad.torch import LinearCrossEntropyOptions as Opts
+
+    for field, bad in (
+        ("precision", np.array(["fast"])),
+        ("schedule", np.array(["fused"])),
+        ("engine", np.array(["blas"])),
+        ("precision", b"fast"),
+        ("filter_eps", np.array([0.1, 0.2])),
+        ("filter_eps", np.array(["auto"])),
+        ("accum_dtype", torch.int64),
+        ("accum_dtype", torch.bool),
+        ("accum_dtype", torch.complex64),
+    ):
+        e = _refused(Opts, **{field: bad}, match=f"LinearCrossEntropyOptions: {field}: expected")
+        assert e.param == field
+    for bad in (["fast"], {"fast": 1}, None, 1, "Fast", " fast", "low-memory"):
+        _refused(Opts.preset, bad, match="LinearCrossEntropyOptions: options: expected a preset name")
+    # what they take
+    o = Opts(precision=np.str_("fast"), accum_dtype=torch.float32, filter_eps=np.float32(0.5))
+    assert o.precision == "fast" and hash(o) == hash(Opts(precision="fast", accum_dtype=torch.float32, filter_eps=0.5))
+    assert Opts.preset("low_memory") == Opts(schedule="recompute")

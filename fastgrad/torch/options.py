@@ -65,7 +65,7 @@ class LinearCrossEntropyOptions:
         always recomputes (its upstream gradient is unknown in the forward).
     filter_eps : None | "auto" | float in (0, 1]
         Cut Cross-Entropy's gradient filtering (``docs/torch.md``, "Gradient filtering").
-    accum_dtype : None | torch.dtype
+    accum_dtype : None | a floating-point torch.dtype
         Liger's ``accum_dtype``: the fused step's ``grad_weight`` accumulated in the 16-bit
         gradient itself (no fp32 ``[V, H]``).
     engine : None | "auto" | "blas" | "onednn"
@@ -91,6 +91,12 @@ class LinearCrossEntropyOptions:
     fused_memory_limit: int | None = None
 
     def __post_init__(self) -> None:
+        # the named fields are strings (or None): a NumPy array equal to "fast" is not "fast"
+        for name in ("precision", "schedule", "engine"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                allowed = {"precision": _PRECISIONS, "schedule": _SCHEDULES, "engine": _ENGINES}[name]
+                raise invalid(name, " or ".join(map(repr, allowed)), repr(v), _OP)
         if self.precision not in _PRECISIONS:
             raise invalid("precision", "None, 'accurate', 'device' or 'fast'", repr(self.precision), _OP)
         if self.schedule not in _SCHEDULES:
@@ -104,11 +110,12 @@ class LinearCrossEntropyOptions:
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, numbers.Integral) or lim < 0):
             raise invalid("fused_memory_limit", "None or an int >= 0 (bytes)", repr(lim), _OP)
         fe = self.filter_eps
-        if fe is not None and fe != "auto":
+        if fe is not None and not (isinstance(fe, str) and fe == "auto"):
             if isinstance(fe, bool) or not isinstance(fe, numbers.Real) or not 0.0 < float(fe) <= 1.0:
                 raise invalid("filter_eps", "None, 'auto' or a float in (0, 1]", repr(fe), _OP)
-        if self.accum_dtype is not None and not isinstance(self.accum_dtype, torch.dtype):
-            raise invalid("accum_dtype", "None or a torch.dtype", repr(self.accum_dtype), _OP)
+        ad = self.accum_dtype
+        if ad is not None and not (isinstance(ad, torch.dtype) and ad.is_floating_point):
+            raise invalid("accum_dtype", "None or a floating-point torch.dtype", repr(ad), _OP)
 
     @property
     def fused(self) -> bool | None:
@@ -121,8 +128,8 @@ class LinearCrossEntropyOptions:
 
     @classmethod
     def preset(cls, name: str) -> LinearCrossEntropyOptions:
-        """The named preset (:data:`PRESETS`)."""
-        if name not in PRESETS:
+        """The named preset (:data:`PRESETS`); 161002 for another name."""
+        if not isinstance(name, str) or name not in PRESETS:
             raise invalid("options", f"a preset name ({', '.join(sorted(PRESETS))})", repr(name), _OP)
         return PRESETS[name]
 
