@@ -110,3 +110,33 @@ def test_a_huge_plan_is_made_at_once():
     p = fg.plan(FLCE, 2**62, 32, 8)  # returns (no timing asserted: a hang fails by the timeout)
     assert p.BT == 2**62
 
+
+
+def test_the_plan_of_a_call_with_options_and_unhashable_names():
+    """Found by fuzzing: ``fg.plan`` had no ``options=``, so the plan of a call made with
+    ``options=fg.Options(workspace_bytes=..., gemm=...)`` could not be asked for (the plan made
+    without them had other tiles), and ``fg.plan(["x"], ...)`` raised ``TypeError: unhashable
+    type``.  Now ``options`` gives the call's plan and a non-str op is 161002."""
+    BT, H, V = 300, 40, 2600
+    x, w, t = _inputs(BT, H, V, BF16)
+    opts = fg.Options(workspace_bytes=400_000, gemm="blas", native_isa="avx2")
+    s = fg.fused_linear_online_max_sum(x, w, t, 0, V, options=opts)
+    grad = np.full(BT, 1.0 / BT, np.float32)
+    ran = fg.fused_linear_cross_entropy_loss_grad(
+        grad, x, w, s.target_mask, s.masked_target,
+        logits_max=s.logits_max_local, sum_exp_logits=s.sum_exp_logits_local, return_plan=True, options=opts,
+    )[-1]
+    made = fg.plan(FLCE, BT, V, H, dtype=BF16, options=opts)
+    assert (made.bt_tile, made.v_tile, made.gemm, made.buffers) == (ran.bt_tile, ran.v_tile, ran.gemm, ran.buffers)
+    assert made.workspace_bytes == ran.workspace_bytes
+    assert (made.bt_tile, made.v_tile) != (lambda p: (p.bt_tile, p.v_tile))(fg.plan(FLCE, BT, V, H, dtype=BF16))
+    assert made.gemm.isa == "avx2"
+    # budget_bytes over the options' workspace_bytes, as documented
+    assert fg.plan(FLCE, BT, V, H, dtype=BF16, options=opts, budget_bytes=1 << 30).v_tile > made.v_tile
+    for bad, match in ((["x"], "op must be one of"), (None, "op must be one of"), (b"x", "op must be one of")):
+        with pytest.raises(fg.AclnnParamError, match=match):
+            fg.plan(bad, 8, 8, 8)
+    with pytest.raises(fg.AclnnParamError, match="plan: options must be a fastgrad.Options"):
+        fg.plan(FLCE, 8, 8, 8, options={"gemm": "blas"})
+    with pytest.raises(fg.AclnnParamError, match="options.gemm"):
+        fg.plan(FLCE, 8, 8, 8, options=fg.Options(gemm="mkl"))

@@ -34,6 +34,7 @@ def plan(
     mode: str | None = None,
     filter_eps: float | None = None,
     budget_bytes: int | None = None,
+    options: _config.Options | None = None,
 ) -> LinearCETiling:
     """The tile plan of an LM-head op for ``[BT, H]`` rows against a ``[V, H]`` weight shard.
 
@@ -56,6 +57,10 @@ def plan(
     budget_bytes : int > 0, optional
         The workspace budget; default the setting in force (``FASTGRAD_WORKSPACE_MB``,
         ``fastgrad.settings().workspace_bytes``).
+    options : fastgrad.Options, optional
+        The call's own settings (``options=`` of the op): the plan is the one the op makes when
+        called with them — their GEMM setting, ISA and ``workspace_bytes`` over those in force
+        (``budget_bytes``, when given, over both).
 
     Returns
     -------
@@ -69,9 +74,9 @@ def plan(
     AclnnParamError (161002)
         An unknown ``op``, a ``mode`` the op does not run, a size that is not an int ≥ 0, a
         ``dtype`` other than the three, a ``filter_eps`` the op refuses, a ``budget_bytes`` that
-        is not a positive int.
+        is not a positive int, ``options`` that are not a ``fastgrad.Options`` (or hold a bad value).
     """
-    modes = _OPS.get(op)
+    modes = _OPS.get(op) if isinstance(op, str) else None
     if modes is None:
         raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"plan: op must be one of {sorted(_OPS)}, got {op!r}", "op")
     m = modes[0] if mode is None else mode
@@ -92,6 +97,10 @@ def plan(
     if budget_bytes is not None:
         budget_bytes = _count("budget_bytes", budget_bytes, least=1)
     s = _config.settings()
+    if options is not None:
+        if not isinstance(options, _config.Options):
+            raise _bad("options", "a fastgrad.Options or None", type(options).__name__)
+        s = options.resolve(s)
     return _engines.lm_head_plan(BT, V, H, m, dt, s, budget_bytes=budget_bytes, filter_eps=eps)
 
 
