@@ -461,7 +461,7 @@ class Runtime:
                             raise invalid(
                                 ENV_DEVICE,
                                 f"a device id below {n} (aclrtGetDeviceCount = {n}; environment variable)",
-                                repr(os.environ.get(ENV_DEVICE)),
+                                dev,
                             )
                         self.check(self.fn("aclrtSetDevice")(dev), "aclrtSetDevice")
                         self.device = dev

@@ -6,6 +6,7 @@ imports the package that dispatches to it)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 #: Exit statuses.
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -234,6 +235,47 @@ def parse_sizes(text: str, flag: str, expected: str, minimum: int = 0) -> tuple[
     return dims
 
 
+def _missing_dirs(path: str) -> list[str]:
+    """The directories of ``path`` (itself included) that do not exist yet, deepest first."""
+    made = []
+    d = os.path.abspath(path)
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        made.append(d)
+        d = os.path.dirname(d)
+    return made
+
+
+def _remove_dir_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _prepare_out(path: str) -> bool:
+    """Check ``--out`` before any work: a directory (created when missing) where a file can be
+    created.  Returns True when this call created it (removed again if the job never writes)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CliError("--out", "a directory (created when missing)", repr(path), hint="an existing file")
+    made = _missing_dirs(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        for d in made:  # the parents made before the failure
+            _remove_dir_if_empty(d)
+        raise CliError("--out", "a directory that can be created", repr(path), hint=e.strerror or str(e)) from None
+    probe = os.path.join(path, f".fastgrad-write-test-{os.getpid()}")
+    try:  # os.access says yes to root on a read-only mount: try it
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        for d in made:
+            _remove_dir_if_empty(d)
+        raise CliError("--out", "a writable directory", repr(path), hint=e.strerror or str(e)) from None
+    return bool(made)
+
+
 class OutputFolder:
     """The files a command writes under its ``--out``, removed again when it fails (any exception,
     Ctrl-C included), with the folder when the command created it: a failed command leaves
@@ -254,10 +296,8 @@ class OutputFolder:
     @classmethod
     def prepared(cls, path: str, flag: str = "--out") -> OutputFolder:
         """``path`` checked before any work (a writable directory, created with its parents when
-        missing: ``_run_inputs._prepare_out``), as the folder that removes on failure what the
+        missing: :func:`_prepare_out`), as the folder that removes on failure what the
         command wrote there and every folder it made for it."""
-        from ._run_inputs import _missing_dirs, _prepare_out
-
         made = _missing_dirs(path)
         created = _prepare_out(path)
         return cls(path, created, flag, made if created else [])

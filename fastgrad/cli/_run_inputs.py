@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import checkpoint as ck
-from ._common import CliError
+from ._common import CliError, _missing_dirs, _prepare_out, _remove_dir_if_empty  # noqa: F401 (re-exported)
 from ._run_args import (
     DEFAULT,
     DEFAULT_SAMPLES,
@@ -268,16 +268,6 @@ def _refuse_out_over_inputs(args, files: list[str]) -> None:
                 )
 
 
-def _missing_dirs(path: str) -> list[str]:
-    """The directories of ``path`` (itself included) that do not exist yet, deepest first."""
-    made = []
-    d = os.path.abspath(path)
-    while not os.path.exists(d) and os.path.dirname(d) != d:
-        made.append(d)
-        d = os.path.dirname(d)
-    return made
-
-
 def remove_made_dirs(job: Job) -> None:
     """Remove ``--out`` and the parents this run made for it, deepest first, while empty."""
     for d in job.out_dirs_made or [job.args.out]:
@@ -285,30 +275,6 @@ def remove_made_dirs(job: Job) -> None:
             os.rmdir(d)
         except OSError:
             return
-
-
-def _prepare_out(path: str) -> bool:
-    """Check ``--out`` before any work: a directory (created when missing) where a file can be
-    created.  Returns True when this call created it (removed again if the job never writes)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CliError("--out", "a directory (created when missing)", repr(path), hint="an existing file")
-    made = _missing_dirs(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        for d in made:  # the parents made before the failure
-            _remove_dir_if_empty(d)
-        raise CliError("--out", "a directory that can be created", repr(path), hint=e.strerror or str(e)) from None
-    probe = os.path.join(path, f".fastgrad-write-test-{os.getpid()}")
-    try:  # os.access says yes to root on a read-only mount: try it
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        for d in made:
-            _remove_dir_if_empty(d)
-        raise CliError("--out", "a writable directory", repr(path), hint=e.strerror or str(e)) from None
-    return bool(made)
 
 
 def check_writable_file(path: str, flag: str) -> None:
@@ -332,13 +298,6 @@ def _check_dir_writable(d: str, flag: str, given: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise CliError(flag, "a writable location", given, hint=f"{d!r}: {e.strerror or e}") from None
-
-
-def _remove_dir_if_empty(path: str) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
 
 
 #: The tensors ``--out`` receives (``run_job``'s), as ``NAME.npy`` or in ``results.safetensors``.
