@@ -666,6 +666,12 @@ def backend_setting() -> str:
     return _BACKEND.get() or _backend_global or os.environ.get("FASTGRAD_BACKEND", "").strip().lower() or "cpu"
 
 
+def backend_from_environment() -> bool:
+    """True when :func:`backend_setting` comes from ``FASTGRAD_BACKEND`` (no context, no process
+    setting): an unknown name there is the variable's mistake (161002 naming it)."""
+    return not (_BACKEND.get() or _backend_global) and bool(os.environ.get("FASTGRAD_BACKEND", "").strip())
+
+
 def set_backend_setting(name: str | None) -> None:
     """The process-wide backend name (None: back to ``FASTGRAD_BACKEND``); validated by the caller."""
     global _backend_global

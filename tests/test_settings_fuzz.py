@@ -264,3 +264,33 @@ def test_training_loss_options_refuse_look_alikes():
     o = Opts(precision=np.str_("fast"), accum_dtype=torch.float32, filter_eps=np.float32(0.5))
     assert o.precision == "fast" and hash(o) == hash(Opts(precision="fast", accum_dtype=torch.float32, filter_eps=0.5))
     assert Opts.preset("low_memory") == Opts(schedule="recompute")
+
+
+@pytest.mark.parametrize("name", [1, None, ["cpu"], b"cpu"])
+def test_a_backend_name_that_is_no_string_is_161002(name):
+    """Found by fuzzing: fg.set_backend(1), use_backend(None) and use_backend(["cpu"]) raised a bare
+    AttributeError ('int' object has no attribute 'strip')."""
+    setters = [fg.use_backend] + ([fg.set_backend] if name is not None else [])  # set_backend(None): the env's
+    for setter in setters:
+        with pytest.raises(fg.AclnnError) as e:
+            if setter is fg.use_backend:
+                with setter(name):
+                    pass
+            else:
+                setter(name)
+        assert (e.value.status, e.value.param) == (161002, "backend") and isinstance(e.value, ValueError)
+    assert fg.get_backend() == "cpu"
+
+
+def test_an_unknown_backend_in_the_environment_names_the_variable(monkeypatch):
+    """An unknown FASTGRAD_BACKEND said 'unknown backend' naming no variable.  It stays 361001,
+    as every unknown backend (tests/test_backends_and_packaging.py pins it), and now names the
+    variable (param too); a name given in code is not blamed on the variable."""
+    monkeypatch.setenv("FASTGRAD_BACKEND", " CPUU ")
+    with pytest.raises(fg.AclnnError) as e:
+        fg.get_backend()
+    assert (e.value.status, e.value.param) == (361001, "FASTGRAD_BACKEND") and "'cpuu'" in str(e.value)
+    assert str(e.value).startswith("FASTGRAD_BACKEND (environment variable): unknown backend")
+    with pytest.raises(fg.AclnnError) as e:
+        fg.set_backend("tpu")
+    assert (e.value.status, e.value.param) == (361001, "backend") and "FASTGRAD_BACKEND" not in str(e.value)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar, overload
 
 from .. import _config
-from ..errors import runtime_error
+from ..errors import invalid, runtime_error
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -135,7 +135,11 @@ def available_backends(with_reasons: bool = False) -> list[str] | dict[str, str 
 
 def resolve_backend(name: str) -> str:
     """The backend a setting ``name`` runs on now (``"auto"``: ``"acl"`` where available, else
-    ``"cpu"``); raises ``AclnnError`` 361001 for an unknown or unavailable backend."""
+    ``"cpu"``); raises ``AclnnError`` 361001 for an unknown or unavailable backend (one read from
+    ``FASTGRAD_BACKEND`` naming the variable), 161002 for a name that is no string."""
+    if not isinstance(name, str):
+        names = ", ".join(sorted(_BACKENDS) + list(PSEUDO))
+        raise invalid("backend", f"a backend name (a str: {names})", repr(name))
     name = name.strip().lower()
     if name == "auto":
         acl = _BACKENDS.get("acl")
@@ -143,6 +147,12 @@ def resolve_backend(name: str) -> str:
             return "acl"
         return "cpu"
     if name not in _BACKENDS:
+        if _config.backend_from_environment() and name == _config.backend_setting():
+            raise runtime_error(  # 361001 as for any unknown backend, naming where it came from
+                f"FASTGRAD_BACKEND (environment variable): unknown backend {name!r}; registered: "
+                f"{sorted(_BACKENDS) + list(PSEUDO)}",
+                "FASTGRAD_BACKEND",
+            )
         raise runtime_error(f"unknown backend {name!r}; registered: {sorted(_BACKENDS) + list(PSEUDO)}", "backend")
     reason = _BACKENDS[name].unavailable_reason()
     if reason is not None:
