@@ -221,3 +221,16 @@ def test_out_of_memory_advises_the_flags_of_the_command_that_ran_out(monkeypatch
     line = assert_usage_error(fastgrad(*argv), "out of memory: Unable to allocate 80.0 GiB", advice)
     if argv:
         assert "--shards" not in line and "--workspace-mb" not in line
+
+
+def test_a_budget_below_one_byte_is_refused_by_its_flag():
+    """Found by fuzzing: --workspace-mb 1e-9 (> 0, but 0 bytes) passed the flag's check and was
+    refused later by set_workspace_budget, naming neither the flag nor the command's option."""
+    assert_usage_error(fastgrad("--workspace-mb", "1e-9", "--bt", 8, "--samples", 0), "--workspace-mb", "1e-9")
+    assert_usage_error(fastgrad("--memory-limit-mb", "1e-12", "--bt", 8, "--samples", 0), "--memory-limit-mb")
+
+
+def test_a_bad_soc_variable_is_named_once(monkeypatch):
+    monkeypatch.setenv("FASTGRAD_SOC_VERSION", "Ascend310P3")
+    line = assert_usage_error(fastgrad("golden", "cross_entropy_loss_grad", "--inputs", ".", "--out", "x"))
+    assert line.count("FASTGRAD_SOC_VERSION") == 1, line

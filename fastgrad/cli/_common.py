@@ -192,7 +192,7 @@ def enter_device(stack, args) -> dict:
     try:
         soc = _config.get_soc_version()
     except ValueError as e:
-        raise CliError(f"FASTGRAD_SOC_VERSION: {e}") from None
+        raise CliError(" ".join(str(e).split())) from None  # (the error names FASTGRAD_SOC_VERSION)
     out = {"soc_version": soc, "soc_profile": profile_name(soc), "strict": bool(_config.is_strict())}
     det = getattr(_config, "is_deterministic", None)  # the device's deterministic-mode kernels
     if det is not None:

@@ -112,8 +112,8 @@ def _pos_float(s: str) -> float:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of MiB > 0, got {s!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a number of MiB > 0, got {s}")
+    if not (math.isfinite(v) and v * 2**20 >= 1):  # 1e-9 MiB is 0 bytes: refused by the flag
+        raise argparse.ArgumentTypeError(f"expected a number of MiB > 0 (at least one byte), got {s}")
     return v
 
 
