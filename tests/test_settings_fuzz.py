@@ -11,6 +11,15 @@ import fastgrad as fg
 from fastgrad import _config
 
 
+@pytest.fixture(autouse=True)
+def _no_settings_from_the_environment(monkeypatch):
+    """These tests read the settings' defaults: the host's own FASTGRAD_* settings (the suite is
+    also run with FASTGRAD_NATIVE_ISA=avx2) are set aside; a test that needs one sets it."""
+    for var in ("FASTGRAD_NATIVE_ISA", "FASTGRAD_GEMM", "FASTGRAD_SOC_VERSION", "FASTGRAD_STRICT",
+                "FASTGRAD_DETERMINISTIC", "FASTGRAD_BACKEND", "FASTGRAD_WORKSPACE_MB", "FASTGRAD_OUTPUT_CACHE_MB"):
+        monkeypatch.delenv(var, raising=False)
+
+
 def _refused(fn, *args, match: str | None = None, **kw) -> fg.AclnnError:
     with pytest.raises(fg.AclnnParamError, match=match) as e:
         fn(*args, **kw)
