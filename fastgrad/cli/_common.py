@@ -245,6 +245,19 @@ def _missing_dirs(path: str) -> list[str]:
     return made
 
 
+def probe_write(d: str) -> OSError | None:
+    """None when a file can be created in the directory ``d``, else the error (os.access says yes
+    to root on a read-only mount: a file is made and removed)."""
+    probe = os.path.join(d, f".fastgrad-write-test-{os.getpid()}")
+    try:
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        return e
+    return None
+
+
 def _remove_dir_if_empty(path: str) -> None:
     try:
         os.rmdir(path)
@@ -264,15 +277,11 @@ def _prepare_out(path: str) -> bool:
         for d in made:  # the parents made before the failure
             _remove_dir_if_empty(d)
         raise CliError("--out", "a directory that can be created", repr(path), hint=e.strerror or str(e)) from None
-    probe = os.path.join(path, f".fastgrad-write-test-{os.getpid()}")
-    try:  # os.access says yes to root on a read-only mount: try it
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as e:
+    refused = probe_write(path)
+    if refused is not None:
         for d in made:
             _remove_dir_if_empty(d)
-        raise CliError("--out", "a writable directory", repr(path), hint=e.strerror or str(e)) from None
+        raise CliError("--out", "a writable directory", repr(path), hint=refused.strerror or str(refused))
     return bool(made)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import checkpoint as ck
-from ._common import CliError, _missing_dirs, _prepare_out, _remove_dir_if_empty  # noqa: F401 (re-exported)
+from ._common import CliError, _missing_dirs, _prepare_out, _remove_dir_if_empty, probe_write  # noqa: F401 (re-exported)
 from ._run_args import (
     DEFAULT,
     DEFAULT_SAMPLES,
@@ -291,13 +291,9 @@ def _check_dir_writable(d: str, flag: str, given: str) -> None:
         d = os.path.dirname(d)
     if not os.path.isdir(d):
         raise CliError(flag, "a path under a directory", given, hint=f"{d!r} is a file")
-    probe = os.path.join(d, f".fastgrad-write-test-{os.getpid()}")
-    try:  # os.access says yes to root on a read-only mount: try it
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise CliError(flag, "a writable location", given, hint=f"{d!r}: {e.strerror or e}") from None
+    e = probe_write(d)
+    if e is not None:
+        raise CliError(flag, "a writable location", given, hint=f"{d!r}: {e.strerror or e}")
 
 
 #: The tensors ``--out`` receives (``run_job``'s), as ``NAME.npy`` or in ``results.safetensors``.
