@@ -231,21 +231,45 @@ def get_num_threads() -> int:
     return _numba().get_num_threads()
 
 
-#: the open ``num_threads()`` blocks of every Python thread, oldest first (each a one-item list:
-#: its identity), and the BLAS count before the first of them (the BLAS's count is process-wide;
-#: Numba's is per thread)
-_thread_scopes: list[list[int]] = []
-_thread_scopes_base: int | None = None
-_thread_scopes_lock = threading.Lock()
-#: this Python thread's open ``num_threads()`` blocks (``.scopes``) and Numba's count before the first
-#: (``.base``): Numba's count is per thread
+class ScopeStack:
+    """Open ``with`` blocks that each set one value (a count, a cap), oldest first, ending in any
+    order: the newest open block's value is in force, and when the last ends the value before
+    the first comes back — restoring each block's own "before" would leave the value of a block
+    that already ended when blocks overlap (two threads, two asyncio tasks).  Not locked: a
+    stack shared by threads is used under its owner's lock."""
+
+    def __init__(self) -> None:
+        self.open: list[list[Any]] = []  # one-item lists: each block's identity and value
+        self.base: Any = None
+
+    def enter(self, value: Any, current: Callable[[], Any]) -> list[Any]:
+        """Open a block setting ``value``; ``current()`` is read when it is the first."""
+        if not self.open:
+            self.base = current()
+        scope = [value]
+        self.open.append(scope)
+        return scope
+
+    def leave(self, scope: list[Any]) -> tuple[bool, Any]:
+        """Close ``scope``: (False, None) when it is not open here, else (True, the value now)."""
+        at = next((i for i, s in enumerate(self.open) if s is scope), None)
+        if at is None:
+            return False, None
+        del self.open[at]
+        return True, (self.open[-1][0] if self.open else self.base)
+
+
+#: the open ``num_threads()`` blocks: the BLAS count is the process's (every thread's blocks,
+#: under the lock), Numba's each thread's own
+_blas_scopes = ScopeStack()
+_blas_scopes_lock = threading.Lock()
 _numba_scopes = threading.local()
 
 
 def _after_fork_in_child() -> None:
     """A lock held by another thread of the parent at the fork is never released in the child."""
-    global _thread_scopes_lock
-    _thread_scopes_lock = threading.Lock()
+    global _blas_scopes_lock
+    _blas_scopes_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -266,32 +290,26 @@ def num_threads(n: int) -> Iterator[None]:
     whatever order they end in."""
     from .kernels._gemm import blas_threads, set_blas_threads
 
-    global _thread_scopes_base
     numba = _numba()
     n = _check_threads(n, op="num_threads")
-    scope = [n]
-    mine: list[list[int]] | None = getattr(_numba_scopes, "scopes", None)
-    if not mine:
-        _numba_scopes.scopes = mine = []
-        _numba_scopes.base = numba.get_num_threads()
-    mine.append(scope)
-    with _thread_scopes_lock:
-        if not _thread_scopes:
-            _thread_scopes_base = blas_threads()
-        _thread_scopes.append(scope)
+    mine: ScopeStack | None = getattr(_numba_scopes, "stack", None)
+    if mine is None:
+        _numba_scopes.stack = mine = ScopeStack()
+    numba_scope = mine.enter(n, numba.get_num_threads)
+    with _blas_scopes_lock:
+        blas_scope = _blas_scopes.enter(n, blas_threads)
         set_blas_threads(n)
     numba.set_num_threads(n)
     try:
         yield
     finally:
-        here = getattr(_numba_scopes, "scopes", None) or []
-        at = next((i for i, s in enumerate(here) if s is scope), None)
-        if at is not None:  # (None: ended on another thread than it began, whose count it never set)
-            del here[at]
-            numba.set_num_threads(here[-1][0] if here else _numba_scopes.base)
-        with _thread_scopes_lock:
-            del _thread_scopes[next(i for i, s in enumerate(_thread_scopes) if s is scope)]
-            back = _thread_scopes[-1][0] if _thread_scopes else _thread_scopes_base
+        here: ScopeStack | None = getattr(_numba_scopes, "stack", None)
+        # (not found: ended on another thread than it began, whose count it never set)
+        found, back = here.leave(numba_scope) if here is not None else (False, None)
+        if found:
+            numba.set_num_threads(back)
+        with _blas_scopes_lock:
+            _, back = _blas_scopes.leave(blas_scope)
             if back is not None:
                 set_blas_threads(back)
 
@@ -744,17 +762,8 @@ def numba_cache_candidates() -> list[str] | None:
     caching off (``FASTGRAD_NUMBA_CACHE`` ``0/false/no/off``; ``1/true/yes/on``, empty or unset:
     on).  Raises ``AclnnParamError`` (161002) naming the variable for any other value: a typo
     (``FASTGRAD_NUMBA_CACHE=of``) is refused, never read as "on"."""
-    v = os.environ.get("FASTGRAD_NUMBA_CACHE", "").strip().lower()
-    if v in _FALSE[1:]:  # (not "": unset or empty is on)
-        return None
-    if v and v not in _TRUE:
-        from .errors import invalid
-
-        raise invalid(
-            "FASTGRAD_NUMBA_CACHE",
-            "one of 1, true, yes, on, 0, false, no, off (environment variable)",
-            repr(os.environ["FASTGRAD_NUMBA_CACHE"]),
-        )
+    if os.environ.get("FASTGRAD_NUMBA_CACHE", "").strip() and not env_flag("FASTGRAD_NUMBA_CACHE"):
+        return None  # (unset or empty: on; env_flag refuses a typo naming the variable)
     out = []
     env = os.environ.get("NUMBA_CACHE_DIR")
     if env:

@@ -46,7 +46,7 @@ import weakref
 
 import numpy as np
 
-from ._config import output_cache_env_limit
+from ._config import ScopeStack, output_cache_env_limit
 
 __all__ = ["empty", "empty_cache", "output_cache_info", "output_cache_limit", "set_output_cache_limit", "output_cache"]
 
@@ -160,10 +160,8 @@ def set_output_cache_limit(mb: float | None) -> None:
         _release_free(_total() - output_cache_limit())
 
 
-#: the open ``output_cache()`` blocks of every Python thread, oldest first (each a one-item list:
-#: its identity), and the process's cap before the first of them
-_scopes: list[list[int | None]] = []
-_scopes_base: int | None = None
+#: the open ``output_cache()`` blocks of every Python thread (under ``_scopes_lock``)
+_scopes = ScopeStack()
 _scopes_lock = threading.Lock()
 
 
@@ -173,22 +171,18 @@ def output_cache(mb: float | None):
 
     The cap is the process's: while blocks of several Python threads overlap, the newest open
     block's cap is in force, and when the last one ends the cap before the first is restored —
-    whatever order they end in."""
-    global _limit_override, _scopes_base
+    whatever order they end in (:class:`fastgrad._config.ScopeStack`)."""
+    global _limit_override
     _cap_bytes(mb, "output_cache")  # a bad mb is refused before anything changes
     with _scopes_lock:
         before = _limit_override
         set_output_cache_limit(mb)
-        if not _scopes:
-            _scopes_base = before
-        scope = [_limit_override]
-        _scopes.append(scope)
+        scope = _scopes.enter(_limit_override, lambda: before)
     try:
         yield
     finally:
         with _scopes_lock:
-            del _scopes[next(i for i, s in enumerate(_scopes) if s is scope)]
-            _limit_override = _scopes[-1][0] if _scopes else _scopes_base
+            _, _limit_override = _scopes.leave(scope)
 
 
 def _free(i: int) -> bool:

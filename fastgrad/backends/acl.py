@@ -256,8 +256,7 @@ class Call:
                 ACLNN_ERR_PARAM_INVALID, f"{self.op}: {name}: dtype {np.dtype(dtype)} has no aclDataType", name
             ) from None
 
-    def _create(self, shape, dtype, strides, offset, storage, data, name: str) -> int:
-        acl_dtype = self._acl_dtype(dtype, name)
+    def _create(self, shape, acl_dtype: int, strides, offset, storage, data, name: str) -> int:
         t = self.rt.fn("aclCreateTensor")(
             _i64(shape),
             len(shape),
@@ -289,7 +288,8 @@ class Call:
             )
         if a.stream and a.stream != self.rt.stream and a.stream not in self.foreign_streams:
             self.foreign_streams.append(a.stream)
-        return self._create(a.shape, a.dtype, a.strides, a.offset, [a.storage_elems], a.ptr or None, name)
+        acl = self._acl_dtype(a.dtype, name)
+        return self._create(a.shape, acl, a.strides, a.offset, [a.storage_elems], a.ptr or None, name)
 
     def _h2d(self, dev: int, src: np.ndarray, nbytes: int, name: str) -> None:
         ret = self.rt.fn("aclrtMemcpy")(dev, nbytes, src.ctypes.data, nbytes, _rt.ACL_MEMCPY_HOST_TO_DEVICE)
@@ -302,14 +302,14 @@ class Call:
         if isinstance(a, DeviceArray):
             return self._device_tensor(a, name)
         a = np.asarray(a)
-        self._acl_dtype(a.dtype, name)  # refused before any device memory is taken
+        acl = self._acl_dtype(a.dtype, name)  # refused before any device memory is taken
         if a.size == 0:
-            return self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), None, name)
+            return self._create(a.shape, acl, _contiguous_strides(a.shape), 0, list(a.shape), None, name)
         src, strides, storage = strided_layout(a)
         nbytes = int(math.prod(storage)) * a.itemsize
         dev = self.malloc(nbytes, name)
         self._h2d(dev, src, nbytes, name)
-        return self._create(a.shape, a.dtype, strides, 0, storage, dev, name)
+        return self._create(a.shape, acl, strides, 0, storage, dev, name)
 
     def output(self, a: Operand | None, name: str) -> int | None:
         """aclTensor for the output ``name`` (None -> nullptr); copied back after the sync."""
@@ -321,13 +321,13 @@ class Call:
             raise AclnnError(
                 ACLNN_ERR_RUNTIME_ERROR, f"{self.op}: {name}: outputs must be writable C-contiguous arrays", name
             )
-        self._acl_dtype(a.dtype, name)
+        acl = self._acl_dtype(a.dtype, name)
         if a.size == 0:
-            return self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), None, name)
+            return self._create(a.shape, acl, _contiguous_strides(a.shape), 0, list(a.shape), None, name)
         nbytes = a.nbytes
         dev = self.malloc(nbytes, name)
         self._h2d(dev, a, nbytes, name)
-        t = self._create(a.shape, a.dtype, _contiguous_strides(a.shape), 0, list(a.shape), dev, name)
+        t = self._create(a.shape, acl, _contiguous_strides(a.shape), 0, list(a.shape), dev, name)
         self.copy_back.append((a, dev, nbytes, name))
         return t
 
