@@ -589,6 +589,10 @@ def _array_dtype(dtype, where: str = "") -> np.dtype:
     return dt
 
 
+#: what a sidecar holds (the refusals' expected text)
+_SIDECAR_FORM = 'a JSON object like {"dtype": "bfloat16", "shape": [2048, 896]}'
+
+
 def read_sidecar_strict(side: str) -> dict:
     """The sidecar ``side`` (``{"dtype": ..., "shape": [...]}``), checked: 161002 naming the file for
     malformed JSON, a value that is not an object, a bad dtype or a bad shape.  Returns ``{"dtype":
@@ -599,21 +603,21 @@ def read_sidecar_strict(side: str) -> dict:
     except UnicodeDecodeError as e:
         raise invalid(
             "sidecar",
-            'a JSON object like {"dtype": "bfloat16", "shape": [2048, 896]}',
+            _SIDECAR_FORM,
             f"{side} (not text: {e.reason})",
             OP,
         ) from None
     except json.JSONDecodeError as e:
         raise invalid(
             "sidecar",
-            'a JSON object like {"dtype": "bfloat16", "shape": [2048, 896]}',
+            _SIDECAR_FORM,
             f"{side} (malformed JSON: {e.msg} at line {e.lineno} column {e.colno})",
             OP,
         ) from None
     if not isinstance(meta, dict):
         raise invalid(
             "sidecar",
-            'a JSON object like {"dtype": "bfloat16", "shape": [2048, 896]}',
+            _SIDECAR_FORM,
             f"{side} holding a {type(meta).__name__}",
             OP,
         )

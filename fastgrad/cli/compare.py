@@ -193,14 +193,13 @@ def _meta(what: str, path: str) -> dict | None:
         raise CliError(f"{what}: {_lib_message(e)}") from None
 
 
-def _stored_dtype(path: str) -> str | None:
-    """The dtype a ``.pt`` file holds (None when it cannot be read: the load says why)."""
+def _load_stored(path: str):
+    """A ``.pt`` file's array as stored (None when it cannot be read: the load proper says why)."""
     from ..compare import load_array
-    from ..dtypes import dtype_name
     from ..errors import AclnnError
 
     try:
-        return dtype_name(load_array(path).dtype)
+        return load_array(path)
     except (AclnnError, OSError):
         return None
 
@@ -325,7 +324,12 @@ def main(argv: list[str]) -> int:
             if not _is_raw(path) and own_flag and dtype_flag != "--dtype":
                 # --golden-dtype / --reference-dtype describe a raw dump: a .npy / .pt that says
                 # otherwise is refused, not read as what it says (--dtype also names the thresholds)
-                stored = (meta or {}).get("dtype") or _stored_dtype(path)
+                stored = (meta or {}).get("dtype")
+                if stored is None:  # a .pt: read once here, and used as read when not reshaped
+                    whole = _load_stored(path)
+                    stored = None if whole is None else dtype_name(whole.dtype)
+                    if stored == dtype and args.shape is None:
+                        return whole
                 if stored is not None and stored != dtype:
                     raise CliError(
                         dtype_flag,
